@@ -1,0 +1,6 @@
+#!/usr/bin/env bash
+# Run the sidecar with the example policies. Without DELAY_SIDECAR_BOOTSTRAP_SERVERS (or
+# --bootstrap-servers) it starts the embedded broker on 127.0.0.1:9092 with data under .state/.
+set -euo pipefail
+source "$(dirname "$0")/bootstrap.sh" ""
+exec .venv/bin/delay-sidecar run --policies policies "$@"

@@ -1,0 +1,131 @@
+"""Wiring: a cluster from a launcher, the policies, the trackers, the loop and the status endpoint."""
+
+import logging
+import signal
+import threading
+import time
+from collections.abc import Callable
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+from sidecar.broker import BrokerLauncher, EmbeddedBroker, ExternalBroker
+from sidecar.clock import Clock, SystemClock
+from sidecar.engine import Sidecar
+from sidecar.http import StatusServer
+from sidecar.metrics import Metrics
+from sidecar.policy import PolicySet, load_policies
+from sidecar.settings import RunSettings, default_instance_id
+from sidecar.tracker import DelayedDeliveryTracker, InMemoryTracker
+
+logger = logging.getLogger(__name__)
+
+
+def launcher_for(settings: RunSettings) -> BrokerLauncher:
+    """The cluster the settings name, or the embedded broker under the state dir when they name none."""
+    if settings.bootstrap_servers:
+        return ExternalBroker(settings.bootstrap_servers, settings.client_config(settings.bootstrap_servers))
+    return EmbeddedBroker(settings.state_dir / "broker", port=settings.broker_port)
+
+
+def tracker_factory(settings: RunSettings, clock: Clock) -> Callable[[str, int], DelayedDeliveryTracker]:
+    def create(topic: str, partition: int) -> DelayedDeliveryTracker:
+        return InMemoryTracker(clock)
+
+    return create
+
+
+def effective_policy(policies: PolicySet, topic: str) -> dict[str, Any] | None:
+    route = policies.topics.get(topic)
+    if route is None:
+        return None
+    return {
+        "topic": topic,
+        "namespace": route.namespace,
+        "generation": policies.generation,
+        "dead_letter_topic": route.dead_letter_topic,
+        "subscriptions": {s.name: {"outbound": s.outbound, "type": s.type} for s in route.subscriptions},
+        "delayed_delivery": route.delay.as_json(),
+    }
+
+
+class SidecarApp:
+    """The sidecar as a process runs it; the demo and the tests run it on a thread."""
+
+    def __init__(self, settings: RunSettings, clock: Clock | None = None) -> None:
+        self.settings = settings
+        self.clock = clock or SystemClock()
+        self.metrics = Metrics()
+        self.sidecar: Sidecar | None = None
+        self.status: StatusServer | None = None
+        self._stop = threading.Event()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self.sidecar is not None:
+            self.sidecar.stop()
+
+    def run(self) -> None:
+        settings = self.settings
+        policies = load_policies(Path(settings.policies))
+        logger.info("policies loaded path=%s topics=%d", settings.policies, len(policies.topics))
+        with ExitStack() as stack:
+            launcher = launcher_for(settings)
+            bootstrap = launcher.start()
+            stack.callback(launcher.stop)
+            if self._stop.is_set():
+                return
+            self.sidecar = Sidecar(
+                settings.client_config(bootstrap),
+                policies=lambda: policies,
+                tracker_factory=tracker_factory(settings, self.clock),
+                group_id=settings.group_id,
+                instance_id=settings.instance_id or default_instance_id(settings.state_dir),
+                session_timeout_ms=settings.session_timeout_ms,
+                metrics=self.metrics,
+                clock=self.clock,
+                commit_interval_ms=settings.commit_interval_ms,
+                batch_size=settings.batch_size,
+                new_topic_partitions=settings.new_topic_partitions,
+            )
+            if settings.metrics_port:
+                self.status = StatusServer(
+                    settings.metrics_host,
+                    settings.metrics_port,
+                    self.metrics.registry,
+                    health=self._health,
+                    policy=lambda topic: effective_policy(policies, topic),
+                )
+                self.status.start()
+                stack.callback(self.status.stop)
+            if self._stop.is_set():
+                return
+            self.sidecar.run()
+
+    def wait_serving(self, timeout_s: float) -> bool:
+        """True once the sidecar holds inbound partitions; for the demo and tests."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            sidecar = self.sidecar
+            if sidecar is not None and sidecar.assigned.wait(0.05):
+                return True
+            time.sleep(0.05)
+        return False
+
+    def _health(self) -> tuple[bool, list[str], dict[str, Any]]:
+        sidecar = self.sidecar
+        if sidecar is None:
+            return False, ["starting"], {}
+        return sidecar.running, list(sidecar.not_ready_reasons), {}
+
+
+def run_until_signalled(app: SidecarApp) -> None:
+    """Run in the main thread; SIGTERM and Ctrl-C stop the loop cleanly, with a last checkpoint."""
+
+    def on_signal(signum: int, frame: object) -> None:
+        logger.info("stopping signal=%s", signal.Signals(signum).name)
+        app.stop()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    app.run()

@@ -1,0 +1,90 @@
+"""The command line: `delay-sidecar run | broker | demo | policies` (contract section 6).
+
+pydantic-settings builds the flags from the settings models, so every flag has a matching
+DELAY_SIDECAR_* environment variable and a --help line, with no second list to keep in sync.
+"""
+
+import logging
+import signal
+import sys
+import threading
+from pathlib import Path
+
+from pydantic import Field, ValidationError
+from pydantic_settings import BaseSettings, CliApp, CliSubCommand, SettingsConfigDict
+
+from sidecar.app import SidecarApp, run_until_signalled
+from sidecar.broker.embedded import EmbeddedBroker
+from sidecar.demo import run_demo
+from sidecar.errors import SidecarError
+from sidecar.logs import setup_logging
+from sidecar.settings import ENV_PREFIX, RunSettings
+
+logger = logging.getLogger(__name__)
+
+
+class RunCommand(RunSettings):
+    """Run the sidecar (starts the embedded broker when no bootstrap servers are given)."""
+
+    def cli_cmd(self) -> None:
+        setup_logging(self.log_level)
+        run_until_signalled(SidecarApp(self))
+
+
+class BrokerCommand(BaseSettings):
+    """Run the embedded Kafka-compatible broker alone, until Ctrl-C or SIGTERM."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, cli_kebab_case=True, extra="ignore")
+    port: int = Field(9092, ge=1, le=65535, description="Kafka port to listen on")
+    data_dir: Path = Field(Path(".state/broker"), description="Where the broker keeps its data")
+    host: str = Field("127.0.0.1", description="Address to bind")
+
+    def cli_cmd(self) -> None:
+        setup_logging("INFO")
+        stop = threading.Event()
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+        signal.signal(signal.SIGINT, lambda *_: stop.set())
+        with EmbeddedBroker(self.data_dir, port=self.port, host=self.host) as broker:
+            print(f"broker ready: bootstrap servers {broker.bootstrap_servers} (Ctrl-C stops)", flush=True)
+            stop.wait()
+
+
+class DemoCommand(BaseSettings):
+    """Start a broker and the sidecar, produce delayed records, and watch them arrive."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, cli_kebab_case=True, extra="ignore")
+    policies: Path = Field(Path("policies"), description="Policy YAML with the demo topic 'orders'")
+    records: int = Field(6, ge=2, le=11, description="How many delayed records to produce")
+
+    def cli_cmd(self) -> None:
+        setup_logging("WARNING")
+        sys.exit(run_demo(self.policies, self.records))
+
+
+class DelaySidecar(BaseSettings):
+    """Pulsar-style delayed delivery for Kafka."""
+
+    model_config = SettingsConfigDict(cli_prog_name="delay-sidecar", cli_kebab_case=True)
+
+    run: CliSubCommand[RunCommand]
+    broker: CliSubCommand[BrokerCommand]
+    demo: CliSubCommand[DemoCommand]
+
+    def cli_cmd(self) -> None:
+        CliApp.run_subcommand(self)
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        CliApp.run(DelaySidecar, cli_args=sys.argv[1:] if argv is None else argv)
+    except ValidationError as e:
+        problems = "; ".join(
+            f"--{'-'.join(str(p) for p in err['loc'][1:]).replace('_', '-')}: {err['msg']}" for err in e.errors()
+        )
+        print(f"delay-sidecar: error: {problems}", file=sys.stderr)
+        sys.exit(2)
+    except SidecarError as e:
+        print(f"delay-sidecar: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        sys.exit(130)

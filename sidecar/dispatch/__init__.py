@@ -1,0 +1,1 @@
+"""Dispatch: reading due records back from the inbound log, in offset ranges."""

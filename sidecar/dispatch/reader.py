@@ -1,0 +1,104 @@
+"""Reading due records back from the inbound log by offset, never one seek per message.
+
+The tracker holds positions only; the payload stays in Kafka until it is due. A read assigns every
+partition with due offsets at once, fetches them in parallel, and seeks only across gaps wider
+than `offset_ranges` would read through.
+"""
+
+import logging
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from confluent_kafka import Consumer, KafkaError, Message, TopicPartition
+
+from sidecar.dispatch.ranges import DEFAULT_MAX_GAP
+from sidecar.errors import SidecarError
+from sidecar.kafka_io import consume_batch
+
+logger = logging.getLogger(__name__)
+
+TopicPartitionKey = tuple[str, int]
+
+
+class ReadInterrupted(SidecarError):
+    """The sidecar is stopping; nothing read after the last checkpoint is committed."""
+
+
+@dataclass
+class _Cursor:
+    offsets: list[int]
+    index: int = 0
+
+
+class LogReader:
+    def __init__(self, client_config: dict[str, Any], stop: threading.Event, max_gap: int = DEFAULT_MAX_GAP) -> None:
+        self._stop = stop
+        self._max_gap = max_gap
+        self._consumer = Consumer(
+            {
+                **client_config,
+                # Never commits: the group id only satisfies the client; positions come from the tracker.
+                "group.id": "delay-sidecar.log-reader",
+                "enable.auto.commit": False,
+                "enable.auto.offset.store": False,
+                "enable.partition.eof": True,
+                # An offset below the log start was deleted by retention: read from the start and
+                # report the wanted offsets that are gone, rather than fail.
+                "auto.offset.reset": "earliest",
+                "fetch.wait.max.ms": 10,
+            }
+        )
+
+    def read(
+        self, wanted: dict[TopicPartitionKey, list[int]]
+    ) -> Iterator[tuple[TopicPartitionKey, int, Message | None]]:
+        """Yield (partition, offset, record) for every wanted offset, in offset order per partition.
+
+        record is None when the offset no longer exists in the log (deleted by retention or
+        compaction); the caller reports it. Blocks until every offset is resolved or the stop
+        event is set (then ReadInterrupted).
+        """
+        cursors = {key: _Cursor(sorted(set(offsets))) for key, offsets in wanted.items() if offsets}
+        if not cursors:
+            return
+        self._consumer.assign([TopicPartition(t, p, c.offsets[0]) for (t, p), c in cursors.items()])
+        try:
+            while cursors:
+                if self._stop.is_set():
+                    raise ReadInterrupted("stopping while reading due records back")
+                for record in consume_batch(self._consumer, 10_000, 0.1):
+                    key = (record.topic(), record.partition())
+                    cursor = cursors.get(key)
+                    if cursor is None:
+                        continue
+                    error = record.error()
+                    offsets = cursor.offsets
+                    if error is not None:
+                        if error.code() != KafkaError._PARTITION_EOF:
+                            logger.warning("log read error topic=%s partition=%d error=%s", key[0], key[1], error)
+                            continue
+                        if record.offset() <= offsets[cursor.index]:
+                            # Everything still wanted lies at or past the end of the log.
+                            for offset in offsets[cursor.index :]:
+                                yield key, offset, None
+                            cursor.index = len(offsets)
+                    else:
+                        offset = record.offset()
+                        while cursor.index < len(offsets) and offsets[cursor.index] < offset:
+                            yield key, offsets[cursor.index], None
+                            cursor.index += 1
+                        if cursor.index < len(offsets) and offsets[cursor.index] == offset:
+                            yield key, offset, record
+                            cursor.index += 1
+                        if cursor.index < len(offsets) and offsets[cursor.index] - offset > self._max_gap:
+                            self._consumer.seek(TopicPartition(key[0], key[1], offsets[cursor.index]))
+                    if cursor.index == len(offsets):
+                        del cursors[key]
+                        self._consumer.incremental_unassign([TopicPartition(key[0], key[1])])
+        finally:
+            self._consumer.unassign()
+
+    def close(self) -> None:
+        self._consumer.close()

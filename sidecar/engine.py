@@ -1,0 +1,463 @@
+"""The sidecar's loop: inbound -> policy -> tracker -> dispatch -> outbound, on one thread.
+
+One thread keeps the commit rule simple to state and to check: an inbound offset is committed
+only when every record before it is delivered, dead-lettered or durably indexed. The order of a
+checkpoint is fixed:
+
+1. flush the producer, so every outbound and dead-letter record written so far is acknowledged;
+2. checkpoint each tracker, so its adds and pops are durable (a no-op for the in-memory tracker);
+3. commit inbound offsets: the next offset to read, or for a tracker that is not durable, no
+   further than its earliest pending offset, so a restart replays what only memory held.
+"""
+
+import json
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from confluent_kafka import Consumer, KafkaError, Message, Producer, TopicPartition
+from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic
+
+from sidecar.clock import Clock, SystemClock
+from sidecar.dispatch.reader import LogReader, TopicPartitionKey
+from sidecar.errors import BrokerError, RejectedRecord, SidecarError
+from sidecar.kafka_io import consume_batch
+from sidecar.metrics import Metrics
+from sidecar.outbound.records import dead_letter_headers, outbound_headers
+from sidecar.policy import PolicySet, TopicRoute, decide
+from sidecar.tracker import DelayedDeliveryTracker
+
+logger = logging.getLogger(__name__)
+
+TrackerFactory = Callable[[str, int], DelayedDeliveryTracker]
+
+# Longest the loop blocks waiting for records: bounds how late a stop request or a policy change
+# is noticed. Due deliveries wake the loop earlier by shortening the wait.
+MAX_WAIT_S = 0.1
+# Most due entries dispatched per loop turn, so intake keeps flowing while a burst drains.
+MAX_DISPATCH = 50_000
+# How often topic retention.ms is re-read for EXCEEDS_RETENTION.
+RETENTION_REFRESH_S = 60.0
+FLUSH_TIMEOUT_S = 30.0
+COMMIT_METADATA_VERSION = 1
+
+
+@dataclass
+class PartitionState:
+    tracker: DelayedDeliveryTracker
+    next_offset: int | None = None
+    committed: int | None = None
+
+
+@dataclass
+class _Routes:
+    """Outbound topics of one inbound topic, split by whether the subscription honours delays."""
+
+    route: TopicRoute
+    delayed: list[tuple[str, str]] = field(default_factory=list)
+    ordered: list[tuple[str, str]] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, route: TopicRoute) -> "_Routes":
+        routes = cls(route)
+        for sub in route.subscriptions:
+            (routes.ordered if sub.ordered else routes.delayed).append((sub.name, sub.outbound))
+        return routes
+
+
+class Sidecar:
+    def __init__(
+        self,
+        client_config: dict[str, Any],
+        policies: Callable[[], PolicySet],
+        tracker_factory: TrackerFactory,
+        group_id: str = "delay-sidecar",
+        instance_id: str | None = None,
+        session_timeout_ms: int = 15_000,
+        metrics: Metrics | None = None,
+        clock: Clock | None = None,
+        commit_interval_ms: int = 1000,
+        batch_size: int = 10_000,
+        new_topic_partitions: int = 3,
+    ) -> None:
+        self._client_config = client_config
+        self._policies = policies
+        self._tracker_factory = tracker_factory
+        self.metrics = metrics or Metrics()
+        self.clock = clock or SystemClock()
+        self._commit_interval_s = commit_interval_ms / 1000
+        self._batch_size = batch_size
+        self._new_topic_partitions = new_topic_partitions
+        self._stop = threading.Event()
+        self._librdkafka_logger = logging.getLogger("librdkafka")
+        self._consumer = Consumer(
+            {
+                **client_config,
+                "group.id": group_id,
+                **({"group.instance.id": instance_id} if instance_id else {}),
+                "session.timeout.ms": session_timeout_ms,
+                "enable.auto.commit": False,
+                "enable.auto.offset.store": False,
+                "auto.offset.reset": "earliest",
+                "partition.assignment.strategy": "cooperative-sticky",
+                "fetch.wait.max.ms": 10,
+            },
+            logger=self._librdkafka_logger,
+        )
+        self._producer = Producer(
+            {
+                **client_config,
+                "enable.idempotence": True,
+                "linger.ms": 5,
+                "compression.type": "lz4",
+                "partitioner": "murmur2_random",  # the Java client's partitioner: same key, same partition
+                "queue.buffering.max.messages": 1_000_000,
+                "delivery.report.only.error": True,
+                "on_delivery": self._on_delivery,
+            },
+            logger=self._librdkafka_logger,
+        )
+        self._admin = AdminClient(client_config)
+        self._reader = LogReader(client_config, self._stop)
+        self._partitions: dict[TopicPartitionKey, PartitionState] = {}
+        self._subscribed: frozenset[str] = frozenset()
+        self._routes: dict[str, _Routes] = {}
+        self._routes_generation = -1
+        self._retention_ms: dict[str, int | None] = {}
+        self._retention_read_at = 0.0
+        self._delivery_errors: list[str] = []
+        self._failed = False
+        self.assigned = threading.Event()
+        """Set once the group gave this member partitions: it is serving."""
+        self.running = False
+        self.not_ready_reasons: list[str] = ["starting"]
+
+    # ----------------------------------------------------------------- lifecycle
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def run(self) -> None:
+        """Serve until stop() is called; raises SidecarError when the broker fails for good."""
+        clean = False
+        try:
+            self._apply_policies(self._policies())
+            self.running = True
+            self.not_ready_reasons = []
+            last_checkpoint = time.monotonic()
+            while not self._stop.is_set():
+                policies = self._policies()  # one generation judges this whole batch
+                if policies.generation != self._routes_generation:
+                    self._apply_policies(policies)
+                records = consume_batch(self._consumer, self._batch_size, self._wait_s())
+                if records:
+                    self._intake(records, policies)
+                self._dispatch_due(policies)
+                if time.monotonic() - last_checkpoint >= self._commit_interval_s:
+                    self._checkpoint()
+                    last_checkpoint = time.monotonic()
+            self._checkpoint()
+            clean = True
+        finally:
+            self.running = False
+            self.not_ready_reasons = ["stopped"]
+            self._close(clean)
+
+    def _close(self, clean: bool) -> None:
+        try:
+            if clean:
+                self._consumer.close()  # revokes the assignment, which checkpoints once more
+            else:
+                # After a failure nothing more is committed: a restart resumes at the last checkpoint.
+                self._failed = True
+                self._consumer.close()
+        finally:
+            self._reader.close()
+            self._producer.flush(FLUSH_TIMEOUT_S)
+
+    # ----------------------------------------------------------------- policies and topics
+
+    def _apply_policies(self, policies: PolicySet) -> None:
+        self._routes = {name: _Routes.of(route) for name, route in policies.topics.items()}
+        self._routes_generation = policies.generation
+        self.metrics.policy_generation.set(policies.generation)
+        topics = frozenset(policies.topics)
+        self._ensure_topics(policies)
+        self._refresh_retention(force=True)
+        if topics != self._subscribed:
+            if topics:
+                self._consumer.subscribe(
+                    sorted(topics), on_assign=self._on_assign, on_revoke=self._on_revoke, on_lost=self._on_lost
+                )
+            else:
+                self._consumer.unsubscribe()
+            logger.info("subscribed topics=%s generation=%d", ",".join(sorted(topics)) or "-", policies.generation)
+            self._subscribed = topics
+
+    def _ensure_topics(self, policies: PolicySet) -> None:
+        """Create missing outbound and dead-letter topics, with as many partitions as their inbound topic."""
+        metadata = self._admin.list_topics(timeout=10)
+        existing = {name: len(t.partitions) for name, t in metadata.topics.items() if t.error is None}
+        wanted: dict[str, int] = {}
+        for name, route in policies.topics.items():
+            partitions = existing.get(name, self._new_topic_partitions)
+            if name not in existing:
+                wanted[name] = partitions
+            for target in [route.dead_letter_topic, *(s.outbound for s in route.subscriptions)]:
+                if target not in existing:
+                    wanted.setdefault(target, partitions)
+        if not wanted:
+            return
+        futures = self._admin.create_topics([NewTopic(t, n) for t, n in wanted.items()], operation_timeout=10)
+        for topic, future in futures.items():
+            try:
+                future.result()
+                logger.info("topic created topic=%s partitions=%d", topic, wanted[topic])
+            except Exception as e:
+                if "TOPIC_ALREADY_EXISTS" not in str(e):
+                    raise BrokerError(
+                        f"cannot create topic {topic}: {e}; create it yourself or grant CREATE on the cluster"
+                    ) from e
+
+    def _refresh_retention(self, force: bool = False) -> None:
+        if not force and time.monotonic() - self._retention_read_at < RETENTION_REFRESH_S:
+            return
+        self._retention_read_at = time.monotonic()
+        resources = [ConfigResource("topic", t) for t in self._routes]
+        if not resources:
+            return
+        for resource, future in self._admin.describe_configs(resources, request_timeout=10).items():
+            try:
+                entry = future.result().get("retention.ms")
+                value = int(entry.value) if entry is not None and entry.value is not None else -1
+                self._retention_ms[resource.name] = value if value >= 0 else None
+            except Exception as e:
+                logger.warning("retention unknown topic=%s error=%s", resource.name, e)
+
+    # ----------------------------------------------------------------- rebalancing
+
+    def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        for tp in partitions:
+            key = (tp.topic, tp.partition)
+            if key not in self._partitions:
+                self._partitions[key] = PartitionState(self._tracker_factory(tp.topic, tp.partition))
+        self.assigned.set()
+        logger.info("partitions assigned partitions=%s", _names(partitions))
+
+    def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        if not self._failed:
+            self._checkpoint()
+        self._drop(partitions)
+        logger.info("partitions revoked partitions=%s", _names(partitions))
+
+    def _on_lost(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        """Another member may own these now: nothing of theirs is committed; their state is dropped."""
+        self._drop(partitions)
+        logger.warning("partitions lost partitions=%s", _names(partitions))
+
+    def _drop(self, partitions: list[TopicPartition]) -> None:
+        for tp in partitions:
+            state = self._partitions.pop((tp.topic, tp.partition), None)
+            if state is not None:
+                state.tracker.close()
+
+    # ----------------------------------------------------------------- intake
+
+    def _wait_s(self) -> float:
+        next_times = [t for s in self._partitions.values() if (t := s.tracker.next_delivery_time()) is not None]
+        if not next_times:
+            return MAX_WAIT_S
+        return min(max((min(next_times) - self.clock.now_ms()) / 1000, 0.0), MAX_WAIT_S)
+
+    def _intake(self, records: list[Message], policies: PolicySet) -> None:
+        now = self.clock.now_ms()
+        send = self._send
+        counts_in: Counter[str] = Counter()
+        delivered: Counter[tuple[str, str]] = Counter()
+        for record in records:
+            error = record.error()
+            if error is not None:
+                self._consumer_error(error)
+                continue
+            topic, partition, offset = record.topic(), record.partition(), record.offset()
+            state = self._partitions.get((topic, partition))
+            routes = self._routes.get(topic)
+            if state is None or routes is None:
+                continue  # revoked, or the topic left the policies: not ours to commit any more
+            counts_in[topic] += 1
+            headers = record.headers()
+            publish_ms = record.timestamp()[1]
+            if publish_ms <= 0:
+                publish_ms = now
+            route = routes.route
+            try:
+                decision = decide(route.delay, headers, publish_ms, self._retention_ms.get(topic))
+            except RejectedRecord as rejected:
+                self._dead_letter(record, route, rejected)
+                state.next_offset = offset + 1
+                continue
+            if decision.overridden:
+                self.metrics.fixed_delay_overridden.labels(topic, route.namespace or "").inc()
+            if decision.disabled:
+                self.metrics.delay_disabled.labels(topic, route.namespace or "").inc()
+            deliver_at = decision.deliver_at
+            key, value = record.key(), record.value()
+            delayed = routes.delayed
+            if deliver_at is not None and deliver_at > now and delayed and state.tracker.add(offset, deliver_at):
+                self.metrics.messages_delayed.labels(topic).inc()
+                delayed = []
+            if delayed:
+                out_headers = outbound_headers(headers, topic, partition, offset, deliver_at or publish_ms)
+                for sub, outbound in delayed:
+                    send(outbound, key, value, out_headers)
+                    delivered[(topic, sub)] += 1
+            if routes.ordered:
+                # Exclusive and failover subscriptions ignore delays: their deliver-at is the publish time.
+                out_headers = outbound_headers(headers, topic, partition, offset, publish_ms)
+                for sub, outbound in routes.ordered:
+                    send(outbound, key, value, out_headers)
+                    delivered[(topic, sub)] += 1
+            state.next_offset = offset + 1
+        self._producer.poll(0)
+        for topic, n in counts_in.items():
+            self.metrics.messages_in.labels(topic).inc(n)
+        for (topic, sub), n in delivered.items():
+            self.metrics.delivered.labels(topic, sub).inc(n)
+
+    def _consumer_error(self, error: KafkaError) -> None:
+        if error.fatal():
+            raise BrokerError(f"the inbound consumer failed for good: {error}; restart the sidecar")
+        logger.warning("consumer error error=%s", error)
+
+    def _dead_letter(self, record: Message, route: TopicRoute, rejected: RejectedRecord) -> None:
+        topic, partition, offset = record.topic(), record.partition(), record.offset()
+        headers = dead_letter_headers(record.headers(), topic, partition, offset, rejected.code, rejected.message)
+        timestamp = record.timestamp()[1]
+        self._send(route.dead_letter_topic, record.key(), record.value(), headers, max(timestamp, 0))
+        self.metrics.rejected.labels(topic, route.namespace or "", rejected.code).inc()
+        logger.debug("record rejected topic=%s partition=%d offset=%d code=%s", topic, partition, offset, rejected.code)
+
+    def _send(
+        self,
+        topic: str,
+        key: bytes | None,
+        value: bytes | None,
+        headers: list[tuple[str, bytes]],
+        timestamp: int = 0,
+    ) -> None:
+        while True:
+            try:
+                self._producer.produce(topic, value, key, headers=headers, timestamp=timestamp)
+                return
+            except BufferError:
+                self._producer.poll(0.05)  # the local queue is full: let the broker catch up
+
+    def _on_delivery(self, error: KafkaError | None, record: Message) -> None:
+        if error is not None:
+            self._delivery_errors.append(f"{record.topic()}: {error}")
+
+    # ----------------------------------------------------------------- dispatch
+
+    def _dispatch_due(self, policies: PolicySet) -> None:
+        wanted: dict[TopicPartitionKey, list[int]] = {}
+        deliver_at: dict[TopicPartitionKey, dict[int, int]] = {}
+        for key, state in self._partitions.items():
+            if state.tracker.has_message_available():
+                due = state.tracker.pop_due(MAX_DISPATCH)
+                wanted[key] = [d.offset for d in due]
+                deliver_at[key] = {d.offset: d.deliver_at for d in due}
+        if not wanted:
+            return
+        delivered: Counter[tuple[str, str]] = Counter()
+        for (topic, partition), offset, record in self._reader.read(wanted):
+            due_at = deliver_at[(topic, partition)][offset]
+            routes = self._routes.get(topic)
+            if record is None:
+                self.metrics.lost.labels(topic).inc()
+                logger.error(
+                    "due record missing from the log topic=%s partition=%d offset=%d deliver_at=%d; "
+                    "raise the topic's retention.ms above its longest delay",
+                    topic,
+                    partition,
+                    offset,
+                    due_at,
+                )
+                continue
+            if routes is None:
+                continue  # the topic left the policies: its subscriptions are gone (README: removal)
+            headers = outbound_headers(record.headers(), topic, partition, offset, due_at)
+            for sub, outbound in routes.delayed:
+                self._send(outbound, record.key(), record.value(), headers)
+                delivered[(topic, sub)] += 1
+            self.metrics.lateness.labels(topic).observe(max(self.clock.now_ms() - due_at, 0) / 1000)
+        self._producer.poll(0)
+        for (topic, sub), n in delivered.items():
+            self.metrics.delivered.labels(topic, sub).inc(n)
+
+    # ----------------------------------------------------------------- checkpoint
+
+    def _checkpoint(self) -> None:
+        remaining = self._producer.flush(FLUSH_TIMEOUT_S)
+        if remaining:
+            raise BrokerError(
+                f"{remaining} records not acknowledged after {FLUSH_TIMEOUT_S:.0f}s; the broker is "
+                "unreachable or overloaded. Nothing past the last checkpoint was committed."
+            )
+        if self._delivery_errors:
+            errors, self._delivery_errors = self._delivery_errors[:5], []
+            raise BrokerError(
+                f"writes failed ({'; '.join(errors)}); check topic permissions and broker health. "
+                "Nothing past the last checkpoint was committed; a restart resumes there."
+            )
+        offsets = []
+        tracked: Counter[str] = Counter()
+        for (topic, partition), state in self._partitions.items():
+            tracker = state.tracker
+            tracked[topic] += len(tracker)
+            if state.next_offset is None:
+                continue
+            tracker.checkpoint(state.next_offset)
+            earliest = tracker.earliest_pending_offset()
+            commit = state.next_offset
+            if earliest is not None and not tracker.durable:
+                commit = min(commit, earliest)
+            if commit != state.committed:
+                metadata = json.dumps(
+                    {"v": COMMIT_METADATA_VERSION, "earliest": earliest if earliest is not None else state.next_offset}
+                )
+                offsets.append(TopicPartition(topic, partition, commit, metadata=metadata))
+        for topic in self._routes:
+            self.metrics.tracked.labels(topic).set(tracked.get(topic, 0))
+        if offsets:
+            try:
+                self._consumer.commit(offsets=offsets, asynchronous=False)
+            except Exception as e:
+                raise BrokerError(
+                    f"committing inbound offsets failed: {e}; a restart resumes at the last commit"
+                ) from e
+            for tp in offsets:
+                self._partitions[(tp.topic, tp.partition)].committed = tp.offset
+            self.metrics.commits.inc()
+        self._refresh_retention()
+
+
+def _names(partitions: list[TopicPartition]) -> str:
+    return ",".join(f"{tp.topic}/{tp.partition}" for tp in partitions) or "-"
+
+
+def commit_metadata(text: str | None) -> dict[str, int]:
+    """Decode the metadata the sidecar stores with inbound commits; empty when foreign or absent."""
+    try:
+        data = json.loads(text or "")
+    except ValueError:
+        return {}
+    if not isinstance(data, dict) or data.get("v") != COMMIT_METADATA_VERSION:
+        return {}
+    return {k: v for k, v in data.items() if isinstance(v, int)}
+
+
+__all__ = ["PartitionState", "Sidecar", "SidecarError", "commit_metadata"]

@@ -1,0 +1,1 @@
+"""Inbound: reading producers' records and deciding what each one asks for."""

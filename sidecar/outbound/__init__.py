@@ -1,0 +1,1 @@
+"""Outbound: records for subscriptions' outbound topics and for dead-letter topics."""

@@ -1,0 +1,89 @@
+"""Settings: every one is a CLI flag and a DELAY_SIDECAR_* environment variable (contract section 6).
+
+Flags win over environment variables, which win over the defaults here. Kafka security settings
+pass through to librdkafka; secrets are SecretStr, so they never appear in logs or reprs.
+"""
+
+import hashlib
+import socket
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+ENV_PREFIX = "DELAY_SIDECAR_"
+
+
+class KafkaSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, cli_kebab_case=True, extra="ignore")
+
+    bootstrap_servers: str | None = Field(
+        None, description="Kafka bootstrap servers (HOST:PORT,...). Unset: start the embedded broker."
+    )
+    security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] | None = Field(
+        None, description="librdkafka security.protocol"
+    )
+    sasl_mechanism: str | None = Field(None, description="librdkafka sasl.mechanism (PLAIN, SCRAM-SHA-512, ...)")
+    sasl_username: str | None = Field(None, description="librdkafka sasl.username")
+    sasl_password: SecretStr | None = Field(None, description="librdkafka sasl.password (never logged)")
+    ssl_ca_location: str | None = Field(None, description="librdkafka ssl.ca.location")
+    ssl_key_password: SecretStr | None = Field(None, description="librdkafka ssl.key.password (never logged)")
+
+    def client_config(self, bootstrap_servers: str) -> dict[str, Any]:
+        """The librdkafka settings shared by every client; the only place secrets are revealed."""
+        config: dict[str, Any] = {"bootstrap.servers": bootstrap_servers}
+        for key, value in (
+            ("security.protocol", self.security_protocol),
+            ("sasl.mechanism", self.sasl_mechanism),
+            ("sasl.username", self.sasl_username),
+            ("ssl.ca.location", self.ssl_ca_location),
+        ):
+            if value is not None:
+                config[key] = value
+        for key, secret in (
+            ("sasl.password", self.sasl_password),
+            ("ssl.key.password", self.ssl_key_password),
+        ):
+            if secret is not None:
+                config[key] = secret.get_secret_value()
+        return config
+
+
+def default_instance_id(state_dir: Path) -> str:
+    """Stable across restarts of the same sidecar, distinct for two sidecars on one host."""
+    digest = hashlib.sha1(str(state_dir.resolve()).encode()).hexdigest()[:8]
+    return f"{socket.gethostname()}-{digest}"
+
+
+class RunSettings(KafkaSettings):
+    policies: Path = Field(Path("policies"), description="Policy YAML file or directory of files")
+    state_dir: Path = Field(
+        Path(".state"), description="Directory for the delayed index and the embedded broker's data"
+    )
+    metrics_port: int = Field(9464, ge=0, le=65535, description="Port of /metrics, /healthz, /policies (0: off)")
+    metrics_host: str = Field("127.0.0.1", description="Address the metrics endpoint binds to")
+    group_id: str = Field("delay-sidecar", description="Consumer group of the inbound and control topics")
+    instance_id: str | None = Field(
+        None,
+        description="Static group member id (group.instance.id): a restarted sidecar takes its partitions back "
+        "at once. Default: derived from the host name and the state dir.",
+    )
+    session_timeout_ms: int = Field(
+        15_000,
+        ge=1000,
+        description="How long the group waits for a vanished sidecar before moving its partitions",
+    )
+    broker_port: int = Field(
+        9092, ge=1, le=65535, description="Port of the embedded broker (without bootstrap servers)"
+    )
+    tracker: Literal["memory"] = Field("memory", description="Delayed index implementation")
+    control_topic: str = Field("delay-sidecar.control", description="Topic of nack commands")
+    commit_interval_ms: int = Field(
+        1000, ge=10, description="How often delivered and indexed inbound offsets are committed"
+    )
+    batch_size: int = Field(10_000, ge=1, description="Most records read per poll of the inbound topics")
+    new_topic_partitions: int = Field(
+        3, ge=1, description="Partitions of inbound topics the sidecar creates because they did not exist"
+    )
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="Log level")

@@ -1,0 +1,65 @@
+"""The simple tracker: everything in memory, rebuilt by replaying the log after a restart.
+
+It is the reference the bucket tracker is measured and checked against. Each entry is a single
+Python int, `deliver_at << 64 | offset`, in a binary heap: integer comparison gives deliver-at
+order and then offset (FIFO) order, with no tuple per entry.
+"""
+
+import heapq
+
+from pyroaring import BitMap64
+
+from sidecar.clock import Clock
+from sidecar.tracker.base import DelayedDeliveryTracker, Due
+
+_OFFSET_BITS = 64
+_OFFSET_MASK = (1 << _OFFSET_BITS) - 1
+
+
+class InMemoryTracker(DelayedDeliveryTracker):
+    def __init__(self, clock: Clock) -> None:
+        super().__init__(clock)
+        self._heap: list[int] = []
+        self._pending = BitMap64()
+
+    def add(self, offset: int, deliver_at: int) -> bool:
+        if offset in self._pending:
+            return True
+        if deliver_at <= self.clock.now_ms():
+            return False
+        heapq.heappush(self._heap, deliver_at << _OFFSET_BITS | offset)
+        self._pending.add(offset)
+        return True
+
+    def next_delivery_time(self) -> int | None:
+        return self._heap[0] >> _OFFSET_BITS if self._heap else None
+
+    def pop_due(self, max_messages: int) -> list[Due]:
+        limit = (self.clock.now_ms() + 1) << _OFFSET_BITS
+        heap, due = self._heap, list[Due]()
+        while heap and heap[0] < limit and len(due) < max_messages:
+            key = heapq.heappop(heap)
+            offset = key & _OFFSET_MASK
+            self._pending.discard(offset)
+            due.append(Due(key >> _OFFSET_BITS, offset))
+        return due
+
+    def contains(self, offset: int) -> bool:
+        return offset in self._pending
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def earliest_pending_offset(self) -> int | None:
+        return self._pending.min() if self._pending else None
+
+    @property
+    def durable(self) -> bool:
+        return False
+
+    def clear(self) -> None:
+        self._heap.clear()
+        self._pending.clear()
+
+    def close(self) -> None:
+        self.clear()

@@ -1,0 +1,68 @@
+"""Shared fixtures: one broker per session, a unique topic per test, a clock the test controls.
+
+The broker is, in order: the cluster named by KAFKA_BOOTSTRAP_SERVERS; a testcontainers
+apache/kafka when a Docker engine answers; the embedded noida-db broker otherwise. No test is
+skipped for want of a broker.
+"""
+
+import os
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from confluent_kafka.admin import AdminClient, NewTopic
+
+from sidecar.broker import BrokerLauncher, EmbeddedBroker, ExternalBroker
+from sidecar.broker.container import ContainerBroker, docker_available
+from sidecar.broker.embedded import free_port
+from sidecar.clock import ManualClock
+from tests.kafka_helpers import KafkaHelper
+
+
+@pytest.fixture(scope="session")
+def kafka(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    launcher: BrokerLauncher
+    if os.environ.get("KAFKA_BOOTSTRAP_SERVERS"):
+        launcher = ExternalBroker(os.environ["KAFKA_BOOTSTRAP_SERVERS"])
+    elif docker_available():
+        launcher = ContainerBroker()
+    else:
+        launcher = EmbeddedBroker(tmp_path_factory.mktemp("broker"), port=free_port())
+    with launcher:
+        yield launcher.bootstrap_servers
+
+
+@pytest.fixture
+def topic_factory(kafka: str) -> Callable[..., str]:
+    """Create a topic with a name no other test uses."""
+    admin = AdminClient({"bootstrap.servers": kafka})
+
+    def create(prefix: str = "t", partitions: int = 1, config: dict[str, str] | None = None) -> str:
+        name = f"{prefix}-{uuid.uuid4().hex[:10]}"
+        admin.create_topics([NewTopic(name, partitions, config=config or {})])[name].result(10)
+        return name
+
+    return create
+
+
+@pytest.fixture
+def kafka_helper(kafka: str) -> Iterator[KafkaHelper]:
+    helper = KafkaHelper(kafka)
+    yield helper
+    helper.close()
+
+
+@pytest.fixture
+def clock() -> ManualClock:
+    return ManualClock(start_ms=1_700_000_000_000)
+
+
+@pytest.fixture
+def policy_file(tmp_path: Path) -> Callable[[str], Path]:
+    def write(text: str) -> Path:
+        path = tmp_path / "policies.yaml"
+        path.write_text(text)
+        return path
+
+    return write
