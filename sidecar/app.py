@@ -12,9 +12,12 @@ from typing import Any
 from sidecar.broker import BrokerLauncher, EmbeddedBroker, ExternalBroker
 from sidecar.clock import Clock, SystemClock
 from sidecar.engine import Sidecar
+from sidecar.errors import ConfigError
 from sidecar.http import StatusServer
 from sidecar.metrics import Metrics
-from sidecar.policy import PolicySet, load_policies
+from sidecar.policy import PolicySet
+from sidecar.policy.commands import effective_policy_json
+from sidecar.policy.reload import PolicyWatcher, ReloadResult
 from sidecar.settings import RunSettings, default_instance_id
 from sidecar.tracker import DelayedDeliveryTracker, InMemoryTracker
 
@@ -35,18 +38,11 @@ def tracker_factory(settings: RunSettings, clock: Clock) -> Callable[[str, int],
     return create
 
 
-def effective_policy(policies: PolicySet, topic: str) -> dict[str, Any] | None:
-    route = policies.topics.get(topic)
-    if route is None:
-        return None
-    return {
-        "topic": topic,
-        "namespace": route.namespace,
-        "generation": policies.generation,
-        "dead_letter_topic": route.dead_letter_topic,
-        "subscriptions": {s.name: {"outbound": s.outbound, "type": s.type} for s in route.subscriptions},
-        "delayed_delivery": route.delay.as_json(),
-    }
+def effective_policy(policies: PolicySet, topic: str) -> dict[str, Any]:
+    try:
+        return effective_policy_json(policies, topic)
+    except ConfigError as e:
+        return {"topic": topic, "error": str(e)}
 
 
 class SidecarApp:
@@ -58,6 +54,7 @@ class SidecarApp:
         self.metrics = Metrics()
         self.sidecar: Sidecar | None = None
         self.status: StatusServer | None = None
+        self.policies: PolicyWatcher | None = None
         self._stop = threading.Event()
 
     def stop(self) -> None:
@@ -67,9 +64,11 @@ class SidecarApp:
 
     def run(self) -> None:
         settings = self.settings
-        policies = load_policies(Path(settings.policies))
-        logger.info("policies loaded path=%s topics=%d", settings.policies, len(policies.topics))
+        self.policies = policies = PolicyWatcher(Path(settings.policies), listeners=[self._on_reload])
+        self.metrics.policy_reloads.labels("ok").inc()
         with ExitStack() as stack:
+            policies.start()
+            stack.callback(policies.stop)
             launcher = launcher_for(settings)
             bootstrap = launcher.start()
             stack.callback(launcher.stop)
@@ -77,7 +76,7 @@ class SidecarApp:
                 return
             self.sidecar = Sidecar(
                 settings.client_config(bootstrap),
-                policies=lambda: policies,
+                policies=policies.get,
                 tracker_factory=tracker_factory(settings, self.clock),
                 group_id=settings.group_id,
                 instance_id=settings.instance_id or default_instance_id(settings.state_dir),
@@ -94,7 +93,7 @@ class SidecarApp:
                     settings.metrics_port,
                     self.metrics.registry,
                     health=self._health,
-                    policy=lambda topic: effective_policy(policies, topic),
+                    policy=lambda topic: effective_policy(policies.current, topic),
                 )
                 self.status.start()
                 stack.callback(self.status.stop)
@@ -112,11 +111,36 @@ class SidecarApp:
             time.sleep(0.05)
         return False
 
+    def reload_policies(self) -> None:
+        """SIGHUP: reload now rather than at the next poll. Safe in a signal handler."""
+        if self.policies is not None:
+            self.policies.request_reload()
+
+    def _on_reload(self, result: ReloadResult) -> None:
+        self.metrics.policy_reloads.labels(result.result).inc()
+        if result.ok:
+            logger.info(
+                "policies reloaded generation=%d trigger=%s changes=%s", result.generation, result.trigger, result.diff
+            )
+        else:
+            logger.error(
+                "policy reload failed; generation %d stays in force trigger=%s error=%s",
+                result.generation,
+                result.trigger,
+                result.error,
+            )
+
     def _health(self) -> tuple[bool, list[str], dict[str, Any]]:
+        details: dict[str, Any] = {}
+        if self.policies is not None:
+            details["policy_generation"] = self.policies.generation
+            if self.policies.last_error is not None:
+                # Still ready: the last good generation keeps serving. The operator must fix the file.
+                details["policy_error"] = str(self.policies.last_error)
         sidecar = self.sidecar
         if sidecar is None:
-            return False, ["starting"], {}
-        return sidecar.running, list(sidecar.not_ready_reasons), {}
+            return False, ["starting"], details
+        return sidecar.running, list(sidecar.not_ready_reasons), details
 
 
 def run_until_signalled(app: SidecarApp) -> None:
@@ -128,4 +152,5 @@ def run_until_signalled(app: SidecarApp) -> None:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGHUP, lambda signum, frame: app.reload_policies())
     app.run()

@@ -18,6 +18,7 @@ from sidecar.broker.embedded import EmbeddedBroker
 from sidecar.demo import run_demo
 from sidecar.errors import SidecarError
 from sidecar.logs import setup_logging
+from sidecar.policy.commands import PoliciesCommand
 from sidecar.settings import ENV_PREFIX, RunSettings
 
 logger = logging.getLogger(__name__)
@@ -69,6 +70,7 @@ class DelaySidecar(BaseSettings):
     run: CliSubCommand[RunCommand]
     broker: CliSubCommand[BrokerCommand]
     demo: CliSubCommand[DemoCommand]
+    policies: CliSubCommand[PoliciesCommand]
 
     def cli_cmd(self) -> None:
         CliApp.run_subcommand(self)

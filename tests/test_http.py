@@ -19,12 +19,16 @@ def get(port: int, path: str) -> tuple[int, str]:
 
 
 def test_metrics_health_and_policies(
-    kafka: str, kafka_helper: KafkaHelper, topic_factory: Callable[..., str],
-    policy_file: Callable[[str], Path], tmp_path: Path,
-) -> None:  # fmt: skip
+    kafka: str,
+    kafka_helper: KafkaHelper,
+    topic_factory: Callable[..., str],
+    policy_file: Callable[[str], Path],
+    tmp_path: Path,
+) -> None:
     topic = topic_factory("http")
-    policies = policy_file(f"topics:\n  {topic}:\n    delayed_delivery: {{max_delivery_delay: 1h}}\n"
-                           f"    subscriptions: {{a: {{}}}}\n")  # fmt: skip
+    policies = policy_file(
+        f"topics:\n  {topic}:\n    delayed_delivery: {{max_delivery_delay: 1h}}\n    subscriptions: {{a: {{}}}}\n"
+    )
     port = free_port()
     with ThreadedSidecar(settings_for(kafka, policies, tmp_path, metrics_port=port)):
         kafka_helper.produce(topic, b"v")

@@ -36,8 +36,11 @@ def test_broker_command_stops_on_sigterm(tmp_path: Path) -> None:
     port = free_port()
     process = subprocess.Popen(
         [sys.executable, "-m", "sidecar", "broker", "--port", str(port), "--data-dir", str(tmp_path)],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         wait_for_metadata(f"127.0.0.1:{port}", timeout_s=30)
         process.send_signal(signal.SIGTERM)

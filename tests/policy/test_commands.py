@@ -117,9 +117,7 @@ def test_edit_changes_only_the_edited_value(
 
 
 def test_edit_of_a_last_key_keeps_the_blank_line_before_the_next_section() -> None:
-    text = (
-        "defaults:\n  delayed_delivery:\n    max_delivery_delay: 1d   # limit\n\n# topics below\ntopics: {}\n"
-    )
+    text = "defaults:\n  delayed_delivery:\n    max_delivery_delay: 1d   # limit\n\n# topics below\ntopics: {}\n"
     out = edit_delayed_delivery(text, Path("p.yaml"), Level("defaults"), {"fixed_delivery_delay": "1m"})
     assert out == (
         "defaults:\n  delayed_delivery:\n    max_delivery_delay: 1d   # limit\n"
@@ -160,9 +158,7 @@ def test_an_edit_is_checked_against_the_rest_of_the_directory(write_yaml: WriteY
 
 def test_cli_set_delayed_delivery(write_yaml: WriteYaml, capsys: pytest.CaptureFixture[str]) -> None:
     path = write_yaml("p.yaml", COMMENTED)
-    assert (
-        run("set-delayed-delivery", "--namespace", "payments", "--max-delay", "12h", "--file", str(path)) == 0
-    )
+    assert run("set-delayed-delivery", "--namespace", "payments", "--max-delay", "12h", "--file", str(path)) == 0
     assert path.read_text() == COMMENTED.replace("max_delivery_delay: 1d", "max_delivery_delay: 12h")
     assert capsys.readouterr().out == f"updated {path}: namespace payments\n"
     assert run("set-delayed-delivery", "--defaults", "--disable", "--file", str(path)) == 0
@@ -201,17 +197,14 @@ def test_cli_set_without_file(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_cli_validate(write_yaml: WriteYaml, capsys: pytest.CaptureFixture[str]) -> None:
     good = write_yaml("good.yaml", COMMENTED)
-    bad = write_yaml(
-        "bad.yaml", "topics:\n  a:\n    subscriptions:\n      s: {type: x}\n  b: {dead_letter_topic: 1}\n"
-    )
+    bad = write_yaml("bad.yaml", "topics:\n  a:\n    subscriptions:\n      s: {type: x}\n  b: {dead_letter_topic: 1}\n")
     assert run("validate", str(good)) == 0
     assert capsys.readouterr().out == f"ok {good}: 2 topics, 1 namespaces, defaults set\n"
     assert run("validate", str(good), str(bad)) == 1
     out, err = capsys.readouterr()
     assert out == f"ok {good}: 2 topics, 1 namespaces, defaults set\n"
     assert err.splitlines() == [
-        f"{bad}:4: topics.a.subscriptions.s.type: "
-        "expected one of shared, key_shared, exclusive, failover, got 'x'",
+        f"{bad}:4: topics.a.subscriptions.s.type: expected one of shared, key_shared, exclusive, failover, got 'x'",
         f"{bad}:5: topics.b.dead_letter_topic: expected a Kafka topic name, got 1",
     ]
 
@@ -279,8 +272,6 @@ def test_effective_policy_json_of_an_undeclared_topic(write_yaml: WriteYaml) -> 
 
 
 def test_effective_policy_json_with_overlapping_globs(write_yaml: WriteYaml) -> None:
-    policies = load_policies(
-        write_yaml("p.yaml", "namespaces:\n  a:\n    topics: 'x.*'\n  b:\n    topics: '*.y'\n")
-    )
+    policies = load_policies(write_yaml("p.yaml", "namespaces:\n  a:\n    topics: 'x.*'\n  b:\n    topics: '*.y'\n"))
     with pytest.raises(ConfigError):
         effective_policy_json(policies, "x.y")

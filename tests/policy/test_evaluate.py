@@ -131,15 +131,11 @@ def test_max_message_says_limit_source_and_excess() -> None:
     with pytest.raises(RejectedRecord) as caught:
         decide(delay(max_ms=3_600_000, source="namespace:payments"), [("deliver-after", b"90m")], PUBLISH)
     assert caught.value.code == "EXCEEDS_MAX_DELAY"
-    assert caught.value.message == (
-        "delay of 90m exceeds the max delivery delay 1h (from namespace:payments) by 30m"
-    )
+    assert caught.value.message == ("delay of 90m exceeds the max delivery delay 1h (from namespace:payments) by 30m")
 
 
 def test_a_delay_equal_to_max_is_accepted() -> None:
-    assert decide(delay(max_ms=3_600_000), [("deliver-after", b"1h")], PUBLISH) == Decision(
-        PUBLISH + 3_600_000
-    )
+    assert decide(delay(max_ms=3_600_000), [("deliver-after", b"1h")], PUBLISH) == Decision(PUBLISH + 3_600_000)
 
 
 def test_a_deliver_at_in_the_past_is_not_limited() -> None:
@@ -186,6 +182,4 @@ def test_example_policies_load() -> None:
     policies = load_policies(Path(__file__).parents[2] / "policies" / "example.yaml")
     audit = policies.topics["payments.refunds"].subscription("audit")
     assert audit is not None and audit.ordered
-    assert policies.topics["payments.refunds"].delay.max_delivery_delay == Sourced(
-        86_400_000, "namespace:payments"
-    )
+    assert policies.topics["payments.refunds"].delay.max_delivery_delay == Sourced(86_400_000, "namespace:payments")

@@ -56,8 +56,7 @@ def problems(path: Path) -> list[str]:
         ),
         (
             'namespaces:\n  pay:\n    topics: " "\n',
-            "3: namespaces.pay.topics: "
-            'expected a glob over topic names, like "payments.*", got an empty string',
+            '3: namespaces.pay.topics: expected a glob over topic names, like "payments.*", got an empty string',
         ),
         (
             "topics:\n  orders:\n    subscriptions:\n      billing:\n        type: round_robin\n",
@@ -99,8 +98,7 @@ def test_every_problem_is_reported_in_line_order(write_yaml: WriteYaml) -> None:
         "topics:\n  a:\n    subscriptions:\n      s: {type: x}\n  b:\n    dead_letter_topic: 7\n",
     )
     assert problems(path) == [
-        f"{path}:4: topics.a.subscriptions.s.type: expected one of shared, key_shared, exclusive, failover, "
-        "got 'x'",
+        f"{path}:4: topics.a.subscriptions.s.type: expected one of shared, key_shared, exclusive, failover, got 'x'",
         f"{path}:6: topics.b.dead_letter_topic: expected a Kafka topic name, got 7",
     ]
 
@@ -176,14 +174,10 @@ def test_duplicates_across_files(write_yaml: WriteYaml, first: str, second: str,
 def test_directory_merge(write_yaml: WriteYaml) -> None:
     write_yaml("policies/00-defaults.yaml", "defaults:\n  delayed_delivery:\n    max_delivery_delay: 7d\n")
     write_yaml("policies/10-payments.yaml", "namespaces:\n  payments:\n    topics: payments.*\n")
-    write_yaml(
-        "policies/20-orders.yml", "topics:\n  payments.orders:\n    subscriptions:\n      billing: {}\n"
-    )
+    write_yaml("policies/20-orders.yml", "topics:\n  payments.orders:\n    subscriptions:\n      billing: {}\n")
     write_yaml("policies/.#20-orders.yml", "topics:\n  payments.orders: {}\n")  # an editor's lock file
     write_yaml("policies/notes.txt", "not yaml at all: [")
-    path = write_yaml(
-        "policies/20-orders.yml", "topics:\n  payments.orders:\n    subscriptions:\n      billing: {}\n"
-    )
+    path = write_yaml("policies/20-orders.yml", "topics:\n  payments.orders:\n    subscriptions:\n      billing: {}\n")
     policies = load_policies(path.parent, generation=7)
     route = policies.topics["payments.orders"]
     assert policies.generation == 7

@@ -90,9 +90,7 @@ def test_arbitrary_documents(policy_file: Path, data: Any) -> None:
 
 
 @settings(max_examples=200, deadline=None)
-@given(
-    data=DOCUMENTS, level=st.sampled_from([Level("defaults"), Level("topic", "t"), Level("namespace", "n")])
-)
+@given(data=DOCUMENTS, level=st.sampled_from([Level("defaults"), Level("topic", "t"), Level("namespace", "n")]))
 def test_edits_of_arbitrary_documents(data: Any, level: Level) -> None:
     with contextlib.suppress(ConfigError):
         edit_delayed_delivery(dump(data), Path("p.yaml"), level, {"max_delivery_delay": "1d"})

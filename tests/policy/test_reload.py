@@ -12,10 +12,7 @@ from sidecar.policy import PolicyDiff, PolicyError, PolicyWatcher, ReloadResult,
 
 WriteYaml = Callable[..., Path]
 
-GOOD = (
-    "topics:\n  orders:\n    delayed_delivery:\n      max_delivery_delay: 1h\n"
-    "    subscriptions:\n      a: {}\n"
-)
+GOOD = "topics:\n  orders:\n    delayed_delivery:\n      max_delivery_delay: 1h\n    subscriptions:\n      a: {}\n"
 EDITED = GOOD.replace("1h", "2h")
 BROKEN = GOOD.replace("1h", "2 hours")
 
@@ -146,9 +143,7 @@ def test_a_deleted_file_keeps_the_policy(write_yaml: WriteYaml) -> None:
 
 
 def test_diff(write_yaml: WriteYaml) -> None:
-    old = load_policies(
-        write_yaml("old.yaml", "topics:\n  a:\n    subscriptions: {x: {}, y: {}}\n  b: {}\n  c: {}\n")
-    )
+    old = load_policies(write_yaml("old.yaml", "topics:\n  a:\n    subscriptions: {x: {}, y: {}}\n  b: {}\n  c: {}\n"))
     new = load_policies(
         write_yaml(
             "new.yaml",
