@@ -86,6 +86,7 @@ class SidecarApp:
                 commit_interval_ms=settings.commit_interval_ms,
                 batch_size=settings.batch_size,
                 new_topic_partitions=settings.new_topic_partitions,
+                control_topic=settings.control_topic,
             )
             if settings.metrics_port:
                 self.status = StatusServer(

@@ -14,7 +14,7 @@ import json
 import logging
 import threading
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,6 +23,14 @@ from confluent_kafka import Consumer, KafkaError, Message, Producer, TopicPartit
 from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic
 
 from sidecar.clock import Clock, SystemClock
+from sidecar.control.commands import (
+    UNKNOWN_MESSAGE,
+    UNKNOWN_SUBSCRIPTION,
+    NackCommand,
+    check_max_delay,
+    parse_command,
+)
+from sidecar.control.nacks import LatestNacks
 from sidecar.dispatch.reader import LogReader, TopicPartitionKey
 from sidecar.errors import BrokerError, RejectedRecord, SidecarError
 from sidecar.kafka_io import consume_batch
@@ -51,6 +59,8 @@ class PartitionState:
     tracker: DelayedDeliveryTracker
     next_offset: int | None = None
     committed: int | None = None
+    control: bool = False
+    """A control-topic partition: its tracker indexes nack commands by their control offset."""
 
 
 @dataclass
@@ -83,6 +93,7 @@ class Sidecar:
         commit_interval_ms: int = 1000,
         batch_size: int = 10_000,
         new_topic_partitions: int = 3,
+        control_topic: str = "delay-sidecar.control",
     ) -> None:
         self._client_config = client_config
         self._policies = policies
@@ -92,6 +103,10 @@ class Sidecar:
         self._commit_interval_s = commit_interval_ms / 1000
         self._batch_size = batch_size
         self._new_topic_partitions = new_topic_partitions
+        self._control_topic = control_topic
+        self._control_dead_letter = f"{control_topic}.dlt"
+        self._nacks = LatestNacks()
+        self._high_watermarks: dict[TopicPartitionKey, int] = {}
         self._stop = threading.Event()
         self._librdkafka_logger = logging.getLogger("librdkafka")
         self._consumer = Consumer(
@@ -185,7 +200,7 @@ class Sidecar:
         self._routes = {name: _Routes.of(route) for name, route in policies.topics.items()}
         self._routes_generation = policies.generation
         self.metrics.policy_generation.set(policies.generation)
-        topics = frozenset(policies.topics)
+        topics = frozenset([*policies.topics, self._control_topic])
         self._ensure_topics(policies)
         self._refresh_retention(force=True)
         if topics != self._subscribed:
@@ -203,6 +218,9 @@ class Sidecar:
         metadata = self._admin.list_topics(timeout=10)
         existing = {name: len(t.partitions) for name, t in metadata.topics.items() if t.error is None}
         wanted: dict[str, int] = {}
+        for name in (self._control_topic, self._control_dead_letter):
+            if name not in existing:
+                wanted[name] = self._new_topic_partitions
         for name, route in policies.topics.items():
             partitions = existing.get(name, self._new_topic_partitions)
             if name not in existing:
@@ -244,7 +262,8 @@ class Sidecar:
         for tp in partitions:
             key = (tp.topic, tp.partition)
             if key not in self._partitions:
-                self._partitions[key] = PartitionState(self._tracker_factory(tp.topic, tp.partition))
+                control = tp.topic == self._control_topic
+                self._partitions[key] = PartitionState(self._tracker_factory(tp.topic, tp.partition), control=control)
         self.assigned.set()
         logger.info("partitions assigned partitions=%s", _names(partitions))
 
@@ -264,6 +283,8 @@ class Sidecar:
             state = self._partitions.pop((tp.topic, tp.partition), None)
             if state is not None:
                 state.tracker.close()
+                if state.control:
+                    self._nacks.forget_partition(tp.partition)
 
     # ----------------------------------------------------------------- intake
 
@@ -285,6 +306,9 @@ class Sidecar:
                 continue
             topic, partition, offset = record.topic(), record.partition(), record.offset()
             state = self._partitions.get((topic, partition))
+            if state is not None and state.control:
+                self._intake_nack(record, state, now)
+                continue
             routes = self._routes.get(topic)
             if state is None or routes is None:
                 continue  # revoked, or the topic left the policies: not ours to commit any more
@@ -360,16 +384,153 @@ class Sidecar:
         if error is not None:
             self._delivery_errors.append(f"{record.topic()}: {error}")
 
+    # ----------------------------------------------------------------- nacks (control topic)
+
+    def _intake_nack(self, record: Message, state: PartitionState, now: int) -> None:
+        offset = record.offset()
+        state.next_offset = offset + 1
+        subscription = ""
+        try:
+            command = parse_command(record.value())
+            subscription = command.subscription
+            routes = self._routes.get(command.topic)
+            if routes is None or routes.route.subscription(subscription) is None:
+                raise RejectedRecord(
+                    UNKNOWN_SUBSCRIPTION,
+                    f"topic {command.topic!r} has no subscription {subscription!r} in the policies in force",
+                )
+            sent_ms = record.timestamp()[1] if record.timestamp()[1] > 0 else now
+            check_max_delay(command, routes.route.delay, sent_ms)
+            self._check_known_message(command, routes)
+        except RejectedRecord as rejected:
+            self._reject_command(record, rejected)
+            self.metrics.nacks.labels(subscription, rejected.code.lower()).inc()
+            return
+        # Based on the command's own timestamp, so a replay after a restart keeps the same time.
+        deliver_at = max(command.effective_deliver_at(sent_ms), now + 1)
+        self._nacks.accept(command, (record.partition(), offset))
+        state.tracker.add(offset, deliver_at)
+        self.metrics.nacks.labels(subscription, "accepted").inc()
+
+    def _check_known_message(self, command: NackCommand, routes: _Routes) -> None:
+        """UNKNOWN_MESSAGE: the offset is not in the inbound topic, or not yet delivered to anyone."""
+        key = (command.topic, command.partition)
+        high = self._high_watermarks.get(key, -1)
+        if command.offset >= high:
+            try:
+                _, high = self._reader.watermarks(command.topic, command.partition)
+            except SidecarError:
+                high = -1
+            self._high_watermarks[key] = high
+        if command.offset >= high:
+            raise RejectedRecord(
+                UNKNOWN_MESSAGE,
+                f"{command.topic}/{command.partition} has no offset {command.offset} (its end is {max(high, 0)})",
+            )
+        owner = self._partitions.get(key)
+        sub = routes.route.subscription(command.subscription)
+        not_yet = owner is not None and (
+            (owner.next_offset is not None and command.offset >= owner.next_offset)
+            or (sub is not None and not sub.ordered and owner.tracker.contains(command.offset))
+        )
+        if not_yet:
+            raise RejectedRecord(
+                UNKNOWN_MESSAGE,
+                f"{command.topic}/{command.partition}@{command.offset} was not delivered to "
+                f"{command.subscription!r} yet, so it cannot be nacked",
+            )
+
+    def _reject_command(self, record: Message, rejected: RejectedRecord) -> None:
+        headers = dead_letter_headers(
+            record.headers(), record.topic(), record.partition(), record.offset(), rejected.code, rejected.message
+        )
+        self._send(self._control_dead_letter, record.key(), record.value(), headers, max(record.timestamp()[1], 0))
+        logger.info("nack rejected partition=%d offset=%d code=%s", record.partition(), record.offset(), rejected.code)
+
+    def _dispatch_nacks(self, due: dict[TopicPartitionKey, dict[int, int]]) -> None:
+        """Read due commands back from the control log, then their messages from the inbound log."""
+        jobs: dict[TopicPartitionKey, dict[int, list[tuple[NackCommand, Message, int]]]] = defaultdict(
+            lambda: defaultdict(list)
+        )
+        wanted_commands = {key: list(offsets) for key, offsets in due.items()}
+        for (_, partition), offset, record in self._reader.read(wanted_commands):
+            if record is None:
+                logger.error(
+                    "due nack command missing from the control log partition=%d offset=%d; raise the "
+                    "control topic's retention.ms above the longest nack delay",
+                    partition,
+                    offset,
+                )
+                continue
+            try:
+                command = parse_command(record.value())
+            except RejectedRecord:
+                continue  # validated when it was accepted; a changed log is not ours to judge twice
+            if not self._nacks.claim(command, (partition, offset)):
+                self.metrics.nacks.labels(command.subscription, "superseded").inc()
+                continue
+            deliver_at = due[(self._control_topic, partition)][offset]
+            jobs[(command.topic, command.partition)][command.offset].append((command, record, deliver_at))
+        if not jobs:
+            return
+        wanted = {key: list(by_offset) for key, by_offset in jobs.items()}
+        for key, offset, message in self._reader.read(wanted):
+            for command, control_record, deliver_at in jobs[key][offset]:
+                self._redeliver(command, control_record, message, deliver_at)
+
+    def _redeliver(self, command: NackCommand, control: Message, message: Message | None, deliver_at: int) -> None:
+        routes = self._routes.get(command.topic)
+        sub = routes.route.subscription(command.subscription) if routes is not None else None
+        try:
+            if routes is None or sub is None:
+                raise RejectedRecord(UNKNOWN_SUBSCRIPTION, "the subscription left the policies before redelivery")
+            if message is None:
+                raise RejectedRecord(UNKNOWN_MESSAGE, "the message is no longer in the inbound log (retention)")
+            try:
+                decide(
+                    routes.route.delay,
+                    message.headers(),
+                    max(message.timestamp()[1], 0),
+                    self._retention_ms.get(command.topic),
+                )
+            except RejectedRecord as rejected:
+                raise RejectedRecord(
+                    UNKNOWN_MESSAGE,
+                    f"the message went to the dead-letter topic ({rejected.code}), never to {command.subscription!r}",
+                ) from None
+        except RejectedRecord as rejected:
+            self._reject_command(control, rejected)
+            self.metrics.nacks.labels(command.subscription, rejected.code.lower()).inc()
+            return
+        headers = outbound_headers(
+            message.headers(),
+            command.topic,
+            command.partition,
+            command.offset,
+            deliver_at,
+            command.redelivery_count + 1,
+        )
+        self._send(sub.outbound, message.key(), message.value(), headers)
+        self.metrics.redeliveries.labels(command.subscription).inc()
+        self.metrics.delivered.labels(command.topic, command.subscription).inc()
+        self.metrics.lateness.labels(command.topic).observe(max(self.clock.now_ms() - deliver_at, 0) / 1000)
+
     # ----------------------------------------------------------------- dispatch
 
     def _dispatch_due(self, policies: PolicySet) -> None:
         wanted: dict[TopicPartitionKey, list[int]] = {}
         deliver_at: dict[TopicPartitionKey, dict[int, int]] = {}
+        nacks: dict[TopicPartitionKey, dict[int, int]] = {}
         for key, state in self._partitions.items():
             if state.tracker.has_message_available():
                 due = state.tracker.pop_due(MAX_DISPATCH)
-                wanted[key] = [d.offset for d in due]
-                deliver_at[key] = {d.offset: d.deliver_at for d in due}
+                if state.control:
+                    nacks[key] = {d.offset: d.deliver_at for d in due}
+                else:
+                    wanted[key] = [d.offset for d in due]
+                    deliver_at[key] = {d.offset: d.deliver_at for d in due}
+        if nacks:
+            self._dispatch_nacks(nacks)
         if not wanted:
             return
         delivered: Counter[tuple[str, str]] = Counter()
@@ -423,7 +584,7 @@ class Sidecar:
             tracker.checkpoint(state.next_offset)
             earliest = tracker.earliest_pending_offset()
             commit = state.next_offset
-            if earliest is not None and not tracker.durable:
+            if earliest is not None and (state.control or not tracker.durable):
                 commit = min(commit, earliest)
             if commit != state.committed:
                 metadata = json.dumps(

@@ -100,5 +100,13 @@ class LogReader:
         finally:
             self._consumer.unassign()
 
+    def watermarks(self, topic: str, partition: int) -> tuple[int, int]:
+        """(low, high) offsets of an inbound partition, asked of the broker."""
+        try:
+            low, high = self._consumer.get_watermark_offsets(TopicPartition(topic, partition), timeout=5, cached=False)
+        except Exception as e:
+            raise SidecarError(f"cannot read the watermarks of {topic}/{partition}: {e}") from e
+        return int(low), int(high)
+
     def close(self) -> None:
         self._consumer.close()

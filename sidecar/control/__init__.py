@@ -1,0 +1,1 @@
+"""Control: consumer-side delayed nacks, read from the control topic (contract section 5)."""

@@ -1,0 +1,105 @@
+"""Nack commands from the control topic: versioned JSON in, a typed command or a coded rejection out.
+
+Pure code. It checks the command's shape and its delay against the topic's max delay; whether the
+subscription and the message exist is for the caller, who knows the policies and the log.
+"""
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from sidecar.durations import MAX_EPOCH_MS, format_duration_ms
+from sidecar.errors import RejectedRecord
+from sidecar.policy.model import EffectiveDelay
+
+VERSION = 1
+INVALID_COMMAND = "INVALID_COMMAND"
+UNKNOWN_SUBSCRIPTION = "UNKNOWN_SUBSCRIPTION"
+UNKNOWN_MESSAGE = "UNKNOWN_MESSAGE"
+EXCEEDS_MAX_DELAY = "EXCEEDS_MAX_DELAY"
+# Kafka's own limit on a topic name; anything longer cannot be a topic the sidecar serves.
+_MAX_TOPIC_LENGTH = 249
+
+
+@dataclass(frozen=True)
+class NackCommand:
+    subscription: str
+    topic: str
+    partition: int
+    offset: int
+    delay_ms: int | None
+    deliver_at: int | None
+    redelivery_count: int
+    """delay-redelivery-count of the record the consumer nacked; the redelivery carries this + 1."""
+
+    @property
+    def message_key(self) -> tuple[str, str, int, int]:
+        """What "the same subscription and message" means for latest-wins."""
+        return (self.subscription, self.topic, self.partition, self.offset)
+
+    def effective_deliver_at(self, received_ms: int) -> int:
+        """deliver_at as sent, or the time the sidecar read the command plus delay_ms."""
+        return self.deliver_at if self.deliver_at is not None else received_ms + (self.delay_ms or 0)
+
+
+def invalid(message: str) -> RejectedRecord:
+    return RejectedRecord(INVALID_COMMAND, message)
+
+
+def parse_command(raw: bytes | None) -> NackCommand:
+    """Decode one control record's value; raises RejectedRecord(INVALID_COMMAND) for any malformed one."""
+    if raw is None:
+        raise invalid("the control record has no value; send a JSON nack command")
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise invalid(f'not JSON ({e}); send {{"v": 1, "type": "nack", ...}}') from None
+    if not isinstance(data, dict):
+        raise invalid("expected a JSON object")
+    if data.get("v") != VERSION:
+        raise invalid(f"unsupported version v={data.get('v')!r}; this sidecar reads v=1")
+    if data.get("type") != "nack":
+        raise invalid(f"unknown command type {data.get('type')!r}; the only type is 'nack'")
+    subscription = _text(data, "subscription")
+    topic = _text(data, "topic")
+    if len(topic) > _MAX_TOPIC_LENGTH:
+        raise invalid("'topic' is longer than any Kafka topic name")
+    partition = _count(data, "partition")
+    offset = _count(data, "offset")
+    redelivery_count = _count(data, "redelivery_count") if "redelivery_count" in data else 0
+    has_delay, has_at = "delay_ms" in data, "deliver_at" in data
+    if has_delay == has_at:
+        raise invalid("give exactly one of 'delay_ms' and 'deliver_at'")
+    delay_ms = _count(data, "delay_ms") if has_delay else None
+    deliver_at = _count(data, "deliver_at") if has_at else None
+    if (delay_ms or 0) > MAX_EPOCH_MS or (deliver_at or 0) > MAX_EPOCH_MS:
+        raise invalid("the delay reaches past year 9999")
+    return NackCommand(subscription, topic, partition, offset, delay_ms, deliver_at, redelivery_count)
+
+
+def check_max_delay(command: NackCommand, delay: EffectiveDelay, received_ms: int) -> None:
+    """The topic's max delivery delay applies to nack delays as to producers' (contract section 5)."""
+    if not delay.is_enabled or delay.max_ms <= 0:
+        return
+    asked = command.effective_deliver_at(received_ms) - received_ms
+    if asked > delay.max_ms:
+        raise RejectedRecord(
+            EXCEEDS_MAX_DELAY,
+            f"nack delay of {format_duration_ms(asked)} exceeds the max delivery delay "
+            f"{format_duration_ms(delay.max_ms)} (from {delay.max_delivery_delay.source}) "
+            f"by {format_duration_ms(asked - delay.max_ms)}",
+        )
+
+
+def _text(data: dict[str, Any], field: str) -> str:
+    value = data.get(field)
+    if not isinstance(value, str) or not value:
+        raise invalid(f"'{field}' must be a non-empty string")
+    return value
+
+
+def _count(data: dict[str, Any], field: str) -> int:
+    value = data.get(field)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise invalid(f"'{field}' must be an integer of zero or more, got {value!r}")
+    return value
