@@ -9,6 +9,8 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+from confluent_kafka.admin import AdminClient
+
 from sidecar.broker import BrokerLauncher, EmbeddedBroker, ExternalBroker
 from sidecar.clock import Clock, SystemClock
 from sidecar.engine import Sidecar
@@ -20,6 +22,8 @@ from sidecar.policy.commands import effective_policy_json
 from sidecar.policy.reload import PolicyWatcher, ReloadResult
 from sidecar.settings import RunSettings, default_instance_id
 from sidecar.tracker import DelayedDeliveryTracker, InMemoryTracker
+from sidecar.tracker.bucket import BucketTracker
+from sidecar.tracker.storage import RocksDbSnapshotStorage, SnapshotStorage
 
 logger = logging.getLogger(__name__)
 
@@ -31,11 +35,54 @@ def launcher_for(settings: RunSettings) -> BrokerLauncher:
     return EmbeddedBroker(settings.state_dir / "broker", port=settings.broker_port)
 
 
-def tracker_factory(settings: RunSettings, clock: Clock) -> Callable[[str, int], DelayedDeliveryTracker]:
+class BucketMetrics:
+    """The bucket tracker's storage operations, as Prometheus counts and latencies."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self._metrics = metrics
+
+    def on_op(self, op: str, ok: bool, seconds: float) -> None:
+        self._metrics.bucket_ops.labels(op, "succeed" if ok else "failed").inc()
+        self._metrics.bucket_op_latency.labels(op).observe(seconds)
+
+
+def tracker_factory(
+    settings: RunSettings, clock: Clock, storage: SnapshotStorage | None, metrics: Metrics, control_topic: str
+) -> Callable[[str, int], DelayedDeliveryTracker]:
+    """One tracker per inbound partition, all over one snapshot store.
+
+    Nack indexes (control partitions) stay in memory: the control topic is their write-ahead log
+    and is read again from the earliest pending command after a restart (see engine.py).
+    """
+    listener = BucketMetrics(metrics)
+
     def create(topic: str, partition: int) -> DelayedDeliveryTracker:
-        return InMemoryTracker(clock)
+        if storage is None or topic == control_topic:
+            return InMemoryTracker(clock)
+        return BucketTracker(
+            clock,
+            storage,
+            f"{topic}/{partition}",
+            min_index_count=settings.bucket_min_index_count,
+            time_step_ms=settings.bucket_time_step_ms,
+            max_indexes_per_segment=settings.bucket_max_indexes_per_segment,
+            max_buckets=settings.bucket_max_buckets,
+            listener=listener,
+        )
 
     return create
+
+
+def open_snapshot_storage(settings: RunSettings, client_config: dict[str, Any]) -> SnapshotStorage | None:
+    """The bucket tracker's RocksDB under the state dir, owned by this cluster and consumer group.
+
+    The owner check refuses a state dir written for another cluster or group, whose index would
+    describe offsets of a different log.
+    """
+    if settings.tracker != "bucket":
+        return None
+    cluster = AdminClient(client_config).list_topics(timeout=10).cluster_id or "unknown-cluster"
+    return RocksDbSnapshotStorage(settings.state_dir / "index", owner=f"{cluster}/{settings.group_id}")
 
 
 def effective_policy(policies: PolicySet, topic: str) -> dict[str, Any]:
@@ -74,10 +121,14 @@ class SidecarApp:
             stack.callback(launcher.stop)
             if self._stop.is_set():
                 return
+            client_config = settings.client_config(bootstrap)
+            storage = open_snapshot_storage(settings, client_config)
+            if storage is not None:
+                stack.callback(storage.close)
             self.sidecar = Sidecar(
-                settings.client_config(bootstrap),
+                client_config,
                 policies=policies.get,
-                tracker_factory=tracker_factory(settings, self.clock),
+                tracker_factory=tracker_factory(settings, self.clock, storage, self.metrics, settings.control_topic),
                 group_id=settings.group_id,
                 instance_id=settings.instance_id or default_instance_id(settings.state_dir),
                 session_timeout_ms=settings.session_timeout_ms,
@@ -141,6 +192,8 @@ class SidecarApp:
         sidecar = self.sidecar
         if sidecar is None:
             return False, ["starting"], details
+        if sidecar.degraded:
+            details["degraded"] = list(sidecar.degraded)
         return sidecar.running, list(sidecar.not_ready_reasons), details
 
 

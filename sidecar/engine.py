@@ -6,8 +6,9 @@ checkpoint is fixed:
 
 1. flush the producer, so every outbound and dead-letter record written so far is acknowledged;
 2. checkpoint each tracker, so its adds and pops are durable (a no-op for the in-memory tracker);
-3. commit inbound offsets: the next offset to read, or for a tracker that is not durable, no
-   further than its earliest pending offset, so a restart replays what only memory held.
+3. commit inbound offsets: the next offset to read, with the earliest offset still pending in the
+   commit metadata. A restart whose index did not survive (in-memory tracker, lost state dir)
+   rebuilds it by reading the log again from there; a durable index resumes at its own cursor.
 """
 
 import json
@@ -38,6 +39,7 @@ from sidecar.metrics import Metrics
 from sidecar.outbound.records import dead_letter_headers, outbound_headers
 from sidecar.policy import PolicySet, TopicRoute, decide
 from sidecar.tracker import DelayedDeliveryTracker
+from sidecar.tracker.bucket import BucketTracker
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +53,8 @@ MAX_DISPATCH = 50_000
 # How often topic retention.ms is re-read for EXCEEDS_RETENTION.
 RETENTION_REFRESH_S = 60.0
 FLUSH_TIMEOUT_S = 30.0
+REBUILD_REPORT_S = 2.0
+STALL_WAIT_S = 0.05
 COMMIT_METADATA_VERSION = 1
 
 
@@ -61,6 +65,25 @@ class PartitionState:
     committed: int | None = None
     control: bool = False
     """A control-topic partition: its tracker indexes nack commands by their control offset."""
+    rebuild: "Rebuild | None" = None
+    """Set while the index of this partition is rebuilt from the log (no usable durable index)."""
+
+
+@dataclass
+class Rebuild:
+    """Re-reading [start, until) of an inbound partition to rebuild an index that was not kept.
+
+    Records below `until` were all handled before: those without a delay, rejected ones and those
+    sent to ordered subscriptions are skipped; delayed ones are indexed again, and the ones already
+    due are delivered again (at least once: the sidecar cannot know whether they went out).
+    """
+
+    start: int
+    until: int
+    started: float = field(default_factory=time.monotonic)
+    reported: float = field(default_factory=time.monotonic)
+    indexed: int = 0
+    redelivered: int = 0
 
 
 @dataclass
@@ -107,6 +130,7 @@ class Sidecar:
         self._control_dead_letter = f"{control_topic}.dlt"
         self._nacks = LatestNacks()
         self._high_watermarks: dict[TopicPartitionKey, int] = {}
+        self._stalled_until = 0.0
         self._stop = threading.Event()
         self._librdkafka_logger = logging.getLogger("librdkafka")
         self._consumer = Consumer(
@@ -146,6 +170,8 @@ class Sidecar:
         self._retention_read_at = 0.0
         self._delivery_errors: list[str] = []
         self._failed = False
+        self.degraded: list[str] = []
+        """Partitions whose durable index is failing and running from memory (for /healthz)."""
         self.assigned = threading.Event()
         """Set once the group gave this member partitions: it is serving."""
         self.running = False
@@ -168,10 +194,10 @@ class Sidecar:
                 policies = self._policies()  # one generation judges this whole batch
                 if policies.generation != self._routes_generation:
                     self._apply_policies(policies)
+                self._dispatch_due(policies)  # due first: after a restart, what fell due while down goes out first
                 records = consume_batch(self._consumer, self._batch_size, self._wait_s())
                 if records:
                     self._intake(records, policies)
-                self._dispatch_due(policies)
                 if time.monotonic() - last_checkpoint >= self._commit_interval_s:
                     self._checkpoint()
                     last_checkpoint = time.monotonic()
@@ -259,13 +285,41 @@ class Sidecar:
     # ----------------------------------------------------------------- rebalancing
 
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
-        for tp in partitions:
+        """Open each partition's index and choose where reading starts.
+
+        A durable index resumes at its cursor, so indexed data is never read again. Without one
+        (in-memory tracker, lost state dir), reading starts at the earliest undelivered offset kept
+        in the commit metadata and the index is rebuilt up to the committed offset.
+        """
+        starts = []
+        for tp in consumer.committed(partitions, timeout=30):
             key = (tp.topic, tp.partition)
-            if key not in self._partitions:
-                control = tp.topic == self._control_topic
-                self._partitions[key] = PartitionState(self._tracker_factory(tp.topic, tp.partition), control=control)
+            control = tp.topic == self._control_topic
+            state = self._partitions.get(key)
+            if state is None:
+                state = PartitionState(self._tracker_factory(tp.topic, tp.partition), control=control)
+                self._partitions[key] = state
+            committed = tp.offset if tp.offset >= 0 else None
+            state.committed = committed
+            start = committed if committed is not None else tp.offset
+            cursor = state.tracker.index_cursor()
+            earliest = commit_metadata(tp.metadata).get("earliest")
+            if cursor is not None and (committed is None or cursor >= committed):
+                start = cursor
+            elif not control and committed is not None and earliest is not None and earliest < committed:
+                start = earliest
+                state.rebuild = Rebuild(earliest, committed)
+                logger.info(
+                    "index rebuild started partition=%s/%d from=%d until=%d",
+                    tp.topic,
+                    tp.partition,
+                    earliest,
+                    committed,
+                )
+            starts.append(TopicPartition(tp.topic, tp.partition, start))
+        consumer.incremental_assign(starts)
         self.assigned.set()
-        logger.info("partitions assigned partitions=%s", _names(partitions))
+        logger.info("partitions assigned partitions=%s", _names(starts))
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         if not self._failed:
@@ -292,7 +346,10 @@ class Sidecar:
         next_times = [t for s in self._partitions.values() if (t := s.tracker.next_delivery_time()) is not None]
         if not next_times:
             return MAX_WAIT_S
-        return min(max((min(next_times) - self.clock.now_ms()) / 1000, 0.0), MAX_WAIT_S)
+        wait = min(max((min(next_times) - self.clock.now_ms()) / 1000, 0.0), MAX_WAIT_S)
+        # A tracker whose next segment failed to load reports a due entry it cannot pop yet: wait
+        # for its retry rather than spin.
+        return max(wait, self._stalled_until - time.monotonic())
 
     def _intake(self, records: list[Message], policies: PolicySet) -> None:
         now = self.clock.now_ms()
@@ -318,6 +375,10 @@ class Sidecar:
             if publish_ms <= 0:
                 publish_ms = now
             route = routes.route
+            if state.rebuild is not None:
+                self._rebuild_one(record, state, state.rebuild, routes, publish_ms, now)
+                state.next_offset = offset + 1
+                continue
             try:
                 decision = decide(route.delay, headers, publish_ms, self._retention_ms.get(topic))
             except RejectedRecord as rejected:
@@ -351,6 +412,44 @@ class Sidecar:
             self.metrics.messages_in.labels(topic).inc(n)
         for (topic, sub), n in delivered.items():
             self.metrics.delivered.labels(topic, sub).inc(n)
+
+    def _rebuild_one(
+        self, record: Message, state: PartitionState, rebuild: Rebuild, routes: _Routes, publish_ms: int, now: int
+    ) -> None:
+        topic, offset = record.topic(), record.offset()
+        try:
+            deliver_at = decide(routes.route.delay, record.headers(), publish_ms).deliver_at
+        except RejectedRecord:
+            deliver_at = None  # dead-lettered the first time
+        if deliver_at is not None and deliver_at > publish_ms and routes.delayed:
+            if deliver_at > now and state.tracker.add(offset, deliver_at):
+                rebuild.indexed += 1
+            elif deliver_at <= now:
+                headers = outbound_headers(record.headers(), topic, record.partition(), offset, deliver_at)
+                for sub, outbound in routes.delayed:
+                    self._send(outbound, record.key(), record.value(), headers)
+                    self.metrics.delivered.labels(topic, sub).inc()
+                rebuild.redelivered += 1
+        self.metrics.replayed.labels(topic).inc()
+        clock = time.monotonic()
+        done = offset + 1 >= rebuild.until
+        if done or clock - rebuild.reported >= REBUILD_REPORT_S:
+            rebuild.reported = clock
+            rate = (offset + 1 - rebuild.start) / max(clock - rebuild.started, 1e-3)
+            logger.info(
+                "index rebuild %s partition=%s/%d offset=%d until=%d indexed=%d redelivered=%d rate=%.0f/s eta=%.0fs",
+                "done" if done else "progress",
+                topic,
+                record.partition(),
+                offset,
+                rebuild.until,
+                rebuild.indexed,
+                rebuild.redelivered,
+                rate,
+                max(rebuild.until - offset - 1, 0) / max(rate, 1e-3),
+            )
+        if done:
+            state.rebuild = None
 
     def _consumer_error(self, error: KafkaError) -> None:
         if error.fatal():
@@ -524,6 +623,9 @@ class Sidecar:
         for key, state in self._partitions.items():
             if state.tracker.has_message_available():
                 due = state.tracker.pop_due(MAX_DISPATCH)
+                if not due:
+                    self._stalled_until = time.monotonic() + STALL_WAIT_S
+                    continue
                 if state.control:
                     nacks[key] = {d.offset: d.deliver_at for d in due}
                 else:
@@ -579,12 +681,13 @@ class Sidecar:
         for (topic, partition), state in self._partitions.items():
             tracker = state.tracker
             tracked[topic] += len(tracker)
-            if state.next_offset is None:
-                continue
+            if state.next_offset is None or state.rebuild is not None:
+                continue  # nothing read yet, or a rebuild that a crash would simply start again
             tracker.checkpoint(state.next_offset)
             earliest = tracker.earliest_pending_offset()
             commit = state.next_offset
-            if earliest is not None and (state.control or not tracker.durable):
+            if earliest is not None and state.control:
+                # The control log is the nacks' write-ahead log: replayed from the earliest pending.
                 commit = min(commit, earliest)
             if commit != state.committed:
                 metadata = json.dumps(
@@ -593,6 +696,7 @@ class Sidecar:
                 offsets.append(TopicPartition(topic, partition, commit, metadata=metadata))
         for topic in self._routes:
             self.metrics.tracked.labels(topic).set(tracked.get(topic, 0))
+        self._publish_tracker_stats()
         if offsets:
             try:
                 self._consumer.commit(offsets=offsets, asynchronous=False)
@@ -604,6 +708,29 @@ class Sidecar:
                 self._partitions[(tp.topic, tp.partition)].committed = tp.offset
             self.metrics.commits.inc()
         self._refresh_retention()
+
+    def _publish_tracker_stats(self) -> None:
+        buckets: Counter[str] = Counter()
+        loaded: Counter[str] = Counter()
+        snapshot: Counter[str] = Counter()
+        degraded = []
+        for (topic, partition), state in self._partitions.items():
+            if not isinstance(state.tracker, BucketTracker):
+                continue
+            current = state.tracker.stats()
+            buckets[topic] += current.buckets
+            loaded[topic] += current.loaded_indexes
+            snapshot[topic] += current.snapshot_bytes
+            if current.degraded:
+                degraded.append(
+                    f"{topic}/{partition}: index storage failing ({','.join(current.degraded_ops)}); "
+                    "retrying, entries kept in memory"
+                )
+        for topic in buckets:
+            self.metrics.buckets.labels(topic).set(buckets[topic])
+            self.metrics.loaded_indexes.labels(topic).set(loaded[topic])
+            self.metrics.snapshot_bytes.labels(topic).set(snapshot[topic])
+        self.degraded = degraded
 
 
 def _names(partitions: list[TopicPartition]) -> str:

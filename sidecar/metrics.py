@@ -47,6 +47,12 @@ class Metrics:
             ["topic", "subscription"],
             registry=r,
         )
+        self.replayed = Counter(
+            PREFIX + "messages_replayed",
+            "Inbound records read again to rebuild an index that did not survive a restart",
+            ["topic"],
+            registry=r,
+        )
         self.lost = Counter(
             PREFIX + "messages_lost",
             "Due records that were no longer in the inbound log (deleted by retention)",

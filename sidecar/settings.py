@@ -77,7 +77,17 @@ class RunSettings(KafkaSettings):
     broker_port: int = Field(
         9092, ge=1, le=65535, description="Port of the embedded broker (without bootstrap servers)"
     )
-    tracker: Literal["memory"] = Field("memory", description="Delayed index implementation")
+    tracker: Literal["bucket", "memory"] = Field(
+        "bucket",
+        description="Delayed index: 'bucket' (PIP-195, RocksDB snapshots under the state dir, restarts without "
+        "replaying the log) or 'memory' (rebuilt from the log after every restart)",
+    )
+    bucket_min_index_count: int = Field(
+        50_000, ge=1, description="Entries the mutable bucket holds before it can be sealed into a snapshot"
+    )
+    bucket_time_step_ms: int = Field(300_000, ge=1, description="Delivery time covered by one snapshot segment")
+    bucket_max_indexes_per_segment: int = Field(5_000, ge=1, description="Most entries in one snapshot segment")
+    bucket_max_buckets: int = Field(50, ge=1, description="Sealed buckets per partition before adjacent ones merge")
     control_topic: str = Field("delay-sidecar.control", description="Topic of nack commands")
     commit_interval_ms: int = Field(
         1000, ge=10, description="How often delivered and indexed inbound offsets are committed"

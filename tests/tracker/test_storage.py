@@ -1,0 +1,257 @@
+"""Snapshot storage: encodings, the RocksDB adapter in a tmp dir, and the operator-facing errors."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from array import array
+from pathlib import Path
+
+import pytest
+import rocksdict
+
+from sidecar.clock import ManualClock
+from sidecar.errors import StorageError
+from sidecar.tracker.storage import (
+    BucketMeta,
+    BucketWrite,
+    FakeSnapshotStorage,
+    PartitionMeta,
+    RocksDbSnapshotStorage,
+    Segment,
+    SnapshotBatch,
+)
+from sidecar.tracker.storage.kv import (
+    FORMAT_KEY,
+    decode_bucket_meta,
+    decode_partition_meta,
+    decode_segment,
+    encode_bucket_meta,
+    encode_partition_meta,
+    encode_segment,
+    partition_prefix,
+)
+
+from .conftest import make_tracker
+
+
+def segment(*pairs: tuple[int, int]) -> Segment:
+    return Segment(array("q", [p[0] for p in pairs]), array("Q", [p[1] for p in pairs]))
+
+
+def bucket_write(bucket_id: int, *segments: Segment) -> BucketWrite:
+    meta = BucketMeta(
+        bucket_id=bucket_id,
+        first_segment=0,
+        bitmap_through=0,
+        min_offset=0,
+        max_offset=99,
+        seg_min_at=array("q", [s.deliver_at[0] for s in segments]),
+        seg_min_offset=array("Q", [s.offsets[0] for s in segments]),
+        seg_max_at=array("q", [s.deliver_at[-1] for s in segments]),
+        seg_max_offset=array("Q", [s.offsets[-1] for s in segments]),
+        seg_count=array("q", [len(s) for s in segments]),
+    )
+    return BucketWrite(meta, b"bitmap", dict(enumerate(segments)))
+
+
+# -- encodings ---------------------------------------------------------------------------------
+
+
+def test_encodings_round_trip() -> None:
+    seg = segment((1_700_000_000_000, 5), (1_700_000_000_001, 2**63 - 1))
+    assert decode_segment(encode_segment(seg)) == seg
+    write = bucket_write(7, seg, segment((1_700_000_000_002, 9)))
+    write.meta.bitmap_through = 123 << 64 | 456
+    assert decode_bucket_meta(encode_bucket_meta(write.meta)) == write.meta
+    meta = PartitionMeta("a/1", 42, 99 << 64 | 3, [1, 4], 5, 8)
+    assert decode_partition_meta(encode_partition_meta(meta)) == meta
+
+
+def test_partition_prefixes_do_not_overlap() -> None:
+    a, b = partition_prefix("t/1"), partition_prefix("t/10")
+    assert not b.startswith(a) and not a.startswith(b)
+    with pytest.raises(ValueError, match="NUL"):
+        partition_prefix("bad\x00name")
+
+
+# -- RocksDB adapter ---------------------------------------------------------------------------
+
+
+def test_rocksdb_batch_and_reopen(tmp_path: Path) -> None:
+    storage = RocksDbSnapshotStorage(tmp_path / "state")
+    seg = segment((10, 1), (20, 2))
+    batch = SnapshotBatch(
+        "create",
+        partition_meta=PartitionMeta("t/0", None, 0, [1], 2, 1),
+        buckets=[bucket_write(1, seg)],
+        wal_append=(0, segment((30, 3))),
+    )
+    assert storage.write("t/0", batch) > 0
+    storage.close()
+    reopened = RocksDbSnapshotStorage(tmp_path / "state")
+    meta = reopened.load_partition("t/0")
+    assert meta is not None and meta.bucket_ids == [1]
+    bucket, bitmap = reopened.load_bucket("t/0", 1)
+    assert bitmap == b"bitmap" and list(bucket.seg_count) == [2]
+    assert reopened.load_segment("t/0", 1, 0) == seg
+    assert reopened.load_wal("t/0") == [segment((30, 3))]
+    assert reopened.load_partition("t/1") is None
+    reopened.write("t/0", SnapshotBatch("delete", delete_buckets=[1], wal_reset=True))
+    with pytest.raises(StorageError, match="segment 0 of bucket 1"):
+        reopened.load_segment("t/0", 1, 0)
+    assert reopened.load_wal("t/0") == []
+    reopened.close()
+
+
+_WRITER = textwrap.dedent(
+    """
+    import sys
+    from array import array
+    from sidecar.tracker.storage import RocksDbSnapshotStorage, SnapshotBatch, PartitionMeta, Segment
+    from sidecar.tracker.storage.base import BucketWrite, BucketMeta
+    storage = RocksDbSnapshotStorage(sys.argv[1], sync=False)
+    print("ready", flush=True)
+    generation = 0
+    while True:
+        generation += 1
+        chunk = Segment(array("q", [generation] * 200), array("Q", range(200)))
+        batch = SnapshotBatch("checkpoint", partition_meta=PartitionMeta("t/0", generation, 0, [], 1, generation))
+        batch.wal_reset = True
+        batch.wal_append = (generation, chunk)
+        storage.write("t/0", batch)
+    """
+)
+
+
+def test_rocksdb_batch_is_atomic_across_a_kill(tmp_path: Path) -> None:
+    """Kill a writer mid-stream: the WAL and the root record always agree (one whole batch)."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    proc = subprocess.Popen([sys.executable, "-c", _WRITER, str(tmp_path / "state")], stdout=subprocess.PIPE, env=env)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == b"ready"
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    storage = RocksDbSnapshotStorage(tmp_path / "state")
+    meta = storage.load_partition("t/0")
+    assert meta is not None and meta.index_cursor is not None and meta.index_cursor > 1
+    (chunk,) = storage.load_wal("t/0")
+    assert set(chunk.deliver_at) == {meta.index_cursor} and len(chunk) == 200
+    storage.close()
+
+
+def test_rocksdb_open_waits_for_lock(tmp_path: Path) -> None:
+    first = RocksDbSnapshotStorage(tmp_path / "state")
+    threading.Timer(0.5, first.close).start()
+    began = time.monotonic()
+    second = RocksDbSnapshotStorage(tmp_path / "state", lock_timeout_s=5)
+    assert 0.3 < time.monotonic() - began < 5
+    second.close()
+
+
+def test_rocksdb_lock_timeout_says_what_to_do(tmp_path: Path) -> None:
+    first = RocksDbSnapshotStorage(tmp_path / "state")
+    with pytest.raises(StorageError, match=r"still locked.*another sidecar process"):
+        RocksDbSnapshotStorage(tmp_path / "state", lock_timeout_s=0.5)
+    first.close()
+
+
+def test_rocksdb_lock_held_by_another_process(tmp_path: Path) -> None:
+    holder = textwrap.dedent(
+        """
+        import sys, time
+        from sidecar.tracker.storage import RocksDbSnapshotStorage
+        s = RocksDbSnapshotStorage(sys.argv[1])
+        print("ready", flush=True)
+        time.sleep(1.0)
+        s.close()
+        """
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    proc = subprocess.Popen([sys.executable, "-c", holder, str(tmp_path / "s")], stdout=subprocess.PIPE, env=env)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == b"ready"
+    storage = RocksDbSnapshotStorage(tmp_path / "s", lock_timeout_s=10)
+    storage.close()
+    proc.wait()
+
+
+def test_dir_that_is_not_a_rocksdb(tmp_path: Path) -> None:
+    (tmp_path / "notes.txt").write_text("hello")
+    with pytest.raises(StorageError, match=r"holds no RocksDB.*empty or dedicated directory"):
+        RocksDbSnapshotStorage(tmp_path)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(StorageError, match="is a file"):
+        RocksDbSnapshotStorage(tmp_path / "file")
+
+
+def test_corrupt_rocksdb(tmp_path: Path) -> None:
+    RocksDbSnapshotStorage(tmp_path / "state").close()
+    for name in os.listdir(tmp_path / "state"):
+        if name.startswith("MANIFEST"):
+            (tmp_path / "state" / name).write_bytes(b"\x00garbage" * 100)
+    with pytest.raises(StorageError, match=r"corrupt or not a RocksDB.*move the state dir aside"):
+        RocksDbSnapshotStorage(tmp_path / "state", lock_timeout_s=1)
+
+
+def test_foreign_rocksdb(tmp_path: Path) -> None:
+    db = rocksdict.Rdict(str(tmp_path / "other"), rocksdict.Options(raw_mode=True))
+    db[b"user:1"] = b"somebody else's data"
+    db.close()
+    with pytest.raises(StorageError, match="not written by the delay sidecar"):
+        RocksDbSnapshotStorage(tmp_path / "other")
+
+
+def test_foreign_format_version_and_owner(tmp_path: Path) -> None:
+    RocksDbSnapshotStorage(tmp_path / "s", owner="cluster-a").close()
+    with pytest.raises(StorageError, match=r"belongs to 'cluster-a'.*own state dir"):
+        RocksDbSnapshotStorage(tmp_path / "s", owner="cluster-b")
+    RocksDbSnapshotStorage(tmp_path / "s", owner="cluster-a").close()
+    db = rocksdict.Rdict(str(tmp_path / "s"), rocksdict.Options(raw_mode=True))
+    db[FORMAT_KEY] = b'{"format": "delay-sidecar/bucket-tracker", "version": 99, "owner": null}'
+    db.close()
+    with pytest.raises(StorageError, match=r"version 99.*this sidecar reads version 1"):
+        RocksDbSnapshotStorage(tmp_path / "s")
+
+
+def test_data_of_another_partition(tmp_path: Path) -> None:
+    storage = FakeSnapshotStorage()
+    meta = PartitionMeta("orders/1")
+    storage._commit([("put", partition_prefix("orders/2") + b"m", encode_partition_meta(meta))])
+    with pytest.raises(StorageError, match=r"names partition 'orders/1'.*Move it aside"):
+        storage.load_partition("orders/2")
+
+
+def test_corrupt_partition_record(tmp_path: Path) -> None:
+    storage = FakeSnapshotStorage()
+    storage._commit([("put", partition_prefix("orders/2") + b"m", b"{not json")])
+    with pytest.raises(StorageError, match=r"unreadable.*move the state dir aside"):
+        make_tracker(ManualClock(), storage, "orders/2")
+
+
+def test_tracker_over_rocksdb_survives_reopen(tmp_path: Path) -> None:
+    clock = ManualClock(1_000_000)
+    storage = RocksDbSnapshotStorage(tmp_path / "state")
+    trackers = {p: make_tracker(clock, storage, p) for p in ("a/0", "a/1")}
+    start = clock.now_ms()
+    for i in range(100):
+        for n, tracker in enumerate(trackers.values()):
+            tracker.add(i, start + 10 + (i * 7 + n) % 300)
+    for tracker in trackers.values():
+        tracker.checkpoint(100)
+        tracker.close()
+    storage.close()
+    storage = RocksDbSnapshotStorage(tmp_path / "state")
+    for n, partition in enumerate(("a/0", "a/1")):
+        tracker = make_tracker(clock, storage, partition)
+        assert tracker.index_cursor() == 100 and len(tracker) == 100
+        clock.set(start + 400)
+        got = tracker.pop_due(1000)
+        assert got == sorted(got) and sorted(d.offset for d in got) == list(range(100))
+        assert all(d.deliver_at == start + 10 + (d.offset * 7 + n) % 300 for d in got)
+        clock.set(start)
+    storage.close()
