@@ -6,6 +6,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
+
 from sidecar.outbound.records import (
     DELIVER_AT,
     ERROR_CODE,
@@ -114,7 +116,9 @@ def test_invalid_header_lands_on_dead_letter_topic_with_code_and_origin(
         )
 
 
+@pytest.mark.parametrize("tracker", ["bucket", "memory"])
 def test_kill_9_with_1000_pending_loses_nothing_and_delivers_nothing_early(
+    tracker: str,
     kafka: str,
     kafka_helper: KafkaHelper,
     topic_factory: Callable[..., str],
@@ -136,6 +140,8 @@ def test_kill_9_with_1000_pending_loses_nothing_and_delivers_nothing_early(
         f"crash-{topic}",
         "--commit-interval-ms",
         "100",
+        "--tracker",
+        tracker,
     ]
     log = tmp_path / "sidecar.log"
     first = sidecar_process(args, log)
