@@ -4,6 +4,7 @@ import os
 import signal
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -168,3 +169,30 @@ def test_kill_9_with_1000_pending_loses_nothing_and_delivers_nothing_early(
     finally:
         second.send_signal(signal.SIGTERM)
         assert second.wait(30) == 0, log.read_text()[-3000:]
+
+
+def test_interleaved_immediate_and_delayed_keep_order_with_concurrent_readers(
+    kafka: str,
+    kafka_helper: KafkaHelper,
+    topic_factory: Callable[..., str],
+    policy_file: Callable[[str], Path],
+    tmp_path: Path,
+) -> None:
+    topic = topic_factory("mixed")
+    settings = settings_for(kafka, policy_file(two_subscriptions(topic)), tmp_path)
+    with ThreadedSidecar(settings):
+        base = int(time.time() * 1000) + 2000
+        for i in range(1000):
+            headers = [("deliver-at", str(base + (i % 10) * 100))] if i % 2 else []
+            kafka_helper.produce(topic, f"{i}".encode(), headers=headers)
+        kafka_helper.flush()
+        with ThreadPoolExecutor(2) as pool:
+            results = list(pool.map(lambda sub: kafka_helper.read(f"{topic}.{sub}", 1000), ["billing", "shipping"]))
+    for records in results:
+        offsets = [int(r.headers[ORIGIN_OFFSET]) for r in records]
+        immediate = [o for o in offsets if o % 2 == 0]
+        delayed = [o for o in offsets if o % 2]
+        assert immediate == list(range(0, 1000, 2))  # inbound order
+        assert delayed == sorted(delayed, key=lambda o: (base + (o % 10) * 100, o))  # deliver-at, then FIFO
+        assert len(set(offsets)) == 1000
+        assert all(r.timestamp >= r.header_int(DELIVER_AT) for r in records)
