@@ -1,0 +1,247 @@
+"""Observing a run from outside: high watermarks, the sidecar's metrics, resident memory, outbound records.
+
+Everything here reads; nothing writes to the topics under test. The sidecar and the relay run in
+processes of their own, so what is sampled here costs them no GIL time (only the metrics scrape
+runs on the sidecar's HTTP thread, a few times a second).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import urllib.request
+import uuid
+from array import array
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import psutil  # type: ignore[import-untyped,unused-ignore]
+from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
+from confluent_kafka.admin import AdminClient, NewTopic
+
+DELIVER_AT = "delay-deliver-at"
+
+
+def now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+def create_topic(bootstrap: str, name: str, partitions: int) -> None:
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    admin.create_topics([NewTopic(name, partitions)])[name].result(30)
+
+
+class Watermarks:
+    """Sum of high watermarks of whole topics: how many records they hold (nothing is deleted here)."""
+
+    def __init__(self, bootstrap: str) -> None:
+        self._consumer = Consumer(
+            {"bootstrap.servers": bootstrap, "group.id": f"bench-watermarks-{uuid.uuid4().hex[:8]}"}
+        )
+        self._partitions: dict[str, int] = {}
+
+    def partitions(self, topic: str) -> int:
+        if topic not in self._partitions:
+            deadline = time.monotonic() + 30
+            while True:
+                metadata = self._consumer.list_topics(topic, timeout=10).topics.get(topic)
+                if metadata is not None and metadata.error is None and metadata.partitions:
+                    self._partitions[topic] = len(metadata.partitions)
+                    break
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"topic {topic} has no metadata after 30 s")
+                time.sleep(0.2)
+        return self._partitions[topic]
+
+    def total(self, topic: str) -> int:
+        return sum(self.ends(topic))
+
+    def ends(self, topic: str) -> list[int]:
+        return [
+            int(self._consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10, cached=False)[1])
+            for p in range(self.partitions(topic))
+        ]
+
+    def close(self) -> None:
+        self._consumer.close()
+
+
+@dataclass
+class Progress:
+    """When outbound topics first got a record and when they held every expected record."""
+
+    first_s: float | None = None
+    done_s: float | None = None
+    counts: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def completed(self) -> bool:
+        return self.done_s is not None
+
+
+def wait_for_outbound(
+    watermarks: Watermarks,
+    topics: list[str],
+    expected: int,
+    timeout_s: float,
+    poll_s: float = 0.05,
+    alive: Callable[[], bool] = lambda: True,
+) -> Progress:
+    """Poll until every topic holds `expected` records; times are time.monotonic() values."""
+    progress = Progress()
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and alive():
+        counts = {topic: watermarks.total(topic) for topic in topics}
+        stamp = time.monotonic()
+        progress.counts = counts
+        if progress.first_s is None and any(counts.values()):
+            progress.first_s = stamp
+        if all(n >= expected for n in counts.values()):
+            progress.done_s = stamp
+            return progress
+        time.sleep(poll_s)
+    return progress
+
+
+class RssSampler:
+    """Peak resident memory of one process (and its children), sampled on a thread."""
+
+    def __init__(self, pid: int, interval_s: float = 0.1) -> None:
+        self._process = psutil.Process(pid)
+        self._interval_s = interval_s
+        self._stop = threading.Event()
+        self.peak_bytes = 0
+        self._thread = threading.Thread(target=self._run, name=f"rss-{pid}", daemon=True)
+
+    def start(self) -> RssSampler:
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                rss = self._process.memory_info().rss
+                for child in self._process.children(recursive=True):
+                    rss += child.memory_info().rss
+            except psutil.Error:
+                return
+            self.peak_bytes = max(self.peak_bytes, rss)
+            self._stop.wait(self._interval_s)
+
+    def stop(self) -> float:
+        """Peak RSS in MiB."""
+        self._stop.set()
+        self._thread.join(5)
+        return self.peak_bytes / 2**20
+
+
+def scrape(port: int, timeout_s: float = 2.0) -> dict[str, float]:
+    """The sidecar's Prometheus samples as {'name{labels}': value}."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=timeout_s) as response:
+        text = response.read().decode()
+    samples: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name, _, value = line.rpartition(" ")
+        try:
+            samples[name] = float(value)
+        except ValueError:
+            continue
+    return samples
+
+
+def metric_sum(samples: dict[str, float], name: str) -> float:
+    """Sum of one metric over all its label sets."""
+    return sum(v for k, v in samples.items() if k == name or k.startswith(name + "{"))
+
+
+class MetricsRecorder:
+    """Scrapes the sidecar a few times a second: (monotonic time, {metric: value summed over labels})."""
+
+    NAMES = (
+        "delay_sidecar_messages_in_total",
+        "delay_sidecar_messages_delayed_total",
+        "delay_sidecar_messages_delivered_total",
+    )
+
+    def __init__(self, port: int, interval_s: float = 0.25) -> None:
+        self._port = port
+        self._interval_s = interval_s
+        self._stop = threading.Event()
+        self.series: list[tuple[float, dict[str, float]]] = []
+        self._thread = threading.Thread(target=self._run, name="metrics", daemon=True)
+
+    def start(self) -> MetricsRecorder:
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                samples = scrape(self._port)
+                self.series.append((time.monotonic(), {n: metric_sum(samples, n) for n in self.NAMES}))
+            except OSError:
+                pass
+            self._stop.wait(self._interval_s)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+    def rate(self, name: str, target: float) -> float | None:
+        """Records/s of a counter from its first non-zero sample to the first sample at `target`.
+
+        Without a sample at `target` (the run ended between scrapes), up to the last sample.
+        """
+        points = [(t, s[name]) for t, s in self.series]
+        first = next(((t, v) for t, v in points if v > 0), None)
+        last = next(((t, v) for t, v in points if v >= target), points[-1] if points else None)
+        if first is None or last is None or last[0] <= first[0]:
+            return None
+        return (last[1] - first[1]) / (last[0] - first[0])
+
+    def last(self, name: str) -> float:
+        return self.series[-1][1][name] if self.series else 0.0
+
+
+@dataclass
+class Deliveries:
+    """Outbound record timestamps (time of delivery) and their delay-deliver-at headers, epoch ms."""
+
+    delivered_ms: array[int] = field(default_factory=lambda: array("q"))
+    deliver_at_ms: array[int] = field(default_factory=lambda: array("q"))
+
+
+def read_deliveries(bootstrap: str, topic: str, watermarks: Watermarks, into: Deliveries | None = None) -> Deliveries:
+    """Read a whole outbound topic from the start to its high watermarks."""
+    out = into or Deliveries()
+    ends = watermarks.ends(topic)
+    consumer = Consumer(
+        {
+            "bootstrap.servers": bootstrap,
+            "group.id": f"bench-reader-{uuid.uuid4().hex[:8]}",
+            "enable.auto.commit": False,
+            "enable.partition.eof": False,
+        }
+    )
+    remaining = {p: end for p, end in enumerate(ends) if end > 0}
+    consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in remaining])
+    delivered, deliver_at = out.delivered_ms, out.deliver_at_ms
+    deadline = time.monotonic() + 300
+    try:
+        while remaining and time.monotonic() < deadline:
+            for m in consumer.consume(10_000, 0.5):
+                if m.error() is not None:
+                    continue
+                for name, value in reversed(m.headers() or ()):
+                    if name == DELIVER_AT:
+                        delivered.append(m.timestamp()[1])
+                        deliver_at.append(int(value))
+                        break
+                partition = m.partition()
+                if m.offset() + 1 >= remaining.get(partition, 0):
+                    remaining.pop(partition, None)
+    finally:
+        consumer.close()
+    return out

@@ -1,0 +1,161 @@
+"""Child processes of a bench run: the sidecar, the ceiling relay, the load generator, py-spy."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.probe import scrape
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class Child:
+    """A child process with its output in a log file; stop() asks politely, then kills."""
+
+    def __init__(self, argv: list[str], log: Path) -> None:
+        self.argv = argv
+        self.log = log
+        with log.open("ab") as out:
+            self.process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def stop(self, timeout_s: float = 60.0) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        return self.process.returncode
+
+    def tail(self, chars: int = 2000) -> str:
+        return self.log.read_text(errors="replace")[-chars:] if self.log.exists() else ""
+
+
+def start_sidecar(bootstrap: str, policies: Path, state_dir: Path, metrics_port: int, group: str, log: Path) -> Child:
+    state_dir.mkdir(parents=True, exist_ok=True)
+    child = Child(
+        [
+            sys.executable,
+            "-m",
+            "sidecar",
+            "run",
+            "--bootstrap-servers",
+            bootstrap,
+            "--policies",
+            str(policies),
+            "--state-dir",
+            str(state_dir),
+            "--metrics-port",
+            str(metrics_port),
+            "--group-id",
+            group,
+            "--log-level",
+            "WARNING",
+        ],
+        log,
+    )
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if not child.alive():
+            raise RuntimeError(f"the sidecar exited with code {child.process.returncode}:\n{child.tail()}")
+        try:
+            scrape(metrics_port, timeout_s=0.5)
+            return child
+        except OSError:
+            time.sleep(0.1)
+    child.stop()
+    raise RuntimeError(f"the sidecar's metrics endpoint did not answer within 60 s:\n{child.tail()}")
+
+
+def start_relay(bootstrap: str, inbound: str, outbound: str, group: str, log: Path) -> Child:
+    return Child(
+        [
+            sys.executable,
+            "-m",
+            "bench.relay",
+            "--bootstrap",
+            bootstrap,
+            "--inbound",
+            inbound,
+            "--outbound",
+            outbound,
+            "--group",
+            group,
+        ],
+        log,
+    )
+
+
+def load_argv(
+    bootstrap: str, topic: str, records: int, mode: str = "none", base_ms: int = 0, window_ms: int = 0
+) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "bench.load",
+        "--bootstrap",
+        bootstrap,
+        "--topic",
+        topic,
+        "--records",
+        str(records),
+        "--mode",
+        mode,
+        "--base-ms",
+        str(base_ms),
+        "--window-ms",
+        str(window_ms),
+    ]
+
+
+def run_load(argv: list[str], log: Path, timeout_s: float = 600.0) -> dict[str, Any]:
+    """Run the load generator to the end; its stats."""
+    with log.open("ab") as err:
+        done = subprocess.run(argv, stdout=subprocess.PIPE, stderr=err, cwd=ROOT, timeout=timeout_s, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"the load generator failed with code {done.returncode}; see {log}")
+    stats: dict[str, Any] = json.loads(done.stdout.decode().strip().splitlines()[-1])
+    return stats
+
+
+def start_load(argv: list[str], log: Path) -> subprocess.Popen[bytes]:
+    with log.open("ab") as err:
+        return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, cwd=ROOT)
+
+
+def finish_load(process: subprocess.Popen[bytes], timeout_s: float = 600.0) -> dict[str, Any]:
+    out, _ = process.communicate(timeout=timeout_s)
+    if process.returncode != 0:
+        raise RuntimeError(f"the load generator failed with code {process.returncode}")
+    stats: dict[str, Any] = json.loads(out.decode().strip().splitlines()[-1])
+    return stats
+
+
+def py_spy() -> str | None:
+    found = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    return found if Path(found).exists() else None
+
+
+def start_profiler(pid: int, out: Path, log: Path) -> Child | None:
+    """py-spy sampling the sidecar at 100 Hz, collapsed stacks (flamegraph input), until it exits."""
+    binary = py_spy()
+    if binary is None:
+        return None
+    return Child(
+        [binary, "record", "--pid", str(pid), "--rate", "100", "--format", "raw", "--nonblocking", "-o", str(out)], log
+    )

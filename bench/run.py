@@ -1,0 +1,122 @@
+"""End-to-end benchmark of the delay sidecar against a bare Kafka relay (the ceiling).
+
+Usage: .venv/bin/python -m bench [--quick] [--records N] [--scenarios ceiling,passthrough,...]
+                                 [--plot] [--profile delayed,...] [--out bench/results/e2e.json]
+
+Starts a fresh embedded broker (noida-db), runs the scenarios in order, prints a markdown table and
+writes it with every figure to bench/results/e2e.json (and a lateness chart with --plot). The
+sidecar and the relay run as processes of their own; see bench/scenarios.py for what is timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import FrameType
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.report import environment, markdown, plot, write_json
+from bench.scenarios import RUNNERS, SCENARIOS, Context, Result, Sizes
+from sidecar.broker.embedded import EmbeddedBroker, free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_OUT = ROOT / "bench" / "results" / "e2e.json"
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="small sizes (a smoke test, well under a minute)")
+    parser.add_argument("--records", type=int, help="records of every scenario (the burst gets half)")
+    parser.add_argument(
+        "--scenarios", default=",".join(SCENARIOS), help=f"comma-separated subset of {','.join(SCENARIOS)}"
+    )
+    parser.add_argument("--window-s", type=float, help="delays of the delayed scenario are uniform in [0, this)")
+    parser.add_argument("--fixed-delay-s", type=float, help="fixed_delivery_delay of the fixed-delay topic")
+    parser.add_argument("--partitions", type=int, help="partitions of each inbound topic (default 3)")
+    parser.add_argument("--plot", action="store_true", help="also draw lateness over time (PNG next to the JSON)")
+    parser.add_argument("--profile", default="", help="scenarios whose sidecar py-spy samples (py-spy installed)")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON results file")
+    parser.add_argument("--keep", action="store_true", help="keep the work dir (broker data, logs, profiles)")
+    args = parser.parse_args(argv)
+    unknown = {s for s in args.scenarios.split(",") if s} - set(SCENARIOS)
+    if unknown:
+        parser.error(f"unknown scenarios {sorted(unknown)}; choose from {','.join(SCENARIOS)}")
+    return args
+
+
+def sizes_for(args: argparse.Namespace) -> Sizes:
+    sizes = Sizes.quick() if args.quick else Sizes()
+    if args.records:
+        sizes.scaled(args.records)
+    if args.window_s is not None:
+        sizes.window_ms = int(args.window_s * 1000)
+    if args.fixed_delay_s is not None:
+        sizes.fixed_delay_ms = int(args.fixed_delay_s * 1000)
+    if args.partitions:
+        sizes.partitions = args.partitions
+    return sizes
+
+
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    # SIGTERM, and SIGINT in a background job (where the shell ignores it), must still stop the
+    # sidecar, the relay and the broker this run started: unwind through the finally blocks.
+    signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGINT, _interrupt)
+    command = shlex.join([".venv/bin/python", "-m", "bench", *(sys.argv[1:] if argv is None else argv)])
+    sizes = sizes_for(args)
+    wanted = [s for s in SCENARIOS if s in args.scenarios.split(",")]
+    workdir = Path(tempfile.mkdtemp(prefix="bench-e2e-"))
+    results: list[Result] = []
+    started = time.monotonic()
+    try:
+        with EmbeddedBroker(workdir / "broker", port=free_port()) as broker:
+            env = environment(broker.bootstrap_servers, command)
+            ctx = Context(broker.bootstrap_servers, workdir, sizes, profile=set(args.profile.split(",")) - {""})
+            for name in wanted:
+                print(f"[bench] {name} ...", file=sys.stderr, flush=True)
+                t0 = time.monotonic()
+                result = RUNNERS[name](ctx)
+                results.append(result)
+                print(
+                    f"[bench] {name} done in {time.monotonic() - t0:.1f}s completed={result.completed} "
+                    f"{result.figures}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            if ctx.watermarks is not None:
+                ctx.watermarks.close()
+        env["duration_s"] = round(time.monotonic() - started, 1)
+        table = markdown(env, results)
+        print(table)
+        write_json(args.out, env, results, table)
+        print(f"\nwritten: {args.out}", file=sys.stderr)
+        if args.plot and plot(args.out.with_suffix(".png"), results):
+            print(f"written: {args.out.with_suffix('.png')}", file=sys.stderr)
+        profiles = [r.figures["profile"] for r in results if r.figures.get("profile")]
+        for profile in profiles:
+            target = args.out.parent / Path(profile).name
+            shutil.copy(profile, target)
+            print(f"profile: {target} (summary: .venv/bin/python -m bench.profile_summary {target})", file=sys.stderr)
+    finally:
+        if args.keep:
+            print(f"work dir kept: {workdir}", file=sys.stderr)
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
+    return 0 if results and all(r.completed for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

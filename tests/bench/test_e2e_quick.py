@@ -1,0 +1,48 @@
+"""Smoke test of the end-to-end benchmark at --quick sizes: it runs, completes and reports.
+
+No timing is asserted: the machine is shared and the sizes are tiny. Every scenario must deliver
+every record, and the markdown table and the JSON file must come out.
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.scenarios import SCENARIOS
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_quick_run_delivers_every_record_and_prints_the_table(tmp_path: Path) -> None:
+    out = tmp_path / "e2e.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "bench", "--quick", "--plot", "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=280,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "| scenario | records |" in done.stdout
+    for name in SCENARIOS:
+        assert f"| {name} |" in done.stdout, done.stdout
+    assert "- commit: `" in done.stdout and "- machine: " in done.stdout and "- date: " in done.stdout
+
+    results = json.loads(out.read_text())
+    assert [s["name"] for s in results["scenarios"]] == list(SCENARIOS)
+    for scenario in results["scenarios"]:
+        assert scenario["completed"], scenario
+        assert all(n == scenario["records"] for n in scenario["delivered"].values()), scenario
+        assert scenario["figures"].get("peak_rss_mib"), scenario
+    for name in ("delayed", "burst", "fixed"):
+        [scenario] = [s for s in results["scenarios"] if s["name"] == name]
+        assert scenario["figures"]["early_records"] == 0, "a record was delivered before its deliver-at"
+        assert scenario["figures"]["lateness_read"] == 2 * scenario["records"]
+    assert results["table"] in done.stdout
+    assert out.with_suffix(".png").exists()
