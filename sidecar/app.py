@@ -138,6 +138,7 @@ class SidecarApp:
                 batch_size=settings.batch_size,
                 new_topic_partitions=settings.new_topic_partitions,
                 control_topic=settings.control_topic,
+                read_ahead_ms=settings.read_ahead_ms,
             )
             if settings.metrics_port:
                 self.status = StatusServer(

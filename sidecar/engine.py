@@ -32,6 +32,7 @@ from sidecar.control.commands import (
     parse_command,
 )
 from sidecar.control.nacks import LatestNacks
+from sidecar.dispatch.dispatcher import Dispatcher
 from sidecar.dispatch.reader import LogReader, TopicPartitionKey
 from sidecar.errors import BrokerError, RejectedRecord, SidecarError
 from sidecar.kafka_io import consume_batch
@@ -49,7 +50,7 @@ TrackerFactory = Callable[[str, int], DelayedDeliveryTracker]
 # is noticed. Due deliveries wake the loop earlier by shortening the wait.
 MAX_WAIT_S = 0.1
 # Most due entries dispatched per loop turn, so intake keeps flowing while a burst drains.
-MAX_DISPATCH = 50_000
+MAX_NACK_DISPATCH = 50_000
 # How often topic retention.ms is re-read for EXCEEDS_RETENTION.
 RETENTION_REFRESH_S = 60.0
 FLUSH_TIMEOUT_S = 30.0
@@ -93,10 +94,12 @@ class _Routes:
     route: TopicRoute
     delayed: list[tuple[str, str]] = field(default_factory=list)
     ordered: list[tuple[str, str]] = field(default_factory=list)
+    plain: bool = False
+    """A record without headers is delivered at once: delays are on and no fixed delay applies."""
 
     @classmethod
     def of(cls, route: TopicRoute) -> "_Routes":
-        routes = cls(route)
+        routes = cls(route, plain=route.delay.is_enabled and route.delay.fixed_ms == 0)
         for sub in route.subscriptions:
             (routes.ordered if sub.ordered else routes.delayed).append((sub.name, sub.outbound))
         return routes
@@ -117,6 +120,7 @@ class Sidecar:
         batch_size: int = 10_000,
         new_topic_partitions: int = 3,
         control_topic: str = "delay-sidecar.control",
+        read_ahead_ms: int = 2_000,
     ) -> None:
         self._client_config = client_config
         self._policies = policies
@@ -161,7 +165,13 @@ class Sidecar:
             logger=self._librdkafka_logger,
         )
         self._admin = AdminClient(client_config)
+        self._ahead_reader = LogReader(client_config, self._stop)
         self._reader = LogReader(client_config, self._stop)
+        self._dispatcher = Dispatcher(
+            self._ahead_reader, self._reader, self._deliver_delayed, self.clock, read_ahead_ms
+        )
+        self._delivered_children: dict[tuple[str, str], Any] = {}
+        self._lateness_children: dict[str, Any] = {}
         self._partitions: dict[TopicPartitionKey, PartitionState] = {}
         self._subscribed: frozenset[str] = frozenset()
         self._routes: dict[str, _Routes] = {}
@@ -194,7 +204,7 @@ class Sidecar:
                 policies = self._policies()  # one generation judges this whole batch
                 if policies.generation != self._routes_generation:
                     self._apply_policies(policies)
-                self._dispatch_due(policies)  # due first: after a restart, what fell due while down goes out first
+                self._dispatch_due()  # due first: after a restart, what fell due while down goes out first
                 records = consume_batch(self._consumer, self._batch_size, self._wait_s())
                 if records:
                     self._intake(records, policies)
@@ -217,6 +227,8 @@ class Sidecar:
                 self._failed = True
                 self._consumer.close()
         finally:
+            self._dispatcher.close()
+            self._reader.close()
             self._reader.close()
             self._producer.flush(FLUSH_TIMEOUT_S)
 
@@ -335,6 +347,7 @@ class Sidecar:
     def _drop(self, partitions: list[TopicPartition]) -> None:
         for tp in partitions:
             state = self._partitions.pop((tp.topic, tp.partition), None)
+            self._dispatcher.forget((tp.topic, tp.partition))
             if state is not None:
                 state.tracker.close()
                 if state.control:
@@ -343,19 +356,31 @@ class Sidecar:
     # ----------------------------------------------------------------- intake
 
     def _wait_s(self) -> float:
-        next_times = [t for s in self._partitions.values() if (t := s.tracker.next_delivery_time()) is not None]
-        if not next_times:
-            return MAX_WAIT_S
-        wait = min(max((min(next_times) - self.clock.now_ms()) / 1000, 0.0), MAX_WAIT_S)
+        """How long intake may block: until the next staged send, read-ahead pop or nack falls due."""
+        inbound = {k: s.tracker for k, s in self._partitions.items() if not s.control}
+        times = [
+            t for s in self._partitions.values() if s.control and (t := s.tracker.next_delivery_time()) is not None
+        ]
+        wake = self._dispatcher.next_wake_ms(inbound)
+        if wake is not None:
+            times.append(wake)
+        wait = MAX_WAIT_S if not times else min(max((min(times) - self.clock.now_ms()) / 1000, 0.0), MAX_WAIT_S)
         # A tracker whose next segment failed to load reports a due entry it cannot pop yet: wait
         # for its retry rather than spin.
         return max(wait, self._stalled_until - time.monotonic())
 
     def _intake(self, records: list[Message], policies: PolicySet) -> None:
+        """Judge each record once and send it on, index it, or dead-letter it.
+
+        This is the hot path of pass-through traffic: counts are kept per batch, and a record
+        with no headers on a topic without a fixed delay skips the policy evaluation.
+        """
         now = self.clock.now_ms()
-        send = self._send
+        produce = self._producer.produce
         counts_in: Counter[str] = Counter()
-        delivered: Counter[tuple[str, str]] = Counter()
+        counts_delayed: Counter[str] = Counter()
+        sent_delayed_subs: Counter[str] = Counter()
+        sent_ordered_subs: Counter[str] = Counter()
         for record in records:
             error = record.error()
             if error is not None:
@@ -374,44 +399,58 @@ class Sidecar:
             publish_ms = record.timestamp()[1]
             if publish_ms <= 0:
                 publish_ms = now
-            route = routes.route
             if state.rebuild is not None:
                 self._rebuild_one(record, state, state.rebuild, routes, publish_ms, now)
                 state.next_offset = offset + 1
                 continue
-            try:
-                decision = decide(route.delay, headers, publish_ms, self._retention_ms.get(topic))
-            except RejectedRecord as rejected:
-                self._dead_letter(record, route, rejected)
-                state.next_offset = offset + 1
-                continue
-            if decision.overridden:
-                self.metrics.fixed_delay_overridden.labels(topic, route.namespace or "").inc()
-            if decision.disabled:
-                self.metrics.delay_disabled.labels(topic, route.namespace or "").inc()
-            deliver_at = decision.deliver_at
+            if headers is None and routes.plain:
+                deliver_at = None
+            else:
+                route = routes.route
+                try:
+                    decision = decide(route.delay, headers, publish_ms, self._retention_ms.get(topic))
+                except RejectedRecord as rejected:
+                    self._dead_letter(record, route, rejected)
+                    state.next_offset = offset + 1
+                    continue
+                if decision.overridden:
+                    self.metrics.fixed_delay_overridden.labels(topic, route.namespace or "").inc()
+                if decision.disabled:
+                    self.metrics.delay_disabled.labels(topic, route.namespace or "").inc()
+                deliver_at = decision.deliver_at
             key, value = record.key(), record.value()
             delayed = routes.delayed
             if deliver_at is not None and deliver_at > now and delayed and state.tracker.add(offset, deliver_at):
-                self.metrics.messages_delayed.labels(topic).inc()
+                counts_delayed[topic] += 1
+                if self._dispatcher.near(deliver_at, now):
+                    self._dispatcher.keep_payload((topic, partition), offset, record)
                 delayed = []
             if delayed:
                 out_headers = outbound_headers(headers, topic, partition, offset, deliver_at or publish_ms)
-                for sub, outbound in delayed:
-                    send(outbound, key, value, out_headers)
-                    delivered[(topic, sub)] += 1
+                for _, outbound in delayed:
+                    try:
+                        produce(outbound, value, key, headers=out_headers)
+                    except BufferError:
+                        self._send(outbound, key, value, out_headers)
+                sent_delayed_subs[topic] += 1
             if routes.ordered:
                 # Exclusive and failover subscriptions ignore delays: their deliver-at is the publish time.
                 out_headers = outbound_headers(headers, topic, partition, offset, publish_ms)
-                for sub, outbound in routes.ordered:
-                    send(outbound, key, value, out_headers)
-                    delivered[(topic, sub)] += 1
+                for _, outbound in routes.ordered:
+                    self._send(outbound, key, value, out_headers)
+                sent_ordered_subs[topic] += 1
             state.next_offset = offset + 1
         self._producer.poll(0)
         for topic, n in counts_in.items():
             self.metrics.messages_in.labels(topic).inc(n)
-        for (topic, sub), n in delivered.items():
-            self.metrics.delivered.labels(topic, sub).inc(n)
+        for topic, n in counts_delayed.items():
+            self.metrics.messages_delayed.labels(topic).inc(n)
+        for topic, n in sent_delayed_subs.items():
+            for sub, _ in self._routes[topic].delayed:
+                self._delivered_child(topic, sub).inc(n)
+        for topic, n in sent_ordered_subs.items():
+            for sub, _ in self._routes[topic].ordered:
+                self._delivered_child(topic, sub).inc(n)
 
     def _rebuild_one(
         self, record: Message, state: PartitionState, rebuild: Rebuild, routes: _Routes, publish_ms: int, now: int
@@ -616,50 +655,73 @@ class Sidecar:
 
     # ----------------------------------------------------------------- dispatch
 
-    def _dispatch_due(self, policies: PolicySet) -> None:
-        wanted: dict[TopicPartitionKey, list[int]] = {}
-        deliver_at: dict[TopicPartitionKey, dict[int, int]] = {}
+    def _dispatch_due(self) -> None:
+        inbound: dict[TopicPartitionKey, DelayedDeliveryTracker] = {}
         nacks: dict[TopicPartitionKey, dict[int, int]] = {}
         for key, state in self._partitions.items():
-            if state.tracker.has_message_available():
-                due = state.tracker.pop_due(MAX_DISPATCH)
-                if not due:
-                    self._stalled_until = time.monotonic() + STALL_WAIT_S
-                    continue
-                if state.control:
+            if not state.control:
+                inbound[key] = state.tracker
+            elif state.tracker.has_message_available():
+                due = state.tracker.pop_due(MAX_NACK_DISPATCH)
+                if due:
                     nacks[key] = {d.offset: d.deliver_at for d in due}
                 else:
-                    wanted[key] = [d.offset for d in due]
-                    deliver_at[key] = {d.offset: d.deliver_at for d in due}
+                    self._stalled_until = time.monotonic() + STALL_WAIT_S
         if nacks:
             self._dispatch_nacks(nacks)
-        if not wanted:
-            return
-        delivered: Counter[tuple[str, str]] = Counter()
-        for (topic, partition), offset, record in self._reader.read(wanted):
-            due_at = deliver_at[(topic, partition)][offset]
-            routes = self._routes.get(topic)
+        self._dispatcher.turn(inbound)
+        self._producer.poll(0)
+
+    def _deliver_delayed(self, partition: TopicPartitionKey, due: list[tuple[int, int, Message | None]]) -> None:
+        """Send due records to every subscription that honours delays (called by the dispatcher).
+
+        One call per partition and turn, so counters and the clock are touched once per batch: this
+        loop runs for every delayed record.
+        """
+        topic, number = partition
+        routes = self._routes.get(topic)
+        produce = self._producer.produce
+        lateness = self._lateness_child(topic).observe
+        now = self.clock.now_ms()
+        sent = 0
+        for deliver_at, offset, record in due:
             if record is None:
                 self.metrics.lost.labels(topic).inc()
                 logger.error(
                     "due record missing from the log topic=%s partition=%d offset=%d deliver_at=%d; "
                     "raise the topic's retention.ms above its longest delay",
                     topic,
-                    partition,
+                    number,
                     offset,
-                    due_at,
+                    deliver_at,
                 )
                 continue
             if routes is None:
                 continue  # the topic left the policies: its subscriptions are gone (README: removal)
-            headers = outbound_headers(record.headers(), topic, partition, offset, due_at)
-            for sub, outbound in routes.delayed:
-                self._send(outbound, record.key(), record.value(), headers)
-                delivered[(topic, sub)] += 1
-            self.metrics.lateness.labels(topic).observe(max(self.clock.now_ms() - due_at, 0) / 1000)
-        self._producer.poll(0)
-        for (topic, sub), n in delivered.items():
-            self.metrics.delivered.labels(topic, sub).inc(n)
+            headers = outbound_headers(record.headers(), topic, number, offset, deliver_at)
+            key, value = record.key(), record.value()
+            for _, outbound in routes.delayed:
+                try:
+                    produce(outbound, value, key, headers=headers)
+                except BufferError:
+                    self._send(outbound, key, value, headers)
+            lateness((now - deliver_at) / 1000 if now > deliver_at else 0.0)
+            sent += 1
+        if sent and routes is not None:
+            for sub, _ in routes.delayed:
+                self._delivered_child(topic, sub).inc(sent)
+
+    def _delivered_child(self, topic: str, sub: str) -> Any:
+        child = self._delivered_children.get((topic, sub))
+        if child is None:
+            child = self._delivered_children[(topic, sub)] = self.metrics.delivered.labels(topic, sub)
+        return child
+
+    def _lateness_child(self, topic: str) -> Any:
+        child = self._lateness_children.get(topic)
+        if child is None:
+            child = self._lateness_children[topic] = self.metrics.lateness.labels(topic)
+        return child
 
     # ----------------------------------------------------------------- checkpoint
 

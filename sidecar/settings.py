@@ -92,6 +92,11 @@ class RunSettings(KafkaSettings):
     commit_interval_ms: int = Field(
         1000, ge=10, description="How often delivered and indexed inbound offsets are committed"
     )
+    read_ahead_ms: int = Field(
+        2_000,
+        ge=0,
+        description="How far ahead of their deliver-at due records are read back from the log (never sent early)",
+    )
     batch_size: int = Field(10_000, ge=1, description="Most records read per poll of the inbound topics")
     new_topic_partitions: int = Field(
         3, ge=1, description="Partitions of inbound topics the sidecar creates because they did not exist"

@@ -45,6 +45,15 @@ class DelayedDeliveryTracker(ABC):
         """
 
     @abstractmethod
+    def peek(self, after: Due | None, until_ms: int, max_messages: int) -> list[Due]:
+        """Entries due by until_ms and after `after` (in deliver-at, offset order), without removing them.
+
+        For reading payloads ahead of their time: the caller remembers the last entry it saw and
+        asks again from there. Entries that are not in memory yet (an unloaded snapshot segment)
+        may be left out; the caller reads those when they are popped.
+        """
+
+    @abstractmethod
     def contains(self, offset: int) -> bool: ...
 
     @abstractmethod

@@ -44,6 +44,21 @@ class InMemoryTracker(DelayedDeliveryTracker):
             due.append(Due(key >> _OFFSET_BITS, offset))
         return due
 
+    def peek(self, after: Due | None, until_ms: int, max_messages: int) -> list[Due]:
+        # Walk the heap from the root, pruning subtrees whose root is already past the limit: the
+        # cost follows the number of entries due by until_ms, not the size of the heap.
+        low = after.deliver_at << _OFFSET_BITS | after.offset if after is not None else -1
+        limit = (until_ms + 1) << _OFFSET_BITS
+        heap, found, stack = self._heap, list[int](), [0]
+        while stack:
+            i = stack.pop()
+            if i < len(heap) and heap[i] < limit:
+                if heap[i] > low:
+                    found.append(heap[i])
+                stack += (2 * i + 1, 2 * i + 2)
+        found.sort()
+        return [Due(key >> _OFFSET_BITS, key & _OFFSET_MASK) for key in found[:max_messages]]
+
     def contains(self, offset: int) -> bool:
         return offset in self._pending
 

@@ -296,6 +296,82 @@ def test_merge_with_few_max_buckets(clock: ManualClock, storage: FakeSnapshotSto
     assert got == want and len(got) == 250
 
 
+def test_merge_takes_four_adjacent_buckets_with_fewest_pending(
+    clock: ManualClock, storage: FakeSnapshotStorage, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Pulsar merges up to 4 adjacent buckets, fewest pending first; pops not yet durable survive it."""
+    caplog.set_level(logging.INFO, logger="sidecar.tracker.bucket.tracker")
+    start = clock.now_ms()
+    tracker = make_tracker(clock, storage, max_buckets=50)
+    expected = []
+    for i in range(60):
+        # Buckets 5 and 6 (offsets 40..59) hold the earliest entries: popping them leaves them smaller.
+        at = start + 10 + i % 10 if i >= 40 else start + 1000 + i
+        tracker.add(i, at)
+        expected.append(Due(at, i))
+    assert tracker.seal() and tracker.stats().buckets == 6
+    tracker.checkpoint(60)
+    clock.set(start + 14)
+    popped = tracker.pop_due(100)
+    assert [d.offset for d in popped] == [40, 50, 41, 51, 42, 52, 43, 53, 44, 54]
+    assert tracker.merge()
+    meta = storage.load_partition("orders/0")
+    assert meta is not None and meta.bucket_ids == [1, 2, 7]
+    assert any("buckets=3,4,5,6 into=7 entries=40" in r.message for r in caplog.records)
+    assert len(tracker) == 50 and all(tracker.contains(i) == (i % 10 >= 5) for i in range(40, 60))
+    # A crash before the next checkpoint: the five pops were not durable, so they come back.
+    crashed = make_tracker(clock, storage, max_buckets=50)
+    assert len(crashed) == 60
+    clock.set(start + 2000)
+    assert crashed.pop_due(1000) == sorted(expected)
+    clock.set(start + 14)
+    tracker.checkpoint(60)
+    recovered = make_tracker(clock, storage, max_buckets=50)
+    assert len(recovered) == 50
+    clock.set(start + 2000)
+    assert recovered.pop_due(1000) == sorted(expected)[10:]
+
+
+def test_merges_over_the_limit_go_four_at_a_time(clock: ManualClock, storage: FakeSnapshotStorage) -> None:
+    start = clock.now_ms()
+    tracker = make_tracker(clock, storage, max_buckets=6)
+    for i in range(80):
+        tracker.add(i, start + 10 + (i * 37) % 500)
+    # 7 sealed buckets is one over the limit: one merge of 4 leaves 4, not 6.
+    assert tracker.stats().buckets == 4
+    assert tracker.stats().ops[("merge", "succeed")] == 1
+    tracker.checkpoint(80)
+    recovered = make_tracker(clock, storage, max_buckets=6)
+    got = drain(recovered, clock, start + 600)
+    assert sorted(d.offset for d in got) == list(range(80)) and ordered(got)
+
+
+def test_merge_reads_sources_in_chunks(
+    clock: ManualClock, storage: FakeSnapshotStorage, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A merge reads a few segments per storage call; the order and the pops must not depend on it."""
+    monkeypatch.setattr("sidecar.tracker.bucket.tracker._READ_CHUNK", 3)
+    rng = random.Random(3)
+    start = clock.now_ms()
+    tracker = make_tracker(clock, storage, max_buckets=3, time_step_ms=10, max_indexes_per_segment=2)
+    model = InMemoryTracker(clock)
+    got: list[Due] = []
+    want: list[Due] = []
+    for i in range(400):
+        at = clock.now_ms() + 1 + rng.randrange(800)
+        assert tracker.add(i, at) == model.add(i, at)
+        if i % 30 == 0:
+            clock.advance(rng.randrange(40))
+            got += tracker.pop_due(1000)
+            want += model.pop_due(1000)
+            if i % 60 == 0:
+                tracker.checkpoint(i + 1)
+    assert tracker.stats().ops[("merge", "succeed")] > 10
+    got += drain(tracker, clock, start + 2000)
+    want += drain(model, clock, start + 2000)
+    assert got == want and len(got) == 400
+
+
 def test_fully_delivered_buckets_are_deleted(clock: ManualClock, storage: FakeSnapshotStorage) -> None:
     start = clock.now_ms()
     tracker = make_tracker(clock, storage, max_buckets=50)
@@ -325,6 +401,29 @@ def test_delivered_segments_are_dropped_from_storage(clock: ManualClock, storage
     recovered = make_tracker(clock, storage, min_index_count=200, max_buckets=50)
     assert len(recovered) == 201 - 101
     assert [d.offset for d in drain(recovered, clock, start + 400)] == list(range(101, 201))
+
+
+def test_peek_shows_loaded_upcoming_entries_without_removing_them(
+    clock: ManualClock, storage: FakeSnapshotStorage
+) -> None:
+    tracker = make_tracker(clock, storage, max_buckets=50)
+    now = clock.now_ms()
+    delays = [300, 100, 500, 50, 100, 20, 40, 60, 80, 90, 95, 30, 35]
+    for offset, delay in enumerate(delays):
+        tracker.add(offset, now + delay)
+    assert tracker.stats().buckets == 1 and tracker.stats().mutable_indexes == 3
+    # Bucket 1's first segment (window [now, now + 50)) is loaded: 20, 40; the mutable holds 30, 35, 95.
+    assert tracker.peek(None, now + 40, 10) == [
+        Due(now + 20, 5),
+        Due(now + 30, 11),
+        Due(now + 35, 12),
+        Due(now + 40, 6),
+    ]
+    assert tracker.peek(Due(now + 30, 11), now + 40, 2) == [Due(now + 35, 12), Due(now + 40, 6)]
+    assert tracker.peek(None, now + 19, 10) == []
+    assert len(tracker) == len(delays)
+    clock.advance(1000)
+    assert tracker.pop_due(100) == sorted(Due(now + d, o) for o, d in enumerate(delays))
 
 
 # -- contains and re-adds ----------------------------------------------------------------------
@@ -584,7 +683,8 @@ def test_loaded_memory_is_bounded(clock: ManualClock, storage: FakeSnapshotStora
         tracker.add(i, start + 1 + rng.randrange(10_000))
         stats = tracker.stats()
         assert stats.loaded_indexes <= stats.mutable_indexes + stats.buckets * 10
-    assert tracker.stats().buckets == 5 and len(tracker) == 5000
+    # 49 seals of 100: buckets grow to 5, then each 4-way merge takes them to 3, so 3, 4, 5, 3, ...
+    assert tracker.stats().buckets == 4 and len(tracker) == 5000
 
 
 def test_invalid_config_is_rejected(clock: ManualClock, storage: FakeSnapshotStorage) -> None:

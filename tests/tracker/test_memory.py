@@ -74,3 +74,19 @@ def test_readd_is_deduplicated_and_earliest_pending_tracks_the_log(clock: Manual
     clock.advance(10)
     tracker.pop_due(10)
     assert tracker.earliest_pending_offset() is None
+
+
+def test_peek_shows_upcoming_entries_without_removing_them(clock: ManualClock) -> None:
+    tracker = InMemoryTracker(clock)
+    now = clock.now_ms()
+    for offset, delay in [(1, 100), (2, 300), (3, 50), (4, 100), (5, 900)]:
+        tracker.add(offset, now + delay)
+    assert tracker.peek(None, now + 300, 10) == [
+        Due(now + 50, 3),
+        Due(now + 100, 1),
+        Due(now + 100, 4),
+        Due(now + 300, 2),
+    ]
+    assert tracker.peek(Due(now + 100, 1), now + 300, 10) == [Due(now + 100, 4), Due(now + 300, 2)]
+    assert tracker.peek(None, now + 1000, 2) == [Due(now + 50, 3), Due(now + 100, 1)]
+    assert len(tracker) == 5 and tracker.pop_due(10) == []

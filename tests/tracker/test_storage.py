@@ -28,6 +28,7 @@ from sidecar.tracker.storage import (
 )
 from sidecar.tracker.storage.kv import (
     FORMAT_KEY,
+    FORMAT_VERSION,
     decode_bucket_meta,
     decode_partition_meta,
     decode_segment,
@@ -52,9 +53,7 @@ def bucket_write(bucket_id: int, *segments: Segment) -> BucketWrite:
         min_offset=0,
         max_offset=99,
         seg_min_at=array("q", [s.deliver_at[0] for s in segments]),
-        seg_min_offset=array("Q", [s.offsets[0] for s in segments]),
         seg_max_at=array("q", [s.deliver_at[-1] for s in segments]),
-        seg_max_offset=array("Q", [s.offsets[-1] for s in segments]),
         seg_count=array("q", [len(s) for s in segments]),
     )
     return BucketWrite(meta, b"bitmap", dict(enumerate(segments)))
@@ -107,6 +106,26 @@ def test_rocksdb_batch_and_reopen(tmp_path: Path) -> None:
         reopened.load_segment("t/0", 1, 0)
     assert reopened.load_wal("t/0") == []
     reopened.close()
+
+
+def test_only_checkpoints_and_clears_are_synced() -> None:
+    """A seal, merge or delete is made durable by the next checkpoint, which syncs the writes before it."""
+    clock, storage = ManualClock(1_000_000), FakeSnapshotStorage()
+    tracker = make_tracker(clock, storage, max_buckets=1)
+    for i in range(11):
+        tracker.add(i, clock.now_ms() + 10 + i)
+    assert storage.calls["create"] == 1 and storage.last_sync is False
+    tracker.checkpoint(11)
+    assert storage.last_sync is True
+    for i in range(11, 21):
+        tracker.add(i, clock.now_ms() + 10 + i)
+    assert tracker.seal() and storage.calls["merge"] == 2 and storage.last_sync is False
+    clock.advance(100)
+    assert len(tracker.pop_due(100)) == 21
+    tracker.checkpoint(21)
+    assert storage.calls["delete"] == 1 and storage.last_sync is False
+    tracker.clear()
+    assert storage.calls["clear"] == 1 and storage.last_sync is True
 
 
 _WRITER = textwrap.dedent(
@@ -214,8 +233,49 @@ def test_foreign_format_version_and_owner(tmp_path: Path) -> None:
     db = rocksdict.Rdict(str(tmp_path / "s"), rocksdict.Options(raw_mode=True))
     db[FORMAT_KEY] = b'{"format": "delay-sidecar/bucket-tracker", "version": 99, "owner": null}'
     db.close()
-    with pytest.raises(StorageError, match=r"version 99.*this sidecar reads version 1"):
+    with pytest.raises(StorageError, match=rf"version 99.*this sidecar reads version {FORMAT_VERSION}"):
         RocksDbSnapshotStorage(tmp_path / "s")
+
+
+def test_state_dir_of_format_version_1_is_refused(tmp_path: Path) -> None:
+    """Version 1 kept per-segment offset columns; its state dir is moved aside, not misread."""
+    RocksDbSnapshotStorage(tmp_path / "s").close()
+    db = rocksdict.Rdict(str(tmp_path / "s"), rocksdict.Options(raw_mode=True))
+    db[FORMAT_KEY] = b'{"format": "delay-sidecar/bucket-tracker", "version": 1, "owner": null}'
+    db.close()
+    assert FORMAT_VERSION == 2
+    with pytest.raises(StorageError, match=r"version 1; this sidecar reads version 2.*move the state dir aside"):
+        RocksDbSnapshotStorage(tmp_path / "s")
+
+
+def test_bucket_meta_bounds_keys_by_deliver_at() -> None:
+    """Without offset columns, a segment's key bounds span every offset at its first/last deliver-at."""
+    write = bucket_write(1, segment((10, 7), (20, 3)), segment((30, 1)))
+    meta = write.meta
+    assert meta.min_key(0) == 10 << 64 and meta.max_key(0) == (20 << 64) + (1 << 64) - 1
+    assert meta.min_key(0) <= 10 << 64 | 7 and meta.max_key(0) >= 20 << 64 | 3 and meta.max_key(0) < meta.min_key(1)
+
+
+@pytest.mark.parametrize("kind", ["fake", "rocksdb"])
+def test_load_segments_reads_a_range(tmp_path: Path, kind: str) -> None:
+    storage = FakeSnapshotStorage() if kind == "fake" else RocksDbSnapshotStorage(tmp_path / "s", sync=False)
+    segments = [segment((10 * n, n), (10 * n + 1, 100 + n)) for n in range(5)]
+    other = [segment((1, 1))]
+    batch = SnapshotBatch("create", buckets=[bucket_write(1, *segments), bucket_write(2, *other)])
+    storage.write("t/0", batch)
+    assert storage.load_segments("t/0", 1, 0, 5) == segments
+    assert storage.load_segments("t/0", 1, 2, 4) == segments[2:4]
+    assert storage.load_segments("t/0", 2, 0, 1) == other
+    storage.write("t/0", SnapshotBatch("checkpoint", delete_segments=[(1, 3, 4)]))
+    with pytest.raises(StorageError, match="segment 3 of bucket 1"):
+        storage.load_segments("t/0", 1, 2, 5)
+    with pytest.raises(StorageError, match="segment 0 of bucket 3"):
+        storage.load_segments("t/0", 3, 0, 2)
+    if isinstance(storage, FakeSnapshotStorage):
+        storage.fail("load")
+        with pytest.raises(StorageError, match="injected load fault"):
+            storage.load_segments("t/0", 1, 0, 2)
+    storage.close()
 
 
 def test_data_of_another_partition(tmp_path: Path) -> None:

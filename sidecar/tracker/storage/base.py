@@ -56,6 +56,11 @@ class BucketMeta:
     The stored bitmap holds the offsets of the bucket's entries later than `bitmap_through`
     (a packed key), so recovery only re-reads the segments between it and the durable delivery
     point to know which offsets are still pending.
+
+    The segment table keeps the first and last deliver-at of each segment but not their offsets:
+    a bucket of a week of delays has ~2,000 segments, and every bucket's table stays in memory.
+    Deliver-at alone bounds a segment's keys (`min_key`/`max_key`), which is all the tracker
+    needs: a bound that is a little loose only makes it load or keep a segment it could skip.
     """
 
     bucket_id: int
@@ -64,14 +69,20 @@ class BucketMeta:
     min_offset: int
     max_offset: int
     seg_min_at: array[int] = field(default_factory=lambda: array("q"))
-    seg_min_offset: array[int] = field(default_factory=lambda: array("Q"))
     seg_max_at: array[int] = field(default_factory=lambda: array("q"))
-    seg_max_offset: array[int] = field(default_factory=lambda: array("Q"))
     seg_count: array[int] = field(default_factory=lambda: array("q"))
 
     @property
     def segment_count(self) -> int:
         return len(self.seg_count)
+
+    def min_key(self, segment: int) -> int:
+        """No key of the segment is lower than this."""
+        return self.seg_min_at[segment] << KEY_SHIFT
+
+    def max_key(self, segment: int) -> int:
+        """No key of the segment is higher than this."""
+        return self.seg_max_at[segment] << KEY_SHIFT | OFFSET_MASK
 
 
 @dataclass(slots=True)
@@ -129,6 +140,10 @@ class SnapshotStorage(ABC):
 
     @abstractmethod
     def load_segment(self, partition: str, bucket_id: int, segment: int) -> Segment: ...
+
+    @abstractmethod
+    def load_segments(self, partition: str, bucket_id: int, first: int, end: int) -> list[Segment]:
+        """Segments first..end-1 of a bucket, in one read: a merge reads thousands of small ones."""
 
     @abstractmethod
     def load_wal(self, partition: str) -> list[Segment]:

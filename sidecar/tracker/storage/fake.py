@@ -26,6 +26,8 @@ class FakeSnapshotStorage(KeyValueSnapshotStorage):
         self._faults: Counter[str] = Counter()
         self.calls: Counter[str] = Counter()
         """Attempts per operation kind, failed ones included."""
+        self.last_sync: bool | None = None
+        """Whether the last committed batch asked to be durable before returning."""
         self._check_marker(owner)
 
     def fail(self, kind: OpKind, count: int = 1) -> None:
@@ -49,6 +51,10 @@ class FakeSnapshotStorage(KeyValueSnapshotStorage):
         self._maybe_fail("load")
         return super().load_segment(partition, bucket_id, segment)
 
+    def load_segments(self, partition: str, bucket_id: int, first: int, end: int) -> list[Segment]:
+        self._maybe_fail("load")
+        return super().load_segments(partition, bucket_id, first, end)
+
     @property
     def key_count(self) -> int:
         return len(self._data)
@@ -64,7 +70,8 @@ class FakeSnapshotStorage(KeyValueSnapshotStorage):
         for key in list(self._data.irange(start, end, inclusive=(True, False))):
             yield key, self._data[key]
 
-    def _commit(self, ops: list[Op]) -> None:
+    def _commit(self, ops: list[Op], sync: bool = True) -> None:
+        self.last_sync = sync
         for kind, key, value in ops:
             if kind == "put":
                 self._data[key] = value

@@ -39,7 +39,9 @@ from sidecar.tracker.storage.base import (
 
 FORMAT_KEY = b"\x00format"
 FORMAT_NAME = "delay-sidecar/bucket-tracker"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""2: bucket metadata without per-segment offset columns. A version-1 state dir is refused with
+a message that says to move it aside; the tracker then rebuilds from the committed offsets."""
 PARTITION_TAG = b"p"
 META_TAG = b"m"
 WAL_TAG = b"w"
@@ -49,8 +51,20 @@ BUCKET_BITMAP_TAG = b"x"
 BUCKET_SEGMENT_TAG = b"s"
 
 _BUCKET_HEADER = struct.Struct(">BQQqQQQI")
-_BUCKET_META_VERSION = 1
+_BUCKET_META_VERSION = 2
+_META_COLUMNS = 3
 _LITTLE = sys.byteorder == "little"
+
+SYNCED_KINDS = frozenset({"checkpoint", "clear"})
+"""Batches that must reach the disk before write() returns.
+
+Only a checkpoint makes a promise the caller acts on (it commits inbound offsets up to the
+cursor it records), and a clear must not come back. A seal, merge or delete only reorganizes
+what a checkpoint made durable, with the root record's cursor and delivery point unchanged, so
+losing it to a power cut leaves a consistent older state. The store recovers a prefix of its
+writes (RocksDB's write-ahead log is replayed in order, and a synced write syncs the writes
+before it), so the next checkpoint makes them durable too. Syncing them costs a disk flush per
+seal and merge: about 25 ms of a 50,000-entry seal."""
 
 Op = tuple[str, bytes, bytes]
 """("put", key, value), ("del", key, b"") or ("range", start, end): applied in list order."""
@@ -111,16 +125,7 @@ def encode_bucket_meta(meta: BucketMeta) -> bytes:
         meta.max_offset,
         meta.segment_count,
     )
-    return b"".join(
-        [
-            header,
-            _le(meta.seg_min_at),
-            _le(meta.seg_min_offset),
-            _le(meta.seg_max_at),
-            _le(meta.seg_max_offset),
-            _le(meta.seg_count),
-        ]
-    )
+    return b"".join([header, _le(meta.seg_min_at), _le(meta.seg_max_at), _le(meta.seg_count)])
 
 
 def decode_bucket_meta(data: bytes) -> BucketMeta:
@@ -130,10 +135,10 @@ def decode_bucket_meta(data: bytes) -> BucketMeta:
     if version != _BUCKET_META_VERSION:
         raise ValueError(f"bucket metadata version {version}, expected {_BUCKET_META_VERSION}")
     view = memoryview(data)[_BUCKET_HEADER.size :]
-    if len(view) != count * 40:
+    if len(view) != count * 8 * _META_COLUMNS:
         raise ValueError(f"bucket metadata holds {len(view)} bytes for {count} segments")
     width = count * 8
-    cols = [view[i * width : (i + 1) * width] for i in range(5)]
+    cols = [view[i * width : (i + 1) * width] for i in range(_META_COLUMNS)]
     return BucketMeta(
         bucket_id=bucket_id,
         first_segment=first,
@@ -141,10 +146,8 @@ def decode_bucket_meta(data: bytes) -> BucketMeta:
         min_offset=min_offset,
         max_offset=max_offset,
         seg_min_at=_from_le("q", cols[0]),
-        seg_min_offset=_from_le("Q", cols[1]),
-        seg_max_at=_from_le("q", cols[2]),
-        seg_max_offset=_from_le("Q", cols[3]),
-        seg_count=_from_le("q", cols[4]),
+        seg_max_at=_from_le("q", cols[1]),
+        seg_count=_from_le("q", cols[2]),
     )
 
 
@@ -192,8 +195,8 @@ class KeyValueSnapshotStorage(SnapshotStorage):
         """Items with start <= key < end, in key order."""
 
     @abstractmethod
-    def _commit(self, ops: list[Op]) -> None:
-        """Apply ops atomically, in order."""
+    def _commit(self, ops: list[Op], sync: bool = True) -> None:
+        """Apply ops atomically, in order; with `sync`, durable before returning."""
 
     def _corrupt(self, what: str, exc: Exception) -> StorageError:
         return StorageError(
@@ -275,6 +278,26 @@ class KeyValueSnapshotStorage(SnapshotStorage):
         except ValueError as exc:
             raise self._corrupt(what, exc) from exc
 
+    def load_segments(self, partition: str, bucket_id: int, first: int, end: int) -> list[Segment]:
+        """One range scan instead of a point read per segment: a merge reads thousands of them."""
+        prefix = partition_prefix(partition)
+        start_key = _segment_key(prefix, bucket_id, first)
+        segments: list[Segment] = []
+        expected = start_key
+        for key, value in self._scan(start_key, _segment_key(prefix, bucket_id, end)):
+            if key != expected:
+                break
+            try:
+                segments.append(decode_segment(value))
+            except ValueError as exc:
+                what = f"segment {first + len(segments)} of bucket {bucket_id} of partition {partition!r}"
+                raise self._corrupt(what, exc) from exc
+            expected = _segment_key(prefix, bucket_id, first + len(segments))
+        if len(segments) != end - first:
+            what = f"segment {first + len(segments)} of bucket {bucket_id} of partition {partition!r}"
+            raise self._corrupt(what, KeyError("missing"))
+        return segments
+
     def load_wal(self, partition: str) -> list[Segment]:
         start = partition_prefix(partition) + WAL_TAG
         chunks = []
@@ -286,7 +309,7 @@ class KeyValueSnapshotStorage(SnapshotStorage):
         return chunks
 
     def write(self, partition: str, batch: SnapshotBatch) -> int:
-        self._commit(ops := self._encode(partition_prefix(partition), batch))
+        self._commit(ops := self._encode(partition_prefix(partition), batch), sync=batch.kind in SYNCED_KINDS)
         return sum(len(op[2]) for op in ops if op[0] == "put")
 
     @staticmethod
@@ -307,9 +330,12 @@ class KeyValueSnapshotStorage(SnapshotStorage):
             bucket = _bucket_prefix(prefix, write.meta.bucket_id)
             ops.append(("put", bucket + BUCKET_META_TAG, encode_bucket_meta(write.meta)))
             ops.append(("put", bucket + BUCKET_BITMAP_TAG, write.bitmap))
-            for number, segment in write.segments.items():
-                key = _segment_key(prefix, write.meta.bucket_id, number)
-                ops.append(("put", key, encode_segment(segment)))
+            # Inlined _segment_key and encode_segment: a bucket of a week of delays has ~2,000 segments.
+            segment_prefix = bucket + BUCKET_SEGMENT_TAG
+            ops.extend(
+                ("put", segment_prefix + number.to_bytes(4, "big"), _le(segment.deliver_at) + _le(segment.offsets))
+                for number, segment in write.segments.items()
+            )
         if batch.wal_append is not None:
             seq, chunk = batch.wal_append
             ops.append(("put", prefix + WAL_TAG + seq.to_bytes(8, "big"), encode_segment(chunk)))

@@ -2,8 +2,9 @@
 
 One RocksDB per state dir holds the trackers of every partition the sidecar owns; each
 partition lives under its own key prefix. Batches are RocksDB WriteBatches, so a seal, merge,
-delete or checkpoint is atomic, and with `sync=True` (the default) durable against power loss
-before the caller commits its inbound offsets.
+delete or checkpoint is atomic, and with `sync=True` (the default) a checkpoint is durable
+against power loss before the caller commits its inbound offsets (seals, merges and deletes are
+made durable by the next checkpoint: see kv.SYNCED_KINDS).
 
 Memory is bounded on purpose: small memtables and block cache, because the point of the bucket
 tracker is that resident memory does not grow with the backlog.
@@ -61,6 +62,8 @@ class RocksDbSnapshotStorage(KeyValueSnapshotStorage):
         options.set_block_based_table_factory(table)
         self._write_options = rocksdict.WriteOptions()
         self._write_options.sync = sync
+        self._unsynced_options = rocksdict.WriteOptions()
+        self._unsynced_options.sync = False
         self._db = self._open(options, lock_timeout_s)
         try:
             self._check_marker(owner)
@@ -111,7 +114,14 @@ class RocksDbSnapshotStorage(KeyValueSnapshotStorage):
 
     def _scan(self, start: bytes, end: bytes) -> Iterator[tuple[bytes, bytes]]:
         try:
-            it = self._db.iter()
+            # Scans read segments once, to merge and then delete them, or the log once at
+            # recovery: caching their blocks would only hold memory (the bucket tracker's point).
+            # Point reads of single segments still fill the cache: a block holds the bucket's
+            # next segments too.
+            read_options = rocksdict.ReadOptions()
+            read_options.fill_cache(False)  # type: ignore[call-arg]  # the stub omits the flag
+            read_options.set_iterate_upper_bound(end)
+            it = self._db.iter(read_options)
             it.seek(start)
             while it.valid():
                 key: bytes = it.key()
@@ -124,7 +134,7 @@ class RocksDbSnapshotStorage(KeyValueSnapshotStorage):
         except Exception as exc:
             raise self._io_error("read", exc) from exc
 
-    def _commit(self, ops: list[Op]) -> None:
+    def _commit(self, ops: list[Op], sync: bool = True) -> None:
         batch = rocksdict.WriteBatch(raw_mode=True)
         for kind, key, value in ops:
             if kind == "put":
@@ -134,7 +144,7 @@ class RocksDbSnapshotStorage(KeyValueSnapshotStorage):
             else:
                 batch.delete_range(key, value)
         try:
-            self._db.write(batch, self._write_options)
+            self._db.write(batch, self._write_options if sync else self._unsynced_options)
         except Exception as exc:
             raise self._io_error("write", exc) from exc
 

@@ -1,0 +1,122 @@
+"""The dispatcher's rules with a controlled clock and a fake log: read ahead, never send early."""
+
+from collections.abc import Iterator
+from typing import Any
+
+from sidecar.clock import ManualClock
+from sidecar.dispatch.dispatcher import Dispatcher
+from sidecar.tracker import InMemoryTracker
+
+P = ("orders", 0)
+
+
+class FakeLog:
+    """Offsets map to payloads; a read yields them in offset order, like LogReader."""
+
+    def __init__(self, missing: frozenset[int] = frozenset()) -> None:
+        self.reads: list[list[int]] = []
+        self.missing = missing
+
+    def read(self, wanted: dict[Any, list[int]]) -> Iterator[tuple[Any, int, Any]]:
+        for partition, offsets in wanted.items():
+            self.reads.append(sorted(offsets))
+            for offset in sorted(offsets):
+                yield partition, offset, None if offset in self.missing else f"payload-{offset}"
+
+
+class Setup:
+    def __init__(self, clock: ManualClock, read_ahead_ms: int = 1000, missing: frozenset[int] = frozenset()) -> None:
+        self.clock = clock
+        self.ahead, self.due = FakeLog(missing), FakeLog(missing)
+        self.sent: list[tuple[int, int, Any]] = []
+        self.tracker = InMemoryTracker(clock)
+        self.dispatcher = Dispatcher(self.ahead, self.due, self.deliver, clock, read_ahead_ms)  # type: ignore[arg-type]
+
+    def deliver(self, partition: Any, due: list[tuple[int, int, Any]]) -> None:
+        for deliver_at, offset, record in due:
+            assert self.clock.now_ms() >= deliver_at, "sent early"
+            self.sent.append((offset, deliver_at, record))
+
+    def add(self, *entries: tuple[int, int]) -> int:
+        now = self.clock.now_ms()
+        for offset, delay in entries:
+            self.tracker.add(offset, now + delay)
+        return now
+
+    def turn(self) -> None:
+        self.dispatcher.turn({P: self.tracker})
+
+
+def test_reads_ahead_in_one_pass_and_never_sends_early(clock: ManualClock) -> None:
+    s = Setup(clock)
+    now = s.add((1, 500), (2, 200), (3, 1500), (4, 900))
+    s.turn()
+    assert s.ahead.reads == [[1, 2, 4]]  # everything due within the read-ahead window, in one pass
+    assert s.sent == [] and len(s.tracker) == 4  # peeked, not popped
+    clock.advance(200)
+    s.turn()
+    assert s.sent == [(2, now + 200, "payload-2")]
+    clock.advance(800)
+    s.turn()
+    assert [x[0] for x in s.sent] == [2, 1, 4]
+    assert s.ahead.reads == [[1, 2, 4], [3]]  # 3 came into the window and was read, but is not due
+    clock.advance(499)
+    s.turn()
+    assert [x[0] for x in s.sent] == [2, 1, 4]
+    clock.advance(1)
+    s.turn()
+    assert [x[0] for x in s.sent] == [2, 1, 4, 3]
+    assert s.due.reads == []  # nothing had to be read at its due time
+
+
+def test_kept_payloads_are_not_read_back(clock: ManualClock) -> None:
+    s = Setup(clock, read_ahead_ms=0)
+    now = s.add((1, 100), (2, 100))
+    s.dispatcher.keep_payload(P, 1, "kept")  # type: ignore[arg-type]
+    clock.advance(100)
+    s.turn()
+    assert s.due.reads == [[2]]
+    assert s.sent == [(1, now + 100, "kept"), (2, now + 100, "payload-2")]
+
+
+def test_without_read_ahead_due_records_are_read_when_due(clock: ManualClock) -> None:
+    s = Setup(clock, read_ahead_ms=0)
+    s.add((5, 10), (3, 10))
+    s.turn()
+    assert s.ahead.reads == [] and s.sent == []
+    clock.advance(10)
+    s.turn()
+    assert s.due.reads == [[3, 5]] and [x[0] for x in s.sent] == [3, 5]
+
+
+def test_missing_records_are_reported_to_deliver_as_none(clock: ManualClock) -> None:
+    s = Setup(clock, missing=frozenset({2}))
+    s.add((2, 10))
+    clock.advance(10)
+    s.turn()
+    assert s.sent == [(2, clock.now_ms(), None)]
+
+
+def test_forgetting_a_revoked_partition_drops_what_was_read_ahead(clock: ManualClock) -> None:
+    s = Setup(clock)
+    s.add((1, 500))
+    s.turn()
+    s.dispatcher.forget(P)
+    clock.advance(500)
+    s.turn()  # a new owner's tracker would pop it; this one still has it, so it is read again
+    assert s.due.reads == [[1]] and [x[0] for x in s.sent] == [1]
+
+
+def test_wake_time_follows_deliveries_and_read_ahead(clock: ManualClock) -> None:
+    s = Setup(clock, read_ahead_ms=1000)
+    now = clock.now_ms()
+    assert s.dispatcher.next_wake_ms({P: s.tracker}) is None
+    s.add((1, 5000))
+    assert s.dispatcher.next_wake_ms({P: s.tracker}) == now + 4000  # read one window early
+    clock.advance(4000)
+    s.turn()
+    assert s.ahead.reads == [[1]]
+    assert s.dispatcher.next_wake_ms({P: s.tracker}) == now + 4100  # look ahead again in 100 ms
+    clock.advance(100)
+    s.turn()
+    assert s.ahead.reads == [[1]]  # nothing new: the peek starts after what was already read
