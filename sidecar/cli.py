@@ -20,6 +20,7 @@ from sidecar.errors import SidecarError
 from sidecar.logs import setup_logging
 from sidecar.policy.commands import PoliciesCommand
 from sidecar.settings import ENV_PREFIX, RunSettings
+from spark.command import AuditCommand
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +72,7 @@ class DelaySidecar(BaseSettings):
     broker: CliSubCommand[BrokerCommand]
     demo: CliSubCommand[DemoCommand]
     policies: CliSubCommand[PoliciesCommand]
+    audit: CliSubCommand[AuditCommand]
 
     def cli_cmd(self) -> None:
         CliApp.run_subcommand(self)

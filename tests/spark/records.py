@@ -1,0 +1,46 @@
+"""Kafka-source-shaped rows for in-memory DataFrames, with the contract's headers."""
+
+from collections.abc import Sequence
+from datetime import UTC, datetime
+
+from pyspark.sql import DataFrame, SparkSession
+
+from sidecar.outbound.records import dead_letter_headers, outbound_headers
+from spark.kafka_source import kafka_schema
+
+Header = tuple[str, bytes]
+Row = tuple[object, ...]
+
+
+def record(
+    topic: str,
+    offset: int,
+    ts_ms: int,
+    headers: Sequence[Header] | None = None,
+    partition: int = 0,
+    key: bytes | None = b"k",
+    value: bytes | None = b"v",
+) -> Row:
+    stamp = datetime.fromtimestamp(ts_ms / 1000, tz=UTC)
+    return (key, value, topic, partition, offset, stamp, 0, list(headers) if headers else None)
+
+
+def delivered(
+    outbound: str,
+    out_offset: int,
+    delivered_ms: int,
+    origin: tuple[str, int, int],
+    deliver_at: int,
+    redelivery_count: int = 0,
+    out_partition: int = 0,
+) -> Row:
+    headers = outbound_headers(None, *origin, deliver_at, redelivery_count)
+    return record(outbound, out_offset, delivered_ms, headers, partition=out_partition)
+
+
+def dead_lettered(dlt: str, dlt_offset: int, ts_ms: int, origin: tuple[str, int, int], code: str) -> Row:
+    return record(dlt, dlt_offset, ts_ms, dead_letter_headers(None, *origin, code, f"{code} for the test"))
+
+
+def frame(spark: SparkSession, rows: Sequence[Row]) -> DataFrame:
+    return spark.createDataFrame(list(rows), kafka_schema(include_headers=True))

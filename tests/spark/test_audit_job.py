@@ -1,0 +1,166 @@
+"""The audit job end to end against a real broker: on the real sidecar's topics, and on injected faults."""
+
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+import pytest
+from pydantic_settings import CliApp
+from pyspark.sql import SparkSession
+
+from sidecar.outbound.records import dead_letter_headers, outbound_headers
+from spark.audit_job import EXIT_ANOMALIES, EXIT_OK, EXIT_USAGE, audit, run_job
+from spark.command import AuditCommand, AuditSettings
+from tests.kafka_helpers import KafkaHelper, ThreadedSidecar, settings_for
+
+TopicFactory = Callable[..., str]
+PolicyFile = Callable[[str], Path]
+
+
+def parquet_rows(path: Path) -> list[dict[str, Any]]:
+    return sorted(pq.read_table(path).to_pylist(), key=lambda r: (r.get("kind", ""), r["offset"]))
+
+
+def test_real_sidecar_topics_audit_clean_with_correct_counts(
+    spark: SparkSession,
+    kafka: str,
+    kafka_helper: KafkaHelper,
+    topic_factory: TopicFactory,
+    policy_file: PolicyFile,
+    tmp_path: Path,
+) -> None:
+    topic = topic_factory("audit", partitions=2)
+    policies = policy_file(f"""
+topics:
+  {topic}:
+    delayed_delivery: {{max_delivery_delay: 1m}}
+    subscriptions:
+      billing: {{}}
+      shipping: {{}}
+      archive: {{type: exclusive}}
+""")
+    with ThreadedSidecar(settings_for(kafka, policies, tmp_path / "state")):
+        for i in range(6):
+            kafka_helper.produce(topic, f"d{i}".encode(), headers=[("deliver-after", f"{1000 + 100 * i}ms")])
+        deliver_at = int(time.time() * 1000) + 1500
+        kafka_helper.produce(topic, b"at", headers=[("deliver-at", str(deliver_at))], partition=0)
+        for i in range(3):
+            kafka_helper.produce(topic, f"now{i}".encode(), partition=1)
+        kafka_helper.produce(topic, b"bad", headers=[("deliver-after", "tomorrow")], partition=0)
+        kafka_helper.produce(topic, b"too-far", headers=[("deliver-after", "90s")], partition=1)
+        kafka_helper.flush()
+        for sub in ("billing", "shipping", "archive"):
+            assert len(kafka_helper.read(f"{topic}.{sub}", 10, timeout_s=30)) == 10
+        assert len(kafka_helper.read(f"{topic}.dlt", 2, timeout_s=30)) == 2
+
+    settings = AuditSettings(
+        bootstrap_servers=kafka, policies=policies, output_dir=tmp_path / "report", grace_ms=5000, source="python"
+    )
+    outcome = audit(settings, spark)
+    assert outcome.exit_code == EXIT_OK
+    assert outcome.result.anomaly_counts == dict.fromkeys(outcome.result.anomaly_counts, 0)
+    by_sub = {s.subscription: s for s in outcome.result.subscriptions}
+    assert set(by_sub) == {"billing", "shipping", "archive"}
+    for s in by_sub.values():
+        assert (s.inbound, s.rejected, s.accepted, s.delivered, s.pending, s.missing) == (12, 2, 10, 10, 0, 0)
+        assert (s.duplicates, s.early) == (0, 0)
+        assert s.lateness_max_ms is not None and 0 <= s.lateness_max_ms < 5000
+    assert outcome.result.rejections == [
+        {"topic": topic, "code": "EXCEEDS_MAX_DELAY", "count": 1},
+        {"topic": topic, "code": "INVALID_DELAY_HEADER", "count": 1},
+    ]
+    report = json.loads((tmp_path / "report" / "report.json").read_text())
+    assert report["passed"] is True and report["source"] == "python (confluent-kafka)"
+    ranges = report["snapshot"]["inbound"][topic]
+    assert set(ranges) == {"0", "1"} and all(start == 0 for start, _ in ranges.values())
+    assert sum(end for _, end in ranges.values()) == 12  # the partitioner decides the split
+    assert (tmp_path / "report" / "lateness.png").stat().st_size > 1000
+    assert parquet_rows(tmp_path / "report" / "anomalies") == []
+    assert {(r["code"], r["topic"]) for r in parquet_rows(tmp_path / "report" / "rejections")} == {
+        ("INVALID_DELAY_HEADER", topic),
+        ("EXCEEDS_MAX_DELAY", topic),
+    }
+
+
+def test_injected_faults_are_reported_with_their_origin_and_fail_the_audit(
+    spark: SparkSession,
+    kafka: str,
+    kafka_helper: KafkaHelper,
+    topic_factory: TopicFactory,
+    policy_file: PolicyFile,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    topic = topic_factory("faults", partitions=2)
+    policies = policy_file(f"topics:\n  {topic}:\n    subscriptions: {{a: {{}}, b: {{}}}}\n")
+    t0 = int(time.time() * 1000) - 600_000
+    # Inbound: p0 offsets 0 (fine), 1 (duplicated on a), 2 (early on a); p1 offsets 0 (missing on b), 1 (rejected).
+    for partition, count in ((0, 3), (1, 2)):
+        for _ in range(count):
+            kafka_helper.produce(topic, b"v", headers=[("deliver-after", "1s")], partition=partition, timestamp=t0)
+    kafka_helper.flush()
+
+    def deliver(sub: str, partition: int, offset: int, at_ms: int, deliver_at: int = t0 + 1000) -> None:
+        headers = outbound_headers([("deliver-after", b"1s")], topic, partition, offset, deliver_at)
+        kafka_helper.produce(f"{topic}.{sub}", b"v", headers=headers, timestamp=at_ms)
+
+    for sub in ("a", "b"):
+        deliver(sub, 0, 0, t0 + 1010)
+        deliver(sub, 0, 1, t0 + 1020)
+        deliver(sub, 0, 2, t0 + 1030)
+    deliver("a", 0, 1, t0 + 1040)  # duplicate
+    deliver("a", 0, 2, t0 + 400)  # early (and, as a second copy of 0/2 on a, a duplicate too)
+    deliver("a", 1, 0, t0 + 1050)  # 1/0 reaches a only: missing on b
+    dlt_headers = dead_letter_headers([], topic, 1, 1, "INVALID_DELAY_HEADER", "not a duration")
+    kafka_helper.produce(f"{topic}.dlt", b"v", headers=dlt_headers, timestamp=t0)
+    kafka_helper.flush()
+
+    out = tmp_path / "report"
+    args = ["--bootstrap-servers", kafka, "--policies", str(policies), "--output-dir", str(out), "--grace-ms", "5000"]
+    with pytest.raises(SystemExit) as exited:
+        CliApp.run(AuditCommand, cli_args=args)
+    assert exited.value.code == EXIT_ANOMALIES
+    anomalies = [
+        (r["kind"], r["topic"], r["partition"], r["offset"], r["subscription"], r["outbound_topic"])
+        for r in parquet_rows(out / "anomalies")
+    ]
+    assert sorted(anomalies) == [
+        ("duplicate", topic, 0, 1, "a", f"{topic}.a"),
+        ("duplicate", topic, 0, 2, "a", f"{topic}.a"),
+        ("early", topic, 0, 2, "a", f"{topic}.a"),
+        ("missing", topic, 1, 0, "b", None),
+    ]
+    [rejected] = parquet_rows(out / "rejections")
+    assert (rejected["topic"], rejected["partition"], rejected["offset"], rejected["code"]) == (
+        topic,
+        1,
+        1,
+        "INVALID_DELAY_HEADER",
+    )
+    report = json.loads((out / "report.json").read_text())
+    assert report["passed"] is False
+    assert report["thresholds"]["missing"] == {"limit": 0, "actual": 1, "exceeded": True}
+    assert report["thresholds"]["duplicates"]["actual"] == 2 and report["thresholds"]["early"]["actual"] == 1
+    printed = capsys.readouterr().out
+    assert "FAIL: missing 1 (max 0, EXCEEDED)" in printed and "INVALID_DELAY_HEADER" in printed
+    # The same audit passes when the thresholds allow what was found.
+    lenient = AuditSettings(
+        bootstrap_servers=kafka,
+        policies=policies,
+        output_dir=tmp_path / "lenient",
+        grace_ms=5000,
+        max_missing=1,
+        max_duplicates=2,
+        max_early=1,
+    )
+    assert run_job(lenient, spark) == EXIT_OK
+
+
+def test_usage_errors_exit_2_without_starting_anything(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert run_job(AuditSettings(policies=tmp_path / "none.yaml")) == EXIT_USAGE
+    assert "--bootstrap-servers" in capsys.readouterr().err
+    assert run_job(AuditSettings(bootstrap_servers="localhost:1", topics=["a"])) == EXIT_USAGE
+    assert "--subscriptions" in capsys.readouterr().err
