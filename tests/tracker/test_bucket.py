@@ -349,8 +349,10 @@ def test_merges_over_the_limit_go_four_at_a_time(clock: ManualClock, storage: Fa
 def test_merge_reads_sources_in_chunks(
     clock: ManualClock, storage: FakeSnapshotStorage, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A merge reads a few segments per storage call; the order and the pops must not depend on it."""
+    """A merge reads a few segments per storage call and cuts a few windows at once; the order and
+    the pops must not depend on either."""
     monkeypatch.setattr("sidecar.tracker.bucket.tracker._READ_CHUNK", 3)
+    monkeypatch.setattr("sidecar.tracker.bucket.tracker._CUT_BATCH", 5)
     rng = random.Random(3)
     start = clock.now_ms()
     tracker = make_tracker(clock, storage, max_buckets=3, time_step_ms=10, max_indexes_per_segment=2)

@@ -123,11 +123,8 @@ class RocksDbSnapshotStorage(KeyValueSnapshotStorage):
             read_options.set_iterate_upper_bound(end)
             it = self._db.iter(read_options)
             it.seek(start)
-            while it.valid():
-                key: bytes = it.key()
-                if key >= end:
-                    break
-                yield key, it.value()
+            while it.valid():  # the upper bound ends the scan at `end`
+                yield it.key(), it.value()
                 it.next()
         except StorageError:
             raise
