@@ -1,8 +1,9 @@
 """The sidecar's loop: inbound -> policy -> tracker -> dispatch -> outbound, on one thread.
 
 One thread keeps the commit rule simple to state and to check: an inbound offset is committed
-only when every record before it is delivered, dead-lettered or durably indexed. The order of a
-checkpoint is fixed:
+only when every record before it is delivered, dead-lettered, or durably recorded: in the bucket
+tracker's storage, or (in-memory tracker) by the inbound log itself together with the earliest
+pending offset that the commit carries. The order of a checkpoint is fixed:
 
 1. flush the producer, so every outbound and dead-letter record written so far is acknowledged;
 2. checkpoint each tracker, so its adds and pops are durable (a no-op for the in-memory tracker);
@@ -35,7 +36,7 @@ from sidecar.control.nacks import LatestNacks
 from sidecar.dispatch.dispatcher import Dispatcher
 from sidecar.dispatch.reader import LogReader, TopicPartitionKey
 from sidecar.errors import BrokerError, RejectedRecord, SidecarError
-from sidecar.kafka_io import consume_batch
+from sidecar.kafka_io import consume_batch, consumer_config
 from sidecar.metrics import Metrics
 from sidecar.outbound.records import dead_letter_headers, outbound_headers
 from sidecar.policy import PolicySet, TopicRoute, decide
@@ -137,18 +138,18 @@ class Sidecar:
         self._stalled_until = 0.0
         self._stop = threading.Event()
         self._librdkafka_logger = logging.getLogger("librdkafka")
+        group: dict[str, Any] = {
+            "group.id": group_id,
+            "session.timeout.ms": session_timeout_ms,
+            "enable.auto.commit": False,
+            "enable.auto.offset.store": False,
+            "auto.offset.reset": "earliest",
+            "partition.assignment.strategy": "cooperative-sticky",
+        }
+        if instance_id:
+            group["group.instance.id"] = instance_id
         self._consumer = Consumer(
-            {
-                **client_config,
-                "group.id": group_id,
-                **({"group.instance.id": instance_id} if instance_id else {}),
-                "session.timeout.ms": session_timeout_ms,
-                "enable.auto.commit": False,
-                "enable.auto.offset.store": False,
-                "auto.offset.reset": "earliest",
-                "partition.assignment.strategy": "cooperative-sticky",
-                "fetch.wait.max.ms": 10,
-            },
+            consumer_config(client_config, **group),
             logger=self._librdkafka_logger,
         )
         self._producer = Producer(

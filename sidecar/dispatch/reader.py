@@ -14,7 +14,7 @@ from typing import Any
 from confluent_kafka import Consumer, KafkaError, Message, TopicPartition
 
 from sidecar.errors import SidecarError
-from sidecar.kafka_io import consume_batch
+from sidecar.kafka_io import consume_batch, consumer_config
 
 logger = logging.getLogger(__name__)
 
@@ -40,18 +40,19 @@ class LogReader:
         self._stop = stop
         self._max_gap = max_gap
         self._consumer = Consumer(
-            {
-                **client_config,
-                # Never commits: the group id only satisfies the client; positions come from the tracker.
-                "group.id": "delay-sidecar.log-reader",
-                "enable.auto.commit": False,
-                "enable.auto.offset.store": False,
-                "enable.partition.eof": True,
-                # An offset below the log start was deleted by retention: read from the start and
-                # report the wanted offsets that are gone, rather than fail.
-                "auto.offset.reset": "earliest",
-                "fetch.wait.max.ms": 10,
-            }
+            consumer_config(
+                client_config,
+                **{
+                    # Never commits: the group id only satisfies the client; positions come from the tracker.
+                    "group.id": "delay-sidecar.log-reader",
+                    "enable.auto.commit": False,
+                    "enable.auto.offset.store": False,
+                    "enable.partition.eof": True,
+                    # An offset below the log start was deleted by retention: read from the start and
+                    # report the wanted offsets that are gone, rather than fail.
+                    "auto.offset.reset": "earliest",
+                },
+            )
         )
 
     def read(
