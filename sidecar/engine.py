@@ -46,6 +46,8 @@ from sidecar.tracker.bucket import BucketTracker
 logger = logging.getLogger(__name__)
 
 TrackerFactory = Callable[[str, int], DelayedDeliveryTracker]
+NackJobs = dict[TopicPartitionKey, dict[int, list[tuple[NackCommand, Message, int]]]]
+"""Redeliveries to make, by inbound partition and offset: (command, its control record, deliver-at)."""
 
 # Longest the loop blocks waiting for records: bounds how late a stop request or a policy change
 # is noticed. Due deliveries wake the loop earlier by shortening the wait.
@@ -382,6 +384,7 @@ class Sidecar:
         counts_delayed: Counter[str] = Counter()
         sent_delayed_subs: Counter[str] = Counter()
         sent_ordered_subs: Counter[str] = Counter()
+        nacks_due_now: list[tuple[NackCommand, Message, int]] = []
         for record in records:
             error = record.error()
             if error is not None:
@@ -390,7 +393,7 @@ class Sidecar:
             topic, partition, offset = record.topic(), record.partition(), record.offset()
             state = self._partitions.get((topic, partition))
             if state is not None and state.control:
-                self._intake_nack(record, state, now)
+                self._intake_nack(record, state, now, nacks_due_now)
                 continue
             routes = self._routes.get(topic)
             if state is None or routes is None:
@@ -441,6 +444,8 @@ class Sidecar:
                     self._send(outbound, key, value, out_headers)
                 sent_ordered_subs[topic] += 1
             state.next_offset = offset + 1
+        if nacks_due_now:
+            self._redeliver_now(nacks_due_now)
         self._producer.poll(0)
         for topic, n in counts_in.items():
             self.metrics.messages_in.labels(topic).inc(n)
@@ -464,7 +469,7 @@ class Sidecar:
         if deliver_at is not None and deliver_at > publish_ms and routes.delayed:
             if deliver_at > now and state.tracker.add(offset, deliver_at):
                 rebuild.indexed += 1
-            elif deliver_at <= now:
+            else:  # due, by the batch's clock or by the tracker's
                 headers = outbound_headers(record.headers(), topic, record.partition(), offset, deliver_at)
                 for sub, outbound in routes.delayed:
                     self._send(outbound, record.key(), record.value(), headers)
@@ -525,7 +530,9 @@ class Sidecar:
 
     # ----------------------------------------------------------------- nacks (control topic)
 
-    def _intake_nack(self, record: Message, state: PartitionState, now: int) -> None:
+    def _intake_nack(
+        self, record: Message, state: PartitionState, now: int, due_now: list[tuple[NackCommand, Message, int]]
+    ) -> None:
         offset = record.offset()
         state.next_offset = offset + 1
         subscription = ""
@@ -546,9 +553,10 @@ class Sidecar:
             self.metrics.nacks.labels(subscription, rejected.code.lower()).inc()
             return
         # Based on the command's own timestamp, so a replay after a restart keeps the same time.
-        deliver_at = max(command.effective_deliver_at(sent_ms), now + 1)
+        deliver_at = command.effective_deliver_at(sent_ms)
         self._nacks.accept(command, (record.partition(), offset))
-        state.tracker.add(offset, deliver_at)
+        if not state.tracker.add(offset, deliver_at):
+            due_now.append((command, record, deliver_at))  # already due: redelivered after this batch
         self.metrics.nacks.labels(subscription, "accepted").inc()
 
     def _check_known_message(self, command: NackCommand, routes: _Routes) -> None:
@@ -588,9 +596,7 @@ class Sidecar:
 
     def _dispatch_nacks(self, due: dict[TopicPartitionKey, dict[int, int]]) -> None:
         """Read due commands back from the control log, then their messages from the inbound log."""
-        jobs: dict[TopicPartitionKey, dict[int, list[tuple[NackCommand, Message, int]]]] = defaultdict(
-            lambda: defaultdict(list)
-        )
+        jobs: NackJobs = defaultdict(lambda: defaultdict(list))
         wanted_commands = {key: list(offsets) for key, offsets in due.items()}
         for (_, partition), offset, record in self._reader.read(wanted_commands):
             if record is None:
@@ -610,6 +616,19 @@ class Sidecar:
                 continue
             deliver_at = due[(self._control_topic, partition)][offset]
             jobs[(command.topic, command.partition)][command.offset].append((command, record, deliver_at))
+        self._redeliver_jobs(jobs)
+
+    def _redeliver_now(self, due_now: list[tuple[NackCommand, Message, int]]) -> None:
+        """Nacks whose time had already come when they were read: never indexed, redelivered now."""
+        jobs: NackJobs = defaultdict(lambda: defaultdict(list))
+        for command, record, deliver_at in due_now:
+            if self._nacks.claim(command, (record.partition(), record.offset())):
+                jobs[(command.topic, command.partition)][command.offset].append((command, record, deliver_at))
+            else:
+                self.metrics.nacks.labels(command.subscription, "superseded").inc()
+        self._redeliver_jobs(jobs)
+
+    def _redeliver_jobs(self, jobs: NackJobs) -> None:
         if not jobs:
             return
         wanted = {key: list(by_offset) for key, by_offset in jobs.items()}

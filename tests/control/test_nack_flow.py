@@ -160,3 +160,27 @@ def test_1000_nacks_survive_kill_9(
     finally:
         second.send_signal(signal.SIGTERM)
         assert second.wait(30) == 0, log.read_text()[-2000:]
+
+
+def test_nacks_already_due_when_read_are_redelivered_not_dropped(
+    kafka: str, kafka_helper: KafkaHelper, topic_factory: TopicFactory, policy_file: PolicyFile, tmp_path: Path
+) -> None:
+    """A sidecar that reads commands after their time (a backlog, a restart) redelivers them at once."""
+    topic, control = topic_factory("latenack"), f"ctl-{uuid.uuid4().hex[:8]}"
+    settings = settings_for(kafka, setup(topic, policy_file), tmp_path, control_topic=control)
+    with ThreadedSidecar(settings) as sidecar:
+        for i in range(300):
+            kafka_helper.produce(topic, f"v{i}".encode())
+        kafka_helper.flush()
+        first = kafka_helper.read(f"{topic}.billing", 300)
+        sent_long_ago = int(time.time() * 1000) - 10_000
+        for record in first:
+            command = {"v": 1, "type": "nack", "subscription": "billing", "topic": topic, "partition": 0,
+                       "offset": int(record.headers[ORIGIN_OFFSET]), "delay_ms": 1000}  # fmt: skip
+            kafka_helper.produce(control, json.dumps(command).encode(), timestamp=sent_long_ago)
+        kafka_helper.flush()
+        again = [
+            r for r in kafka_helper.read(f"{topic}.billing", 600, timeout_s=20) if r.headers[REDELIVERY_COUNT] == b"1"
+        ]
+        assert len({r.headers[ORIGIN_OFFSET] for r in again}) == 300
+        assert sidecar.metric("delay_sidecar_redeliveries_total", subscription="billing") == 300
