@@ -123,7 +123,7 @@ class Sidecar:
         batch_size: int = 10_000,
         new_topic_partitions: int = 3,
         control_topic: str = "delay-sidecar.control",
-        read_ahead_ms: int = 2_000,
+        read_ahead_ms: int = 10_000,
     ) -> None:
         self._client_config = client_config
         self._policies = policies

@@ -93,7 +93,7 @@ class RunSettings(KafkaSettings):
         1000, ge=10, description="How often delivered and indexed inbound offsets are committed"
     )
     read_ahead_ms: int = Field(
-        2_000,
+        10_000,
         ge=0,
         description="How far ahead of their deliver-at due records are read back from the log (never sent early)",
     )

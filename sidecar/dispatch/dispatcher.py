@@ -34,15 +34,16 @@ MAX_POP = 100_000
 READ_SLICE_S = 0.01
 # Payloads held for upcoming deliveries (about 300 bytes each with 100-byte values); past this,
 # due records are read back when they fall due.
-MAX_CACHED = 200_000
-# Look ahead at most this often: each pass then covers at least this much due time, and an idle
-# sidecar with distant entries does not spin.
+MAX_CACHED = 300_000
+# Look ahead at most this often, so an idle sidecar with distant entries does not spin. Beyond that,
+# a new pass starts only when what was read ahead covers less than half the window: with random
+# delays a pass reads through most of the log, so each pass should cover a lot of due time.
 LOOK_AHEAD_EVERY_MS = 100
 
 
 class Dispatcher:
     def __init__(
-        self, ahead: LogReader, due: LogReader, deliver: Deliver, clock: Clock, read_ahead_ms: int = 2_000
+        self, ahead: LogReader, due: LogReader, deliver: Deliver, clock: Clock, read_ahead_ms: int = 10_000
     ) -> None:
         self._ahead_reader = ahead
         self._due_reader = due
@@ -105,7 +106,6 @@ class Dispatcher:
 
     def _start_read_ahead(self, trackers: dict[TopicPartitionKey, DelayedDeliveryTracker]) -> None:
         now = self._clock.now_ms()
-        self._next_look_ms = now + LOOK_AHEAD_EVERY_MS
         until = now + self.read_ahead_ms
         room = MAX_CACHED - len(self._cache)
         wanted: dict[TopicPartitionKey, list[int]] = {}
@@ -123,6 +123,8 @@ class Dispatcher:
                 room -= len(offsets)
         if wanted:
             self._read = self._ahead_reader.read(wanted)
+        covered = min((h.deliver_at for h in self._horizon.values()), default=now)
+        self._next_look_ms = max(now + LOOK_AHEAD_EVERY_MS, covered - self.read_ahead_ms // 2)
 
     def _continue_read_ahead(self) -> None:
         assert self._read is not None

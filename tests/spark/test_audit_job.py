@@ -2,18 +2,22 @@
 
 import json
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pyarrow.parquet as pq
 import pytest
+from confluent_kafka import Producer
 from pydantic_settings import CliApp
 from pyspark.sql import SparkSession
 
+from sidecar.client import Nacker
 from sidecar.outbound.records import dead_letter_headers, outbound_headers
 from spark.audit_job import EXIT_ANOMALIES, EXIT_OK, EXIT_USAGE, audit, run_job
 from spark.command import AuditCommand, AuditSettings
+from tests.control.test_nack_flow import RecordView
 from tests.kafka_helpers import KafkaHelper, ThreadedSidecar, settings_for
 
 TopicFactory = Callable[..., str]
@@ -42,7 +46,8 @@ topics:
       shipping: {{}}
       archive: {{type: exclusive}}
 """)
-    with ThreadedSidecar(settings_for(kafka, policies, tmp_path / "state")):
+    control = f"ctl-{uuid.uuid4().hex[:8]}"
+    with ThreadedSidecar(settings_for(kafka, policies, tmp_path / "state", control_topic=control)):
         for i in range(6):
             kafka_helper.produce(topic, f"d{i}".encode(), headers=[("deliver-after", f"{1000 + 100 * i}ms")])
         deliver_at = int(time.time() * 1000) + 1500
@@ -55,9 +60,20 @@ topics:
         for sub in ("billing", "shipping", "archive"):
             assert len(kafka_helper.read(f"{topic}.{sub}", 10, timeout_s=30)) == 10
         assert len(kafka_helper.read(f"{topic}.dlt", 2, timeout_s=30)) == 2
+        # A consumer of billing nacks one record; it comes back once, with redelivery count 1.
+        billing = kafka_helper.read(f"{topic}.billing", 10)
+        nacker = Nacker(Producer({"bootstrap.servers": kafka}), control_topic=control, subscription="billing")
+        nacker.nack(RecordView(billing[0]), 500)  # type: ignore[arg-type]
+        nacker.flush()
+        assert len(kafka_helper.read(f"{topic}.billing", 11, timeout_s=30)) == 11
 
     settings = AuditSettings(
-        bootstrap_servers=kafka, policies=policies, output_dir=tmp_path / "report", grace_ms=5000, source="python"
+        bootstrap_servers=kafka,
+        policies=policies,
+        output_dir=tmp_path / "report",
+        grace_ms=5000,
+        source="python",
+        control_topic=control,
     )
     outcome = audit(settings, spark)
     assert outcome.exit_code == EXIT_OK
@@ -68,6 +84,8 @@ topics:
         assert (s.inbound, s.rejected, s.accepted, s.delivered, s.pending, s.missing) == (12, 2, 10, 10, 0, 0)
         assert (s.duplicates, s.early) == (0, 0)
         assert s.lateness_max_ms is not None and 0 <= s.lateness_max_ms < 5000
+    assert (by_sub["billing"].nacks, by_sub["billing"].redelivered, by_sub["billing"].nacks_missing) == (1, 1, 0)
+    assert (by_sub["shipping"].nacks, by_sub["shipping"].redelivered) == (0, 0)
     assert outcome.result.rejections == [
         {"topic": topic, "code": "EXCEEDS_MAX_DELAY", "count": 1},
         {"topic": topic, "code": "INVALID_DELAY_HEADER", "count": 1},
