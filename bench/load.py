@@ -46,7 +46,7 @@ def produce(
 
     # Distinct JSON-like values, padded with random hex to value_bytes: identical values would let
     # lz4 shrink whole batches to nothing and flatter every stage alike; fully random ones make a
-    # 1M-record backlog exceed a 100 MB fetch response on noida-db (see bench/RESULTS.md).
+    # 1M-record backlog exceed a 100 MB fetch response on noida-db (see docs/benchmarks.md).
     def make_value(i: int) -> bytes:
         head = b'{"order":%d,"amount":%d.%02d,"currency":"EUR","note":"' % (i, rng.randrange(10_000), i % 100)
         pad = max(value_bytes - len(head) - 2, 0)
