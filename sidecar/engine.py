@@ -125,7 +125,6 @@ class Sidecar:
         control_topic: str = "delay-sidecar.control",
         read_ahead_ms: int = 10_000,
     ) -> None:
-        self._client_config = client_config
         self._policies = policies
         self._tracker_factory = tracker_factory
         self.metrics = metrics or Metrics()
@@ -210,7 +209,7 @@ class Sidecar:
                 self._dispatch_due()  # due first: after a restart, what fell due while down goes out first
                 records = consume_batch(self._consumer, self._batch_size, self._wait_s())
                 if records:
-                    self._intake(records, policies)
+                    self._intake(records)
                 if time.monotonic() - last_checkpoint >= self._commit_interval_s:
                     self._checkpoint()
                     last_checkpoint = time.monotonic()
@@ -372,7 +371,7 @@ class Sidecar:
         # for its retry rather than spin.
         return max(wait, self._stalled_until - time.monotonic())
 
-    def _intake(self, records: list[Message], policies: PolicySet) -> None:
+    def _intake(self, records: list[Message]) -> None:
         """Judge each record once and send it on, index it, or dead-letter it.
 
         This is the hot path of pass-through traffic: counts are kept per batch, and a record
