@@ -35,6 +35,9 @@ READ_SLICE_S = 0.01
 # Payloads held for upcoming deliveries (about 300 bytes each with 100-byte values); past this,
 # due records are read back when they fall due.
 MAX_CACHED = 300_000
+# A tracker whose next snapshot segment failed to load reports a due entry it cannot pop yet; wait
+# this long for its retry rather than spin.
+STALL_WAIT_MS = 50
 # Look ahead at most this often, so an idle sidecar with distant entries does not spin. Beyond that,
 # a new pass starts only when what was read ahead covers less than half the window: with random
 # delays a pass reads through most of the log, so each pass should cover a lot of due time.
@@ -54,6 +57,7 @@ class Dispatcher:
         self._horizon: dict[TopicPartitionKey, Due] = {}
         self._read: Iterator[tuple[TopicPartitionKey, int, Message | None]] | None = None
         self._next_look_ms = 0
+        self._stalled_until_ms = 0
 
     # ----------------------------------------------------------------- what the loop asks
 
@@ -74,7 +78,7 @@ class Dispatcher:
             return None
         if self.read_ahead_ms > 0:
             times.append(max(min(times) - self.read_ahead_ms, self._next_look_ms))
-        return min(times)
+        return max(min(times), self._stalled_until_ms)
 
     def forget(self, partition: TopicPartitionKey) -> None:
         """The partition was revoked: drop what was read ahead for it."""
@@ -96,6 +100,7 @@ class Dispatcher:
                 continue
             due = tracker.pop_due(MAX_POP)
             if not due:
+                self._stalled_until_ms = self._clock.now_ms() + STALL_WAIT_MS
                 continue
             missing = [offset for _, offset in due if (partition, offset) not in self._cache]
             if missing:

@@ -5,7 +5,7 @@ from typing import Any
 
 from sidecar.clock import ManualClock
 from sidecar.dispatch.dispatcher import Dispatcher
-from sidecar.tracker import InMemoryTracker
+from sidecar.tracker import Due, InMemoryTracker
 
 P = ("orders", 0)
 
@@ -121,3 +121,19 @@ def test_wake_time_follows_deliveries_and_read_ahead(clock: ManualClock) -> None
     clock.advance(500)
     s.turn()
     assert s.ahead.reads == [[1]]  # nothing new: the peek starts after what was already read
+
+
+class StalledTracker(InMemoryTracker):
+    """A due entry it cannot pop yet, like a bucket tracker whose next segment failed to load."""
+
+    def pop_due(self, max_messages: int) -> list[Due]:
+        return []
+
+
+def test_a_stalled_tracker_is_retried_after_a_pause_not_spun_on(clock: ManualClock) -> None:
+    s = Setup(clock, read_ahead_ms=0)
+    stalled = StalledTracker(clock)
+    stalled.add(1, clock.now_ms() + 10)
+    clock.advance(10)
+    s.dispatcher.turn({P: stalled})
+    assert s.dispatcher.next_wake_ms({P: stalled}) == clock.now_ms() + 50
