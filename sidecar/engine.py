@@ -172,8 +172,7 @@ class Sidecar:
         self._dispatcher = Dispatcher(
             self._ahead_reader, self._reader, self._deliver_delayed, self.clock, read_ahead_ms
         )
-        self._delivered_children: dict[tuple[str, str], Any] = {}
-        self._lateness_children: dict[str, Any] = {}
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         self._partitions: dict[TopicPartitionKey, PartitionState] = {}
         self._subscribed: frozenset[str] = frozenset()
         self._routes: dict[str, _Routes] = {}
@@ -358,7 +357,7 @@ class Sidecar:
     # ----------------------------------------------------------------- intake
 
     def _wait_s(self) -> float:
-        """How long intake may block: until the next staged send, read-ahead pop or nack falls due."""
+        """How long intake may block: until the dispatcher's next delivery or read-ahead, or the next nack."""
         inbound = {k: s.tracker for k, s in self._partitions.items() if not s.control}
         times = [
             t for s in self._partitions.values() if s.control and (t := s.tracker.next_delivery_time()) is not None
@@ -452,10 +451,10 @@ class Sidecar:
             self.metrics.messages_delayed.labels(topic).inc(n)
         for topic, n in sent_delayed_subs.items():
             for sub, _ in self._routes[topic].delayed:
-                self._delivered_child(topic, sub).inc(n)
+                self._labelled(self.metrics.delivered, topic, sub).inc(n)
         for topic, n in sent_ordered_subs.items():
             for sub, _ in self._routes[topic].ordered:
-                self._delivered_child(topic, sub).inc(n)
+                self._labelled(self.metrics.delivered, topic, sub).inc(n)
 
     def _rebuild_one(
         self, record: Message, state: PartitionState, rebuild: Rebuild, routes: _Routes, publish_ms: int, now: int
@@ -669,8 +668,8 @@ class Sidecar:
         )
         self._send(sub.outbound, message.key(), message.value(), headers)
         self.metrics.redeliveries.labels(command.subscription).inc()
-        self.metrics.delivered.labels(command.topic, command.subscription).inc()
-        self.metrics.lateness.labels(command.topic).observe(max(self.clock.now_ms() - deliver_at, 0) / 1000)
+        self._labelled(self.metrics.delivered, command.topic, command.subscription).inc()
+        self._labelled(self.metrics.lateness, command.topic).observe(max(self.clock.now_ms() - deliver_at, 0) / 1000)
 
     # ----------------------------------------------------------------- dispatch
 
@@ -700,7 +699,7 @@ class Sidecar:
         topic, number = partition
         routes = self._routes.get(topic)
         produce = self._producer.produce
-        lateness = self._lateness_child(topic).observe
+        lateness = self._labelled(self.metrics.lateness, topic).observe
         now = self.clock.now_ms()
         sent = 0
         for deliver_at, offset, record in due:
@@ -728,18 +727,14 @@ class Sidecar:
             sent += 1
         if sent and routes is not None:
             for sub, _ in routes.delayed:
-                self._delivered_child(topic, sub).inc(sent)
+                self._labelled(self.metrics.delivered, topic, sub).inc(sent)
 
-    def _delivered_child(self, topic: str, sub: str) -> Any:
-        child = self._delivered_children.get((topic, sub))
+    def _labelled(self, metric: Any, *labels: str) -> Any:
+        """metric.labels(*labels), cached: the hot paths count per batch without a lookup and a lock."""
+        key = (id(metric), labels)
+        child = self._children.get(key)
         if child is None:
-            child = self._delivered_children[(topic, sub)] = self.metrics.delivered.labels(topic, sub)
-        return child
-
-    def _lateness_child(self, topic: str) -> Any:
-        child = self._lateness_children.get(topic)
-        if child is None:
-            child = self._lateness_children[topic] = self.metrics.lateness.labels(topic)
+            child = self._children[key] = metric.labels(*labels)
         return child
 
     # ----------------------------------------------------------------- checkpoint
