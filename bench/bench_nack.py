@@ -42,12 +42,10 @@ import platform
 import random
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
@@ -60,6 +58,8 @@ if __package__ in (None, ""):
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 
+from bench.probe import scrape
+from bench.procs import Child
 from sidecar.broker import embedded
 from sidecar.broker.embedded import EmbeddedBroker, free_port
 from sidecar.client import Nacker, origin, redelivery_count
@@ -405,43 +405,6 @@ class Outcome:
         }
 
 
-class SidecarChild:
-    def __init__(self, argv: list[str], log: Path) -> None:
-        self.log = log
-        with log.open("ab") as out:
-            self.process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
-
-    def alive(self) -> bool:
-        return self.process.poll() is None
-
-    def tail(self, chars: int = 3000) -> str:
-        return self.log.read_text(errors="replace")[-chars:] if self.log.exists() else ""
-
-    def stop(self, timeout_s: float = 60.0) -> int:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        return int(self.process.returncode)
-
-
-def scrape(port: int) -> dict[str, float]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
-        text = response.read().decode()
-    samples: dict[str, float] = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            try:
-                samples[name] = float(value)
-            except ValueError:
-                continue
-    return samples
-
-
 def process_usage(pid: int) -> dict[str, float]:
     try:
         import psutil  # type: ignore[import-untyped,unused-ignore]  # noqa: PLC0415 (optional dev dependency)
@@ -477,7 +440,7 @@ def run_sidecar(args: argparse.Namespace, bootstrap: str, records: list[tuple[by
     outcome = Outcome("sidecar", n)
     outcome.figures["produce_rate"] = produce_all(bootstrap, inbound, records)
     metrics_port = free_port()
-    child = SidecarChild(
+    child = Child(
         [
             sys.executable,
             "-m",
@@ -521,7 +484,7 @@ def run_sidecar(args: argparse.Namespace, bootstrap: str, records: list[tuple[by
             "outbound": sum(outbound_after) - sum(outbound_before),
             "control": sum(control_after) - sum(control_before),
         }
-        samples = scrape(metrics_port)
+        samples = scrape(metrics_port, timeout_s=5)
         complete = len(redelivered) == n
         outcome.figures["sidecar_metrics"] = {
             name: value
@@ -533,7 +496,7 @@ def run_sidecar(args: argparse.Namespace, bootstrap: str, records: list[tuple[by
         outcome.figures["sidecar_process"] = process_usage(child.process.pid)
         outcome.figures["scenario_s"] = time.monotonic() - started
     except BaseException:
-        print(child.tail(), file=sys.stderr)
+        print(child.tail(3000), file=sys.stderr)
         raise
     finally:
         code = child.stop()
