@@ -58,6 +58,8 @@ def parse_command(raw: bytes | None) -> NackCommand:
         raise invalid("expected a JSON object")
     if data.get("v") != VERSION:
         raise invalid(f"unsupported version v={data.get('v')!r}; this sidecar reads v=1")
+    if data.get("type") == ACCEPTED:
+        raise invalid("records of type 'accepted' are written by the sidecar itself; send 'nack' commands")
     if data.get("type") != "nack":
         raise invalid(f"unknown command type {data.get('type')!r}; the only type is 'nack'")
     subscription = _text(data, "subscription")
@@ -103,3 +105,65 @@ def _count(data: dict[str, Any], field: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise invalid(f"'{field}' must be an integer of zero or more, got {value!r}")
     return value
+
+
+ACCEPTED = "accepted"
+ACCEPTED_BY = "delay-accepted-by"
+"""Header of accepted records: the consumer group of the sidecar that wrote it."""
+
+
+@dataclass(frozen=True)
+class AcceptedNack:
+    """The sidecar's durable record that it accepted a nack, written to the command's control partition.
+
+    The control log holds it until the redelivery is done, so an accepted nack survives any loss of
+    local state, and the command itself is never judged twice.
+    """
+
+    command: NackCommand
+    deliver_at: int
+    source: tuple[int, int]
+    """(control partition, offset) of the command: identifies the acceptance for latest-wins."""
+
+    def encode(self) -> bytes:
+        c = self.command
+        return json.dumps(
+            {
+                "v": VERSION,
+                "type": ACCEPTED,
+                "subscription": c.subscription,
+                "topic": c.topic,
+                "partition": c.partition,
+                "offset": c.offset,
+                "deliver_at": self.deliver_at,
+                "redelivery_count": c.redelivery_count,
+                "command_partition": self.source[0],
+                "command_offset": self.source[1],
+            },
+            separators=(",", ":"),
+        ).encode()
+
+
+def parse_accepted(raw: bytes | None) -> AcceptedNack | None:
+    """An accepted record's content; None when the value is not one (a command, or garbage)."""
+    try:
+        data = json.loads(raw or b"")
+    except (ValueError, UnicodeDecodeError):
+        return None
+    if not isinstance(data, dict) or data.get("type") != ACCEPTED or data.get("v") != VERSION:
+        return None
+    try:
+        command = NackCommand(
+            _text(data, "subscription"),
+            _text(data, "topic"),
+            _count(data, "partition"),
+            _count(data, "offset"),
+            None,
+            _count(data, "deliver_at"),
+            _count(data, "redelivery_count"),
+        )
+        return AcceptedNack(
+            command, _count(data, "deliver_at"), (_count(data, "command_partition"), _count(data, "command_offset"))
+        )
+    except RejectedRecord:
+        return None

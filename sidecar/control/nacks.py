@@ -16,8 +16,14 @@ class LatestNacks:
         self._latest: dict[tuple[str, str, int, int], ControlPosition] = {}
 
     def accept(self, command: NackCommand, position: ControlPosition) -> None:
-        """Record a command as the one in force for its message, replacing any earlier one."""
-        self._latest[command.message_key] = position
+        """Record a command as the one in force for its message, unless a later command already is.
+
+        Commands for one message share its key, hence one control partition, so their offsets
+        give their order; an acceptance written twice (a crash before the commit) changes nothing.
+        """
+        current = self._latest.get(command.message_key)
+        if current is None or current[0] != position[0] or current[1] < position[1]:
+            self._latest[command.message_key] = position
 
     def claim(self, command: NackCommand, position: ControlPosition) -> bool:
         """True when this due command is still the latest for its message; it is then settled."""

@@ -42,6 +42,8 @@ STALL_WAIT_MS = 50
 # a new pass starts only when what was read ahead covers less than half the window: with random
 # delays a pass reads through most of the log, so each pass should cover a lot of due time.
 LOOK_AHEAD_EVERY_MS = 100
+# Later than any deliver-at (year 9999): draining pops every entry.
+DRAIN_UNTIL_MS = 253_402_300_800_000
 
 
 class Dispatcher:
@@ -143,6 +145,25 @@ class Dispatcher:
         except ReadInterrupted:
             pass  # stopping; nothing read ahead is needed for correctness
         self._read = None
+
+    def drain(
+        self, partition: TopicPartitionKey, tracker: DelayedDeliveryTracker, send: Callable[[Message, int], None]
+    ) -> int:
+        """Pop every entry, due or not, and hand each record to `send(record, deliver_at)`.
+
+        For a topic that left the policies: its pending records are dead-lettered, not dropped.
+        """
+        self.forget(partition)
+        count = 0
+        while due := tracker.pop_due(MAX_POP, until_ms=DRAIN_UNTIL_MS):
+            at = {d.offset: d.deliver_at for d in due}
+            for _, offset, record in self._due_reader.read({partition: list(at)}):
+                if record is None:
+                    logger.error("pending record missing from the log partition=%s/%d offset=%d", *partition, offset)
+                    continue
+                send(record, at[offset])
+                count += 1
+        return count
 
     def close(self) -> None:
         self._read = None

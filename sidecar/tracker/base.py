@@ -7,6 +7,11 @@ subscription of its topic, so the index costs the same whatever the number of su
 Ordering: entries come out by deliver-at, and entries with equal deliver-at in offset order,
 which is the order the producer wrote them (FIFO). Strictness: an entry never comes out before
 its deliver-at, by the injected clock.
+
+The delivered watermark: every entry leaves the tracker in key order (deliver-at, offset), and so
+does every due position the caller delivers at once instead of indexing it (see `add`). So one key,
+`delivered_through()`, says exactly which positions are done: those at or below it. The commit
+carries it, and a rebuild of a lost index skips what it covers: nothing is delivered twice.
 """
 
 from abc import ABC, abstractmethod
@@ -20,16 +25,28 @@ class Due(NamedTuple):
     offset: int
 
 
+KEY_SHIFT = 64
+NOTHING_DELIVERED = -1
+
+
+def pack(deliver_at: int, offset: int) -> int:
+    """The entry's place in delivery order, as one integer: deliver-at, then offset."""
+    return deliver_at << KEY_SHIFT | offset
+
+
 class DelayedDeliveryTracker(ABC):
     def __init__(self, clock: Clock) -> None:
         self.clock = clock
 
     @abstractmethod
     def add(self, offset: int, deliver_at: int) -> bool:
-        """Index a delayed position. False when it is already due: the caller delivers it now.
+        """Index a delayed position. False when the caller must deliver it now.
 
-        Adding a position that is already indexed changes nothing (a replayed record is not
-        delivered twice) and returns True.
+        That is when it is due and nothing indexed comes before it, or when it lies at or below
+        the delivered watermark (a rebuild finding a record that is due by an earlier pop); the
+        watermark then moves up to it. A due position that indexed entries precede is indexed
+        and comes out with them, in order. Adding a position that is already indexed changes
+        nothing (a replayed record is not delivered twice) and returns True.
         """
 
     @abstractmethod
@@ -37,8 +54,10 @@ class DelayedDeliveryTracker(ABC):
         """The earliest deliver-at still indexed, or None when the tracker is empty."""
 
     @abstractmethod
-    def pop_due(self, max_messages: int) -> list[Due]:
-        """Remove and return up to max_messages due entries, earliest first.
+    def pop_due(self, max_messages: int, until_ms: int | None = None) -> list[Due]:
+        """Remove and return up to max_messages entries due by until_ms (default: now), earliest first.
+
+        A later until_ms drains entries before their time: only for dead-lettering them.
 
         Removal becomes permanent at the next checkpoint(), which the caller runs only after
         every popped entry has been delivered and acknowledged by the broker.
@@ -55,6 +74,14 @@ class DelayedDeliveryTracker(ABC):
 
     @abstractmethod
     def contains(self, offset: int) -> bool: ...
+
+    @abstractmethod
+    def delivered_through(self) -> int:
+        """The packed key (`pack`) of the last position delivered, or NOTHING_DELIVERED."""
+
+    @abstractmethod
+    def restore_delivered_through(self, key: int) -> None:
+        """Before a rebuild into an empty tracker: the watermark the last commit recorded."""
 
     @abstractmethod
     def __len__(self) -> int:

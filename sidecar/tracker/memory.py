@@ -10,9 +10,9 @@ import heapq
 from pyroaring import BitMap64
 
 from sidecar.clock import Clock
-from sidecar.tracker.base import DelayedDeliveryTracker, Due
+from sidecar.tracker.base import KEY_SHIFT, NOTHING_DELIVERED, DelayedDeliveryTracker, Due
 
-_OFFSET_BITS = 64
+_OFFSET_BITS = KEY_SHIFT
 _OFFSET_MASK = (1 << _OFFSET_BITS) - 1
 
 
@@ -21,27 +21,34 @@ class InMemoryTracker(DelayedDeliveryTracker):
         super().__init__(clock)
         self._heap: list[int] = []
         self._pending = BitMap64()
+        self._popped = NOTHING_DELIVERED
 
     def add(self, offset: int, deliver_at: int) -> bool:
         if offset in self._pending:
             return True
-        if deliver_at <= self.clock.now_ms():
+        key = deliver_at << _OFFSET_BITS | offset
+        if key <= self._popped:
             return False
-        heapq.heappush(self._heap, deliver_at << _OFFSET_BITS | offset)
+        if deliver_at <= self.clock.now_ms() and (not self._heap or key < self._heap[0]):
+            self._popped = key
+            return False
+        heapq.heappush(self._heap, key)
         self._pending.add(offset)
         return True
 
     def next_delivery_time(self) -> int | None:
         return self._heap[0] >> _OFFSET_BITS if self._heap else None
 
-    def pop_due(self, max_messages: int) -> list[Due]:
-        limit = (self.clock.now_ms() + 1) << _OFFSET_BITS
+    def pop_due(self, max_messages: int, until_ms: int | None = None) -> list[Due]:
+        limit = ((self.clock.now_ms() if until_ms is None else until_ms) + 1) << _OFFSET_BITS
         heap, due = self._heap, list[Due]()
         while heap and heap[0] < limit and len(due) < max_messages:
             key = heapq.heappop(heap)
             offset = key & _OFFSET_MASK
             self._pending.discard(offset)
             due.append(Due(key >> _OFFSET_BITS, offset))
+        if due:
+            self._popped = max(self._popped, due[-1].deliver_at << _OFFSET_BITS | due[-1].offset)
         return due
 
     def peek(self, after: Due | None, until_ms: int, max_messages: int) -> list[Due]:
@@ -62,6 +69,12 @@ class InMemoryTracker(DelayedDeliveryTracker):
     def contains(self, offset: int) -> bool:
         return offset in self._pending
 
+    def delivered_through(self) -> int:
+        return self._popped
+
+    def restore_delivered_through(self, key: int) -> None:
+        self._popped = key
+
     def __len__(self) -> int:
         return len(self._heap)
 
@@ -75,6 +88,7 @@ class InMemoryTracker(DelayedDeliveryTracker):
     def clear(self) -> None:
         self._heap.clear()
         self._pending.clear()
+        self._popped = NOTHING_DELIVERED
 
     def close(self) -> None:
         self.clear()

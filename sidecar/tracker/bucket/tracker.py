@@ -513,13 +513,18 @@ class BucketTracker(DelayedDeliveryTracker):
                     return True
             elif self.contains(offset):
                 return True
+        if deliver_at <= self._popped_at and deliver_at << _SHIFT | offset <= self._popped:
+            # At or below the delivered watermark (a rebuild, or the clock stepped back): due by an
+            # earlier pop, and keeping it would break the popped-prefix invariant durability rests on.
+            return False
         now = self.clock.now_ms()
         if deliver_at <= now:
-            return False
-        if deliver_at <= self._popped_at and deliver_at << _SHIFT | offset <= self._popped:
-            # Only when the clock stepped back: it is due by an earlier reading of the clock,
-            # and keeping it would break the popped-prefix invariant the durability rests on.
-            return False
+            head = self.next_delivery_time()
+            if head is None or deliver_at < head:
+                # Due, and nothing indexed comes first: delivered now, as if popped.
+                self._popped, self._popped_at = deliver_at << _SHIFT | offset, deliver_at
+                return False
+            # Due behind indexed entries: it comes out after them, keeping pops in key order.
         if offset > self._mutable_max_offset:
             if self._mutable_count >= self._min_index_count:
                 self._seal_and_merge(now)
@@ -540,8 +545,8 @@ class BucketTracker(DelayedDeliveryTracker):
         at = min(head >> _SHIFT, self._unsorted_min_at)
         return None if at == _NO_AT else at
 
-    def pop_due(self, max_messages: int) -> list[Due]:
-        now = self.clock.now_ms()
+    def pop_due(self, max_messages: int, until_ms: int | None = None) -> list[Due]:
+        now = self.clock.now_ms() if until_ms is None else until_ms
         limit = (now + 1) << _SHIFT
         if self._unsorted_min_at <= now:
             self._sorted_mutable()
@@ -653,6 +658,13 @@ class BucketTracker(DelayedDeliveryTracker):
         """The cursor of the last successful checkpoint: resume consuming (and commit) there."""
         return self._durable_cursor
 
+    def delivered_through(self) -> int:
+        return self._popped
+
+    def restore_delivered_through(self, key: int) -> None:
+        self._durable_popped = self._popped = max(key, 0)
+        self._popped_at = self._popped >> _SHIFT
+
     @property
     def degraded(self) -> bool:
         """True while a storage operation failed and waits for a retry; indexes are in memory."""
@@ -739,6 +751,7 @@ class BucketTracker(DelayedDeliveryTracker):
             self._merge_over_limit(force=True)
 
     def clear(self) -> None:
+        self._durable_popped = 0
         self._reset_memory()
         self._durable_cursor = None
         self._failing.clear()

@@ -1,0 +1,74 @@
+"""Topics the sidecar needs: created when missing, counted, and their retention read.
+
+Missing inbound, outbound, dead-letter and control topics are created with as many partitions as
+their inbound topic, so that one inbound partition maps to one outbound partition.
+"""
+
+import logging
+import time
+from typing import Any
+
+from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic
+
+from sidecar.errors import BrokerError
+from sidecar.policy import PolicySet
+
+logger = logging.getLogger(__name__)
+
+ADMIN_TIMEOUT_S = 10
+# How often topic retention.ms is re-read for EXCEEDS_RETENTION.
+RETENTION_REFRESH_S = 60.0
+
+
+class TopicAdmin:
+    def __init__(self, client_config: dict[str, Any], control_topics: tuple[str, ...], new_partitions: int) -> None:
+        self._admin = AdminClient(client_config)
+        self._control_topics = control_topics
+        self._new_partitions = new_partitions
+        self.partitions: dict[str, int] = {}
+        """Partition count of every topic the policies name, after `ensure`."""
+        self.retention_ms: dict[str, int | None] = {}
+        self._retention_read_at = 0.0
+
+    def ensure(self, policies: PolicySet) -> None:
+        """Create what is missing; afterwards `partitions` counts every topic the policies name."""
+        metadata = self._admin.list_topics(timeout=ADMIN_TIMEOUT_S)
+        existing = {name: len(t.partitions) for name, t in metadata.topics.items() if t.error is None}
+        wanted: dict[str, int] = {name: self._new_partitions for name in self._control_topics if name not in existing}
+        for name, route in policies.topics.items():
+            partitions = existing.get(name, self._new_partitions)
+            if name not in existing:
+                wanted[name] = partitions
+            for target in [route.dead_letter_topic, *(s.outbound for s in route.subscriptions)]:
+                if target not in existing:
+                    wanted.setdefault(target, partitions)
+        if wanted:
+            futures = self._admin.create_topics(
+                [NewTopic(t, n) for t, n in wanted.items()], operation_timeout=ADMIN_TIMEOUT_S
+            )
+            for topic, future in futures.items():
+                try:
+                    future.result()
+                    logger.info("topic created topic=%s partitions=%d", topic, wanted[topic])
+                except Exception as e:
+                    if "TOPIC_ALREADY_EXISTS" not in str(e):
+                        raise BrokerError(
+                            f"cannot create topic {topic}: {e}; create it yourself or grant CREATE on the cluster"
+                        ) from e
+        self.partitions = {**existing, **wanted}
+
+    def refresh_retention(self, topics: list[str], force: bool = False) -> None:
+        """retention.ms of the inbound topics, re-read at most once a minute unless forced."""
+        if not force and time.monotonic() - self._retention_read_at < RETENTION_REFRESH_S:
+            return
+        self._retention_read_at = time.monotonic()
+        if not topics:
+            return
+        resources = [ConfigResource("topic", t) for t in topics]
+        for resource, future in self._admin.describe_configs(resources, request_timeout=ADMIN_TIMEOUT_S).items():
+            try:
+                entry = future.result().get("retention.ms")
+                value = int(entry.value) if entry is not None and entry.value is not None else -1
+                self.retention_ms[resource.name] = value if value >= 0 else None
+            except Exception as e:
+                logger.warning("retention unknown topic=%s error=%s", resource.name, e)

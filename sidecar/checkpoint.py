@@ -1,0 +1,44 @@
+"""The checkpoint: the one place where progress becomes durable, in a fixed order.
+
+1. Flush the producer. Every outbound, dead-letter and accepted-nack record written so far is
+   acknowledged by the broker, or the checkpoint fails and nothing below is done.
+2. Checkpoint each tracker at its partition's next offset. The bucket tracker writes its adds
+   and pops to RocksDB in one batch; the in-memory tracker has nothing to write.
+3. Commit, for each partition whose position or metadata changed, the next offset to read with
+   the metadata (earliest pending offset, delivered watermark, intake rules). A partition whose
+   tracker could not make itself durable up to that offset is not committed this time.
+
+A crash between 2 and 3 leaves local state one checkpoint ahead of Kafka; the restart uses it
+(PartitionState.start), since everything it covers was acknowledged in step 1. Deliveries alone
+change the watermark, so a checkpoint commits after deliveries even when nothing new was read.
+"""
+
+from collections.abc import Iterable
+
+from confluent_kafka import Consumer, TopicPartition
+
+from sidecar.errors import BrokerError
+from sidecar.outbound.writer import Writer
+from sidecar.tracker.partitions import PartitionState
+
+
+def checkpoint(writer: Writer, states: Iterable[PartitionState], consumer: Consumer) -> int:
+    """Run one checkpoint; returns the number of partitions committed."""
+    writer.flush()
+    points: list[tuple[PartitionState, tuple[int, str]]] = []
+    for state in states:
+        if state.next_offset is not None and state.rebuild is None:
+            state.tracker.checkpoint(state.next_offset)
+        point = state.commit_point(state.tracker.earliest_pending_offset())
+        if point is not None:
+            points.append((state, point))
+    if not points:
+        return 0
+    offsets = [TopicPartition(s.topic, s.partition, offset, metadata=meta) for s, (offset, meta) in points]
+    try:
+        consumer.commit(offsets=offsets, asynchronous=False)
+    except Exception as e:
+        raise BrokerError(f"committing inbound offsets failed: {e}; a restart resumes at the last commit") from e
+    for state, point in points:
+        state.committed = point
+    return len(points)

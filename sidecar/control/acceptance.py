@@ -1,0 +1,152 @@
+"""Nack commands in, decided once: rejected to the control dead-letter topic, or accepted durably.
+
+An accepted command becomes an *accepted record* on the command's own control partition (see
+`AcceptedNack`). The tracker indexes accepted records, not commands, when the intake reads them
+back. So the control offset can be committed past every command as soon as it is judged, and
+a restart, with or without local state, reads the accepted records again from the earliest one
+still pending (commit metadata), skipping those the delivered watermark covers. Commands below the
+committed offset are never judged a second time.
+"""
+
+import logging
+from collections.abc import Callable
+
+from confluent_kafka import Message
+
+from sidecar.clock import Clock
+from sidecar.control.commands import (
+    ACCEPTED_BY,
+    UNKNOWN_MESSAGE,
+    UNKNOWN_SUBSCRIPTION,
+    AcceptedNack,
+    NackCommand,
+    check_max_delay,
+    parse_accepted,
+    parse_command,
+)
+from sidecar.control.nacks import LatestNacks
+from sidecar.dispatch.reader import LogReader, TopicPartitionKey
+from sidecar.errors import RejectedRecord, SidecarError
+from sidecar.metrics import Metrics
+from sidecar.outbound.writer import Writer
+from sidecar.policy.routes import Routes
+from sidecar.tracker.base import pack
+from sidecar.tracker.partitions import PartitionState
+
+logger = logging.getLogger(__name__)
+
+DueNow = Callable[[PartitionState, list[tuple[int, AcceptedNack]]], None]
+"""redeliver(control partition, [(accepted offset, nack), ...]) for nacks already due when read."""
+
+
+class Acceptance:
+    def __init__(
+        self,
+        control_topic: str,
+        group_id: str,
+        writer: Writer,
+        reader: LogReader,
+        partitions: dict[TopicPartitionKey, PartitionState],
+        routes: Callable[[], dict[str, Routes]],
+        nacks: LatestNacks,
+        metrics: Metrics,
+        clock: Clock,
+    ) -> None:
+        self.control_topic = control_topic
+        self.dead_letter_topic = f"{control_topic}.dlt"
+        self._group = group_id.encode()
+        self._writer = writer
+        self._reader = reader
+        self._partitions = partitions
+        self._routes = routes
+        self._nacks = nacks
+        self._metrics = metrics
+        self._clock = clock
+        self._high_watermarks: dict[TopicPartitionKey, int] = {}
+
+    def take(self, record: Message, state: PartitionState, due_now: list[tuple[int, AcceptedNack]]) -> None:
+        """One control record: a command to judge, or an accepted record to index."""
+        offset = record.offset()
+        state.next_offset = offset + 1
+        headers = dict(record.headers() or [])
+        if headers.get(ACCEPTED_BY) == self._group:
+            accepted = parse_accepted(record.value())
+            if accepted is not None:
+                self._index(accepted, offset, state, due_now)
+                return
+        if offset < state.replay_until:
+            return  # judged before the restart: accepted records or the dead-letter topic hold the outcome
+        self._judge(record)
+
+    def _index(
+        self, accepted: AcceptedNack, offset: int, state: PartitionState, due_now: list[tuple[int, AcceptedNack]]
+    ) -> None:
+        done = offset < state.replay_until and pack(accepted.deliver_at, offset) <= state.replay_through
+        self._nacks.accept(accepted.command, accepted.source)
+        if done:
+            self._nacks.claim(accepted.command, accepted.source)  # redelivered, or superseded, before
+            return
+        if not state.tracker.add(offset, accepted.deliver_at):
+            due_now.append((offset, accepted))
+
+    def _judge(self, record: Message) -> None:
+        subscription = ""
+        now = self._clock.now_ms()
+        try:
+            command = parse_command(record.value())
+            subscription = command.subscription
+            routes = self._routes().get(command.topic)
+            if routes is None or routes.route.subscription(subscription) is None:
+                raise RejectedRecord(
+                    UNKNOWN_SUBSCRIPTION,
+                    f"topic {command.topic!r} has no subscription {subscription!r} in the policies in force",
+                )
+            sent_ms = record.timestamp()[1] if record.timestamp()[1] > 0 else now
+            check_max_delay(command, routes.route.delay, sent_ms)
+            self._check_known_message(command, routes)
+        except RejectedRecord as rejected:
+            self.reject(record, rejected)
+            self._metrics.nacks.labels(subscription, rejected.code.lower()).inc()
+            return
+        # From the command's own timestamp, so the time does not depend on when it was read.
+        accepted = AcceptedNack(command, command.effective_deliver_at(sent_ms), (record.partition(), record.offset()))
+        self._writer.send(
+            self.control_topic,
+            record.key(),
+            accepted.encode(),
+            [(ACCEPTED_BY, self._group)],
+            partition=record.partition(),
+        )
+        self._metrics.nacks.labels(subscription, "accepted").inc()
+
+    def _check_known_message(self, command: NackCommand, routes: Routes) -> None:
+        """UNKNOWN_MESSAGE: the offset is not in the inbound topic, or not yet delivered to anyone."""
+        key = (command.topic, command.partition)
+        high = self._high_watermarks.get(key, -1)
+        if command.offset >= high:
+            try:
+                _, high = self._reader.watermarks(command.topic, command.partition)
+            except SidecarError:
+                high = -1
+            self._high_watermarks[key] = high
+        if command.offset >= high:
+            raise RejectedRecord(
+                UNKNOWN_MESSAGE,
+                f"{command.topic}/{command.partition} has no offset {command.offset} (its end is {max(high, 0)})",
+            )
+        owner = self._partitions.get(key)
+        sub = routes.route.subscription(command.subscription)
+        not_yet = owner is not None and (
+            (owner.next_offset is not None and command.offset >= owner.next_offset)
+            or (sub is not None and not sub.ordered and owner.tracker.contains(command.offset))
+        )
+        if not_yet:
+            raise RejectedRecord(
+                UNKNOWN_MESSAGE,
+                f"{command.topic}/{command.partition}@{command.offset} was not delivered to "
+                f"{command.subscription!r} yet, so it cannot be nacked",
+            )
+
+    def reject(self, record: Message, rejected: RejectedRecord) -> None:
+        self._writer.dead_letter(self.dead_letter_topic, record, rejected.code, rejected.message)
+        logger.info("nack rejected partition=%d offset=%d code=%s", record.partition(), record.offset(), rejected.code)

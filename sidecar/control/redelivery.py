@@ -1,0 +1,155 @@
+"""Due nacks out: the accepted record read back, then the nacked message, to one subscription.
+
+A nack leaves its tracker in (deliver-at, offset) order like any delivery, so the control
+partition's delivered watermark covers it once it is redelivered, superseded or rejected.
+"""
+
+import logging
+from collections import defaultdict
+from collections.abc import Callable
+
+from confluent_kafka import Message
+
+from sidecar.clock import Clock
+from sidecar.control.acceptance import Acceptance
+from sidecar.control.commands import UNKNOWN_MESSAGE, UNKNOWN_SUBSCRIPTION, AcceptedNack, parse_accepted
+from sidecar.control.nacks import LatestNacks
+from sidecar.dispatch.reader import LogReader, TopicPartitionKey
+from sidecar.errors import RejectedRecord
+from sidecar.inbound.intake import judge
+from sidecar.metrics import Metrics
+from sidecar.outbound.records import outbound_headers
+from sidecar.outbound.writer import Writer
+from sidecar.policy.routes import Routes
+from sidecar.tracker.partitions import PartitionState
+
+logger = logging.getLogger(__name__)
+
+# Most due nacks redelivered per loop turn, so intake keeps flowing while a burst drains.
+MAX_NACK_DISPATCH = 50_000
+Jobs = dict[TopicPartitionKey, dict[int, list[tuple[AcceptedNack, int]]]]
+"""By inbound partition and offset: (the nack, the offset of its accepted record)."""
+
+
+class Redelivery:
+    def __init__(
+        self,
+        acceptance: Acceptance,
+        writer: Writer,
+        reader: LogReader,
+        partitions: dict[TopicPartitionKey, PartitionState],
+        routes: Callable[[], dict[str, Routes]],
+        retention_ms: dict[str, int | None],
+        nacks: LatestNacks,
+        metrics: Metrics,
+        clock: Clock,
+    ) -> None:
+        self._acceptance = acceptance
+        self._writer = writer
+        self._reader = reader
+        self._partitions = partitions
+        self._routes = routes
+        self._retention_ms = retention_ms
+        self._nacks = nacks
+        self._metrics = metrics
+        self._clock = clock
+
+    def dispatch_due(self, controls: list[PartitionState]) -> bool:
+        """Redeliver due nacks; False when a tracker reported a due entry it could not pop."""
+        popped: dict[int, dict[int, int]] = {}
+        stalled = False
+        for state in controls:
+            if state.tracker.has_message_available():
+                due = state.tracker.pop_due(MAX_NACK_DISPATCH)
+                if due:
+                    popped[state.partition] = {d.offset: d.deliver_at for d in due}
+                else:
+                    stalled = True
+        if popped:
+            topic = self._acceptance.control_topic
+            wanted = {(topic, partition): list(offsets) for partition, offsets in popped.items()}
+            found: list[tuple[int, int, AcceptedNack]] = []
+            for (_, partition), offset, record in self._reader.read(wanted):
+                accepted = parse_accepted(record.value()) if record is not None else None
+                if accepted is None:
+                    logger.error(
+                        "due nack missing from the control log partition=%d offset=%d; raise the control "
+                        "topic's retention.ms above the longest nack delay",
+                        partition,
+                        offset,
+                    )
+                    continue
+                found.append((partition, offset, accepted))
+            self.redeliver(found)
+        return not stalled
+
+    def redeliver(self, accepted: list[tuple[int, int, AcceptedNack]]) -> None:
+        """[(control partition, accepted offset, nack)]: the ones still in force go out now."""
+        jobs: Jobs = defaultdict(lambda: defaultdict(list))
+        for _, offset, nack in accepted:
+            command = nack.command
+            if self._nacks.claim(command, nack.source):
+                jobs[(command.topic, command.partition)][command.offset].append((nack, offset))
+            else:
+                self._metrics.nacks.labels(command.subscription, "superseded").inc()
+        if not jobs:
+            return
+        wanted = {key: list(by_offset) for key, by_offset in jobs.items()}
+        for key, offset, message in self._reader.read(wanted):
+            for nack, _ in jobs[key][offset]:
+                self._redeliver(nack, message)
+
+    def _redeliver(self, nack: AcceptedNack, message: Message | None) -> None:
+        command = nack.command
+        routes = self._routes().get(command.topic)
+        sub = routes.route.subscription(command.subscription) if routes is not None else None
+        try:
+            if routes is None or sub is None:
+                raise RejectedRecord(UNKNOWN_SUBSCRIPTION, "the subscription left the policies before redelivery")
+            if message is None:
+                raise RejectedRecord(UNKNOWN_MESSAGE, "the message is no longer in the inbound log (retention)")
+            owner = self._partitions.get((command.topic, command.partition))
+            rule = owner.rules.at(command.offset) if owner is not None else None
+            rule = rule or routes.rule(self._retention_ms.get(command.topic))
+            fate = judge(rule, message.headers(), max(message.timestamp()[1], 0))
+            if fate.rejected is not None:
+                raise RejectedRecord(
+                    UNKNOWN_MESSAGE,
+                    f"the message went to the dead-letter topic ({fate.rejected.code}), never to "
+                    f"{command.subscription!r}",
+                )
+        except RejectedRecord as rejected:
+            self._reject(nack, rejected)
+            self._metrics.nacks.labels(command.subscription, rejected.code.lower()).inc()
+            return
+        headers = outbound_headers(
+            message.headers(),
+            command.topic,
+            command.partition,
+            command.offset,
+            nack.deliver_at,
+            command.redelivery_count + 1,
+        )
+        outbound = sub.outbound
+        self._writer.send(
+            outbound, message.key(), message.value(), headers, self._writer.target(outbound, command.partition)
+        )
+        self._metrics.redeliveries.labels(command.subscription).inc()
+        self._metrics.child(self._metrics.delivered, command.topic, command.subscription).inc()
+        late = max(self._clock.now_ms() - nack.deliver_at, 0) / 1000
+        self._metrics.child(self._metrics.lateness, command.topic).observe(late)
+
+    def _reject(self, nack: AcceptedNack, rejected: RejectedRecord) -> None:
+        """The command, unchanged, to the control dead-letter topic (read back: this path is rare)."""
+        partition, offset = nack.source
+        for _, _, command in self._reader.read({(self._acceptance.control_topic, partition): [offset]}):
+            if command is not None:
+                self._acceptance.reject(command, rejected)
+            else:
+                logger.error(
+                    "nack rejected at redelivery but its command is gone from the control log "
+                    "partition=%d offset=%d code=%s",
+                    partition,
+                    offset,
+                    rejected.code,
+                )

@@ -1,0 +1,33 @@
+"""The fate of one inbound record, decided once: deliver now, delay until T, or reject with a code.
+
+Pure code. Live intake and the rebuild of a lost index both call `judge`, with the rule that was in
+force when the record first arrived, so they cannot disagree.
+"""
+
+from typing import NamedTuple
+
+from sidecar.errors import RejectedRecord
+from sidecar.inbound.headers import Headers
+from sidecar.policy.evaluate import decide
+from sidecar.policy.routes import IntakeRule
+
+
+class Fate(NamedTuple):
+    deliver_at: int | None
+    """None: every subscription gets the record now. Otherwise the subscriptions of `rule.delayed`
+    get it at deliver_at (now, if that has passed) and ordered subscriptions get it now."""
+    rejected: RejectedRecord | None = None
+    """Set when the record goes to the dead-letter topic instead, with this code and message."""
+    overridden: bool = False
+    """A fixed delay replaced the producer's header (counted)."""
+    disabled: bool = False
+    """The record asked for a delay on a topic whose delays are disabled (counted)."""
+
+
+def judge(rule: IntakeRule, headers: Headers, publish_ms: int) -> Fate:
+    try:
+        decision = decide(rule.delay, headers, publish_ms, rule.retention_ms)
+    except RejectedRecord as rejected:
+        return Fate(None, rejected)
+    deliver_at = decision.deliver_at if rule.delayed else None
+    return Fate(deliver_at, None, decision.overridden, decision.disabled)

@@ -1,0 +1,160 @@
+"""Inbound batches: each record judged once (`intake.judge`), then sent on, indexed or dead-lettered.
+
+This is the hot path of pass-through traffic: counts are kept per batch, and a record with no
+headers on a topic without a fixed delay skips the policy evaluation. Records below a rebuild's
+end were judged before a restart: they are judged again with the rule recorded for them, and only
+those still pending are indexed (or sent, when due).
+"""
+
+import logging
+from collections import Counter
+from collections.abc import Callable
+
+from confluent_kafka import KafkaError, Message
+
+from sidecar.clock import Clock
+from sidecar.control.acceptance import Acceptance
+from sidecar.control.commands import AcceptedNack
+from sidecar.control.redelivery import Redelivery
+from sidecar.dispatch.dispatcher import Dispatcher
+from sidecar.dispatch.reader import TopicPartitionKey
+from sidecar.errors import BrokerError
+from sidecar.inbound.intake import Fate, judge
+from sidecar.metrics import Metrics
+from sidecar.outbound.delivery import Delivery
+from sidecar.outbound.writer import Writer
+from sidecar.policy.routes import IntakeRule, Routes
+from sidecar.tracker.base import pack
+from sidecar.tracker.partitions import PartitionState, Rebuild
+
+logger = logging.getLogger(__name__)
+
+NOW = Fate(None)
+
+
+class Receiver:
+    def __init__(
+        self,
+        partitions: dict[TopicPartitionKey, PartitionState],
+        routes: Callable[[], dict[str, Routes]],
+        retention_ms: dict[str, int | None],
+        writer: Writer,
+        delivery: Delivery,
+        dispatcher: Dispatcher,
+        acceptance: Acceptance,
+        redelivery: Redelivery,
+        metrics: Metrics,
+        clock: Clock,
+    ) -> None:
+        self._partitions = partitions
+        self._routes = routes
+        self._retention_ms = retention_ms
+        self._writer = writer
+        self._delivery = delivery
+        self._dispatcher = dispatcher
+        self._acceptance = acceptance
+        self._redelivery = redelivery
+        self._metrics = metrics
+        self._clock = clock
+
+    def take(self, records: list[Message]) -> None:
+        now = self._clock.now_ms()
+        routes_now = self._routes()
+        rules: dict[str, IntakeRule] = {}
+        counts_in: Counter[str] = Counter()
+        counts_delayed: Counter[str] = Counter()
+        sent: dict[str, Counter[str]] = {}
+        nacks_due: list[tuple[int, int, AcceptedNack]] = []
+        for record in records:
+            error = record.error()
+            if error is not None:
+                self._consumer_error(error)
+                continue
+            topic, partition, offset = record.topic(), record.partition(), record.offset()
+            state = self._partitions.get((topic, partition))
+            if state is None:
+                continue  # revoked: not ours to commit any more
+            if state.control:
+                due: list[tuple[int, AcceptedNack]] = []
+                self._acceptance.take(record, state, due)
+                nacks_due += [(partition, o, nack) for o, nack in due]
+                continue
+            routes = routes_now.get(topic)
+            if routes is None:
+                continue  # the topic left the policies; its pending records were dead-lettered
+            counts_in[topic] += 1
+            publish_ms = record.timestamp()[1]
+            if publish_ms <= 0:
+                publish_ms = now
+            if state.rebuild is not None:
+                self._rebuild_one(record, state, state.rebuild, routes, publish_ms)
+                state.next_offset = offset + 1
+                continue
+            rule = rules.get(topic)
+            if rule is None:
+                rule = rules[topic] = routes.rule(self._retention_ms.get(topic))
+            if state.rule is not rule:
+                state.rules.note(offset, rule)
+                state.rule = rule
+            headers = record.headers()
+            fate = NOW if headers is None and routes.plain else judge(rule, headers, publish_ms)
+            state.next_offset = offset + 1
+            if fate.rejected is not None:
+                route = routes.route
+                self._writer.dead_letter(route.dead_letter_topic, record, fate.rejected.code, fate.rejected.message)
+                self._metrics.rejected.labels(topic, route.namespace or "", fate.rejected.code).inc()
+                continue
+            if fate.overridden:
+                self._metrics.fixed_delay_overridden.labels(topic, routes.route.namespace or "").inc()
+            if fate.disabled:
+                self._metrics.delay_disabled.labels(topic, routes.route.namespace or "").inc()
+            subs = sent.get(topic)
+            if subs is None:
+                subs = sent[topic] = Counter()
+            deliver_at = fate.deliver_at
+            if deliver_at is None:
+                self._delivery.send(routes.delayed, record, publish_ms, subs)
+            elif state.tracker.add(offset, deliver_at):
+                counts_delayed[topic] += 1
+                if self._dispatcher.near(deliver_at, now):
+                    self._dispatcher.keep_payload((topic, partition), offset, record)
+            else:
+                self._delivery.send(routes.delayed, record, deliver_at, subs)
+            if routes.ordered:
+                # Exclusive and failover subscriptions ignore delays: their deliver-at is the publish time.
+                self._delivery.send(routes.ordered, record, publish_ms, subs)
+        if nacks_due:
+            self._redelivery.redeliver(nacks_due)
+        self._writer.poll()
+        for topic, n in counts_in.items():
+            self._metrics.messages_in.labels(topic).inc(n)
+        for topic, n in counts_delayed.items():
+            self._metrics.messages_delayed.labels(topic).inc(n)
+        for topic, subs in sent.items():
+            for sub, n in subs.items():
+                self._metrics.child(self._metrics.delivered, topic, sub).inc(n)
+
+    def _rebuild_one(
+        self, record: Message, state: PartitionState, rebuild: Rebuild, routes: Routes, publish_ms: int
+    ) -> None:
+        offset = record.offset()
+        rule = state.rules.at(offset) or routes.rule(self._retention_ms.get(record.topic()))
+        fate = judge(rule, record.headers(), publish_ms)
+        deliver_at = fate.deliver_at
+        if deliver_at is not None and pack(deliver_at, offset) > rebuild.through:
+            if state.tracker.add(offset, deliver_at):
+                rebuild.indexed += 1
+            else:
+                sent: Counter[str] = Counter()
+                self._delivery.send(routes.targets(rule), record, deliver_at, sent)
+                for sub, n in sent.items():
+                    self._metrics.child(self._metrics.delivered, record.topic(), sub).inc(n)
+                rebuild.redelivered += 1
+        self._metrics.replayed.labels(record.topic()).inc()
+        if rebuild.progress(state.name, offset):
+            state.rebuild = None
+
+    def _consumer_error(self, error: KafkaError) -> None:
+        if error.fatal():
+            raise BrokerError(f"the inbound consumer failed for good: {error}; restart the sidecar")
+        logger.warning("consumer error error=%s", error)

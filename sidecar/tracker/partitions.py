@@ -1,0 +1,285 @@
+"""Per-partition state: where reading starts, what the commit says, and which rule judged which offset.
+
+Kafka's committed offset and its metadata are the durable truth of a partition. The metadata says:
+
+- `earliest`: the lowest offset still pending. Without a usable local index, the index is rebuilt
+  by reading the log again from there up to the committed offset.
+- `through`: the delivered watermark (deliver-at, offset). Positions leave the tracker in that
+  order, so every delayed record at or below it is done; a rebuild skips those instead of sending
+  them again.
+- `rules`: the intake rules in force over [earliest, committed), by first offset. A rebuild judges
+  each record with the rule of its first intake, and a due record goes to the subscriptions it was
+  owed then.
+
+Local state (the bucket tracker's RocksDB) is used only when it matches the commit: its cursor and
+watermark at or past the committed ones. State left behind by an earlier owner of the partition is
+discarded, never merged.
+"""
+
+import bisect
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from confluent_kafka import Consumer, TopicPartition
+
+from sidecar.policy.routes import IntakeRule
+from sidecar.tracker.base import KEY_SHIFT, NOTHING_DELIVERED, DelayedDeliveryTracker, pack
+
+logger = logging.getLogger(__name__)
+
+METADATA_VERSION = 2
+# Kafka refuses commit metadata over offset.metadata.max.bytes (4096 by default).
+MAX_METADATA_BYTES = 3_500
+REBUILD_REPORT_S = 2.0
+_MASK = (1 << KEY_SHIFT) - 1
+
+
+@dataclass(frozen=True)
+class CommitMetadata:
+    earliest: int | None = None
+    through: int = NOTHING_DELIVERED
+    rules: tuple[tuple[int, IntakeRule], ...] = ()
+
+    def encode(self) -> str:
+        data: dict[str, Any] = {"v": METADATA_VERSION, "earliest": self.earliest}
+        if self.through != NOTHING_DELIVERED:
+            data["through"] = [self.through >> KEY_SHIFT, self.through & _MASK]
+        rules = [rule.encode(offset) for offset, rule in self.rules]
+        while True:
+            data["rules"] = rules
+            text = json.dumps(data, separators=(",", ":"))
+            if len(text) <= MAX_METADATA_BYTES or len(rules) <= 1:
+                return text
+            logger.warning(
+                "commit metadata too large; dropping the oldest intake rule from_offset=%d "
+                "(a rebuild judges records before the next rule with that next rule)",
+                rules[0][0],
+            )
+            rules = rules[1:]
+
+    @classmethod
+    def decode(cls, text: str | None) -> "CommitMetadata":
+        """Our metadata, v1 (earliest only) or v2; empty when foreign or absent."""
+        try:
+            data = json.loads(text or "")
+        except ValueError:
+            return cls()
+        if not isinstance(data, dict) or data.get("v") not in (1, METADATA_VERSION):
+            return cls()
+        earliest = data.get("earliest")
+        through = data.get("through")
+        rules = [r for item in data.get("rules") or [] if (r := IntakeRule.decode(item)) is not None]
+        watermark = NOTHING_DELIVERED
+        if isinstance(through, list) and len(through) == 2 and all(isinstance(v, int) for v in through):
+            watermark = pack(through[0], through[1])
+        return cls(earliest if isinstance(earliest, int) else None, watermark, tuple(rules))
+
+
+class RuleHistory:
+    """Intake rules by first offset, for one inbound partition."""
+
+    def __init__(self, rules: tuple[tuple[int, IntakeRule], ...] = ()) -> None:
+        self._offsets = [offset for offset, _ in rules]
+        self._rules = [rule for _, rule in rules]
+
+    def note(self, offset: int, rule: IntakeRule) -> None:
+        """`rule` judges records from `offset` on (a no-op when it decides as the last one did)."""
+        if self._rules and (self._rules[-1] is rule or self._rules[-1].key == rule.key):
+            self._rules[-1] = rule  # the same values, with today's sources for error messages
+            return
+        self._offsets.append(offset)
+        self._rules.append(rule)
+
+    def at(self, offset: int) -> IntakeRule | None:
+        if not self._rules:
+            return None
+        index = bisect.bisect_right(self._offsets, offset) - 1
+        return self._rules[max(index, 0)]
+
+    @property
+    def single(self) -> IntakeRule | None:
+        """The rule, when one rule covers every offset known (the common case: no lookup)."""
+        return self._rules[0] if len(self._rules) == 1 else None
+
+    def prune(self, earliest: int) -> None:
+        """Drop rules that only judged offsets below `earliest`: nothing there is pending."""
+        keep = max(bisect.bisect_right(self._offsets, earliest) - 1, 0)
+        del self._offsets[:keep], self._rules[:keep]
+
+    def items(self) -> tuple[tuple[int, IntakeRule], ...]:
+        return tuple(zip(self._offsets, self._rules, strict=True))
+
+
+@dataclass
+class Rebuild:
+    """Reading [start, until) of a partition again, to rebuild an index that was not kept."""
+
+    start: int
+    until: int
+    through: int
+    """The committed watermark: records at or below it were delivered before."""
+    started: float = field(default_factory=time.monotonic)
+    reported: float = field(default_factory=time.monotonic)
+    indexed: int = 0
+    redelivered: int = 0
+
+    def progress(self, name: str, offset: int) -> bool:
+        """Log progress every few seconds and at the end; True once the rebuild is done."""
+        clock = time.monotonic()
+        done = offset + 1 >= self.until
+        if done or clock - self.reported >= REBUILD_REPORT_S:
+            self.reported = clock
+            rate = (offset + 1 - self.start) / max(clock - self.started, 1e-3)
+            logger.info(
+                "index rebuild %s partition=%s offset=%d until=%d indexed=%d redelivered=%d rate=%.0f/s eta=%.0fs",
+                "done" if done else "progress",
+                name,
+                offset,
+                self.until,
+                self.indexed,
+                self.redelivered,
+                rate,
+                max(self.until - offset - 1, 0) / max(rate, 1e-3),
+            )
+        return done
+
+
+@dataclass
+class PartitionState:
+    topic: str
+    partition: int
+    tracker: DelayedDeliveryTracker
+    control: bool = False
+    """A control-topic partition: its tracker indexes accepted nacks by their control offset."""
+    next_offset: int | None = None
+    committed: tuple[int, str] | None = None
+    """(offset, metadata) of the last commit, so an unchanged partition is not committed again."""
+    rules: RuleHistory = field(default_factory=RuleHistory)
+    rebuild: Rebuild | None = None
+    """Set while the index of this partition is rebuilt from the log (no usable local index)."""
+    replay_until: int = 0
+    """Control partitions: commands below this offset were judged before a restart; not again."""
+    replay_through: int = NOTHING_DELIVERED
+    """Control partitions: the committed watermark; accepted nacks at or below it are done."""
+    rule: IntakeRule | None = None
+    """The rule live intake noted last (the hot path compares identity, not values)."""
+
+    @property
+    def name(self) -> str:
+        return f"{self.topic}/{self.partition}"
+
+    def start(self, committed: int | None, metadata: CommitMetadata) -> int | None:
+        """Where reading starts, after checking the local index against the commit.
+
+        None means "where the group's auto.offset.reset says" (nothing committed yet).
+        """
+        tracker = self.tracker
+        self.rules = RuleHistory(metadata.rules)
+        if committed is not None:
+            self.committed = (committed, metadata.encode())
+        cursor = tracker.index_cursor()
+        if cursor is not None:
+            if committed is None or (cursor >= committed and tracker.delivered_through() >= metadata.through):
+                self.next_offset = cursor
+                return cursor
+            logger.warning(
+                "local index is stale, discarding it partition=%s index_cursor=%d committed=%d "
+                "(another member owned the partition since this state dir was written)",
+                self.name,
+                cursor,
+                committed,
+            )
+            tracker.clear()
+        elif len(tracker):
+            tracker.clear()
+        tracker.restore_delivered_through(metadata.through)
+        self.next_offset = committed
+        earliest = metadata.earliest
+        if committed is None or earliest is None or earliest >= committed:
+            self.replay_until = committed or 0
+            return committed
+        if self.control:
+            self.replay_until, self.replay_through = committed, metadata.through
+        else:
+            self.rebuild = Rebuild(earliest, committed, metadata.through)
+            logger.info("index rebuild started partition=%s from=%d until=%d", self.name, earliest, committed)
+        return earliest
+
+    def commit_point(self, earliest_pending: int | None) -> tuple[int, str] | None:
+        """(offset, metadata) to commit now, or None when there is nothing new to commit."""
+        if self.next_offset is None or self.rebuild is not None:
+            return None  # nothing read yet, or a rebuild that a crash would simply start again
+        tracker = self.tracker
+        if tracker.durable and tracker.index_cursor() != self.next_offset:
+            return None  # the index is not durable up to here: the commit must not pass it
+        earliest = earliest_pending if earliest_pending is not None else self.next_offset
+        self.rules.prune(earliest)
+        point = (self.next_offset, CommitMetadata(earliest, tracker.delivered_through(), self.rules.items()).encode())
+        return None if point == self.committed else point
+
+
+class Assignment:
+    """The partitions this member owns, kept in step with the group's rebalances.
+
+    `on_assign` opens each partition's tracker and seeks to where `PartitionState.start` says.
+    `on_revoke` checkpoints first (the partition goes to another member with nothing left
+    uncommitted); `on_lost` does not (another member may own it already).
+    """
+
+    def __init__(
+        self,
+        tracker_factory: Callable[[str, int], DelayedDeliveryTracker],
+        control_topic: str,
+        checkpoint: Callable[[], None],
+        forget: Callable[[PartitionState], None],
+    ) -> None:
+        self.states: dict[tuple[str, int], PartitionState] = {}
+        self._factory = tracker_factory
+        self._control_topic = control_topic
+        self._checkpoint = checkpoint
+        self._forget = forget
+        self.failed = False
+        """Set after a failure: nothing more may be committed, so revokes do not checkpoint."""
+        self.assigned = threading.Event()
+
+    def on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        starts = []
+        for tp in consumer.committed(partitions, timeout=30):
+            key = (tp.topic, tp.partition)
+            state = self.states.get(key)
+            if state is None:
+                tracker = self._factory(tp.topic, tp.partition)
+                state = PartitionState(tp.topic, tp.partition, tracker, control=tp.topic == self._control_topic)
+                self.states[key] = state
+            committed = tp.offset if tp.offset >= 0 else None
+            start = state.start(committed, CommitMetadata.decode(tp.metadata))
+            starts.append(TopicPartition(tp.topic, tp.partition, start if start is not None else tp.offset))
+        consumer.incremental_assign(starts)
+        self.assigned.set()
+        logger.info("partitions assigned partitions=%s", _names(starts))
+
+    def on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        if not self.failed:
+            self._checkpoint()
+        self._drop(partitions)
+        logger.info("partitions revoked partitions=%s", _names(partitions))
+
+    def on_lost(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        self._drop(partitions)
+        logger.warning("partitions lost partitions=%s", _names(partitions))
+
+    def _drop(self, partitions: list[TopicPartition]) -> None:
+        for tp in partitions:
+            state = self.states.pop((tp.topic, tp.partition), None)
+            if state is not None:
+                self._forget(state)
+                state.tracker.close()
+
+
+def _names(partitions: list[TopicPartition]) -> str:
+    return ",".join(f"{tp.topic}/{tp.partition}" for tp in partitions) or "-"
