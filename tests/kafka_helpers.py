@@ -1,18 +1,23 @@
 """Producing and reading records in tests, and running the sidecar on a thread or as a process."""
 
+import signal
 import subprocess
 import sys
 import threading
 import time
+import urllib.request
 import uuid
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from confluent_kafka import Consumer, Producer, TopicPartition
+from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
 
 from sidecar.app import SidecarApp
 from sidecar.broker.base import wait_for_metadata
+from sidecar.outbound.records import DELIVER_AT, ORIGIN_OFFSET, ORIGIN_PARTITION, REDELIVERY_COUNT
 from sidecar.settings import RunSettings
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -74,21 +79,48 @@ class KafkaHelper:
                         break
                 for m in consumer.consume(1000, 0.2):
                     if m.error() is None:
-                        out.append(
-                            Received(
-                                m.topic(),
-                                m.partition(),
-                                m.offset(),
-                                m.key(),
-                                m.value(),
-                                {k: v for k, v in (m.headers() or [])},
-                                m.timestamp()[1],
-                                time.time_ns() // 1_000_000,
-                            )
-                        )
+                        out.append(_received(m))
         finally:
             consumer.close()
         return out
+
+    def read_to_end(self, topic: str, timeout_s: float = 60.0, committed_only: bool = False) -> list[Received]:
+        """Every record of every partition up to its high watermark now: no count to wait for, so
+        duplicates and strays show up. read_committed (`committed_only`) stops at the stable offset."""
+        consumer = Consumer(
+            {
+                "bootstrap.servers": self.bootstrap,
+                "group.id": f"test-{uuid.uuid4().hex}",
+                "enable.auto.commit": False,
+                "enable.partition.eof": True,
+                "isolation.level": "read_committed" if committed_only else "read_uncommitted",
+            }
+        )
+        try:
+            metadata = consumer.list_topics(topic, timeout=10).topics[topic]
+            ends = {}
+            for p in metadata.partitions:
+                low, high = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10, cached=False)
+                if high > low:
+                    ends[p] = high
+            consumer.assign([TopicPartition(topic, p, 0) for p in ends])
+            out: list[Received] = []
+            deadline = time.monotonic() + timeout_s
+            while ends:
+                assert time.monotonic() < deadline, f"{topic}: partitions {sorted(ends)} not read to their end"
+                for m in consumer.consume(1000, 0.2):
+                    if m.error() is not None:
+                        if m.partition() in ends and m.offset() >= ends[m.partition()]:
+                            del ends[m.partition()]
+                        continue
+                    if m.offset() >= ends.get(m.partition(), -1):
+                        continue
+                    out.append(_received(m))
+                    if m.offset() + 1 >= ends[m.partition()]:
+                        del ends[m.partition()]
+            return out
+        finally:
+            consumer.close()
 
     def end_offsets(self, topic: str, partitions: int = 1) -> list[int]:
         consumer = Consumer({"bootstrap.servers": self.bootstrap, "group.id": "offsets"})
@@ -99,6 +131,31 @@ class KafkaHelper:
 
     def close(self) -> None:
         self.producer.flush(10)
+
+
+def _received(m: Any) -> Received:
+    return Received(
+        m.topic(),
+        m.partition(),
+        m.offset(),
+        m.key(),
+        m.value(),
+        {k: v for k, v in (m.headers() or [])},
+        m.timestamp()[1],
+        time.time_ns() // 1_000_000,
+    )
+
+
+def deliveries(records: list[Received]) -> Counter[tuple[int, int, int]]:
+    """Copies per (origin partition, origin offset, redelivery count): a duplicate counts 2."""
+    return Counter(
+        (int(r.headers[ORIGIN_PARTITION]), int(r.headers[ORIGIN_OFFSET]), int(r.headers[REDELIVERY_COUNT]))
+        for r in records
+    )
+
+
+def early(records: list[Received]) -> list[Received]:
+    return [r for r in records if r.timestamp < int(r.headers[DELIVER_AT])]
 
 
 class ThreadedSidecar:
@@ -152,3 +209,68 @@ def settings_for(kafka: str, policies: Path, state_dir: Path, **overrides: Any) 
     }
     values.update(overrides)
     return RunSettings(**values)
+
+
+def scrape(port: int, name: str, **labels: str) -> float:
+    """One sample from a running sidecar's /metrics; fails when the sample is not there."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    wanted = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    for line in text.splitlines():
+        if line.startswith("#"):
+            continue
+        sample, _, value = line.rpartition(" ")
+        metric_name, _, rest = sample.partition("{")
+        found = ",".join(sorted(rest.rstrip("}").split(","))) if rest else ""
+        if metric_name == name and found == wanted:
+            return float(value)
+    raise AssertionError(f"metric {name}{{{wanted}}} is not exported")
+
+
+def wait_for(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
+    """Poll until `condition` holds; a condition that raises (an endpoint not up yet) is retried."""
+    deadline = time.monotonic() + timeout_s
+    error: BaseException | None = None
+    while time.monotonic() < deadline:
+        try:
+            if condition():
+                return
+        except (OSError, AssertionError, KafkaException) as e:
+            error = e
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what} (last error: {error})")
+
+
+class SidecarProcess:
+    """`delay-sidecar run` as a child process that can be killed and started again on one state dir."""
+
+    def __init__(self, args: list[str], log: Path) -> None:
+        self.args, self.log = args, log
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> "SidecarProcess":
+        self.process = sidecar_process(self.args, self.log)
+        return self
+
+    def kill(self) -> None:
+        assert self.process is not None
+        self.process.send_signal(signal.SIGKILL)
+        self.process.wait(10)
+
+    def stop(self) -> int:
+        """SIGTERM; the exit code (a clean stop is 0)."""
+        assert self.process is not None
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            return self.process.wait(60)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            raise AssertionError(f"sidecar did not stop within 60 s\n{self.tail()}") from None
+
+    def close(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(10)
+
+    def tail(self) -> str:
+        return self.log.read_text()[-3000:]

@@ -35,13 +35,19 @@ class Model:
     def __init__(self, clock: ManualClock) -> None:
         self.clock = clock
         self.pending: dict[int, int] = {}
+        self.popped = Due(-1, -1)
+        """The delivered watermark: every entry leaves in (deliver-at, offset) order."""
 
     def add(self, offset: int, deliver_at: int) -> bool:
         if offset in self.pending:
             return True
-        if deliver_at <= self.clock.now_ms():
+        key = Due(deliver_at, offset)
+        if key <= self.popped:
+            return False  # due by an earlier pop: delivered now
+        if deliver_at <= self.clock.now_ms() and deliver_at < min(self.pending.values(), default=deliver_at + 1):
+            self.popped = key  # due and first in line: delivered now, as if popped
             return False
-        self.pending[offset] = deliver_at
+        self.pending[offset] = deliver_at  # not due, or due behind indexed entries
         return True
 
     def due(self) -> list[Due]:
@@ -51,6 +57,7 @@ class Model:
     def remove(self, entries: list[Due]) -> None:
         for entry in entries:
             assert self.pending.pop(entry.offset) == entry.deliver_at
+            self.popped = max(self.popped, entry)
 
     def next_delivery_time(self) -> int | None:
         return min(self.pending.values(), default=None)

@@ -1,0 +1,239 @@
+"""Restarts against a real broker: what a checkpoint makes durable, counted per record.
+
+Each test reads every outbound topic to its high watermark and counts copies per origin, so a
+duplicate fails it as surely as a loss.
+"""
+
+import shutil
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from confluent_kafka import Consumer, TopicPartition
+
+from sidecar.broker.embedded import free_port
+from sidecar.clock import SystemClock
+from sidecar.engine import Sidecar
+from sidecar.policy import load_policies
+from sidecar.tracker import InMemoryTracker
+from sidecar.tracker.bucket import BucketTracker
+from sidecar.tracker.storage.fake import FakeSnapshotStorage
+from tests.kafka_helpers import KafkaHelper, SidecarProcess, deliveries, early, scrape, wait_for
+
+TopicFactory = Callable[..., str]
+PolicyFile = Callable[[str], Path]
+
+
+def run_args(kafka: str, policies: Path, state: Path, port: int, group: str, *extra: str) -> list[str]:
+    return ["--bootstrap-servers", kafka, "--policies", str(policies), "--state-dir", str(state),
+            "--metrics-port", str(port), "--group-id", group, "--commit-interval-ms", "200", *extra]  # fmt: skip
+
+
+def produce_due(kafka_helper: KafkaHelper, topic: str, deliver_at: list[int], partitions: int = 1) -> None:
+    for i, at in enumerate(deliver_at):
+        kafka_helper.produce(topic, f"v{i}".encode(), headers=[("deliver-at", str(at))], partition=i % partitions)
+    kafka_helper.flush()
+
+
+def outbound_end(kafka_helper: KafkaHelper, topic: str, partitions: int = 1) -> int:
+    return sum(kafka_helper.end_offsets(topic, partitions))
+
+
+def assert_once_each(kafka_helper: KafkaHelper, outbound: str, expected: int) -> None:
+    records = kafka_helper.read_to_end(outbound)
+    copies = deliveries(records)
+    duplicated = {origin: n for origin, n in copies.items() if n > 1}
+    some = list(duplicated.items())[:5]
+    assert not duplicated, f"{outbound}: {len(duplicated)} records delivered more than once, e.g. {some}"
+    assert len(copies) == expected, f"{outbound}: {len(copies)} of {expected} delivered"
+    assert not early(records), f"{outbound}: delivered early"
+
+
+def test_deliveries_after_a_restart_are_checkpointed_without_new_inbound_records(
+    kafka: str, kafka_helper: KafkaHelper, topic_factory: TopicFactory, policy_file: PolicyFile, tmp_path: Path
+) -> None:
+    """A restart that only delivers must still checkpoint: a second kill -9 must not send it all again."""
+    topic = topic_factory("redeliver", partitions=2)
+    policies = policy_file(f"topics:\n  {topic}:\n    subscriptions: {{a: {{}}, o: {{type: exclusive}}}}\n")
+    port = free_port()
+    sidecar = SidecarProcess(run_args(kafka, policies, tmp_path / "state", port, f"g-{topic}"), tmp_path / "log")
+    count, due = 2_000, int(time.time() * 1000) + 6_000
+    produce_due(kafka_helper, topic, [due + i % 1000 for i in range(count)], partitions=2)
+    try:
+        sidecar.start()
+        wait_for(lambda: scrape(port, "delay_sidecar_tracked_messages", topic=topic) == count, 60, "a checkpoint")
+        sidecar.kill()  # before anything is due: the restart recovers every entry
+        for _ in range(3):
+            sidecar.start()
+            wait_for(lambda: outbound_end(kafka_helper, f"{topic}.a", 2) >= count, 60, "every record delivered")
+            wait_for(lambda: scrape(port, "delay_sidecar_tracked_messages", topic=topic) == 0, 30, "a checkpoint")
+            sidecar.kill()
+        sidecar.start()
+        wait_for(lambda: scrape(port, "delay_sidecar_tracked_messages", topic=topic) == 0, 30, "a checkpoint")
+        assert sidecar.stop() == 0, sidecar.tail()
+    finally:
+        sidecar.close()
+    assert_once_each(kafka_helper, f"{topic}.a", count)
+    assert_once_each(kafka_helper, f"{topic}.o", count)
+
+
+def test_a_clean_restart_delivers_every_record_exactly_once(
+    kafka: str, kafka_helper: KafkaHelper, topic_factory: TopicFactory, policy_file: PolicyFile, tmp_path: Path
+) -> None:
+    """The in-memory index is rebuilt after every restart: from the earliest pending offset, it must
+    skip what was delivered before the stop (the delivered watermark), not send it again."""
+    topic = topic_factory("clean")
+    policies = policy_file(f"topics:\n  {topic}:\n    subscriptions: {{a: {{}}}}\n")
+    port = free_port()
+    args = run_args(kafka, policies, tmp_path / "state", port, f"g-{topic}", "--tracker", "memory")
+    sidecar = SidecarProcess(args, tmp_path / "log")
+    now = int(time.time() * 1000)
+    # Interleaved: the early half is delivered before the stop, the late half is still pending.
+    produce_due(kafka_helper, topic, [now + (3_000 if i % 2 == 0 else 12_000) for i in range(1_000)])
+    try:
+        sidecar.start()
+        wait_for(lambda: outbound_end(kafka_helper, f"{topic}.a") == 500, 60, "the early half")
+        assert sidecar.stop() == 0, sidecar.tail()
+        sidecar.start()
+        wait_for(lambda: outbound_end(kafka_helper, f"{topic}.a") >= 1_000, 60, "the late half")
+        assert sidecar.stop() == 0, sidecar.tail()
+    finally:
+        sidecar.close()
+    assert_once_each(kafka_helper, f"{topic}.a", 1_000)
+    assert "index rebuild done" in sidecar.log.read_text()
+
+
+def test_a_stale_state_dir_is_discarded_after_another_member_owned_the_partition(
+    kafka: str, kafka_helper: KafkaHelper, topic_factory: TopicFactory, policy_file: PolicyFile, tmp_path: Path
+) -> None:
+    """A -> B -> A: A's state dir predates what B delivered and committed; A must not redeliver it."""
+    topic = topic_factory("handoff")
+    policies = policy_file(f"topics:\n  {topic}:\n    subscriptions: {{a: {{}}}}\n")
+    port, group = free_port(), f"g-{topic}"
+    same_member = ("--instance-id", f"member-{uuid.uuid4().hex[:6]}")  # B takes A's place in the group
+    a = SidecarProcess(run_args(kafka, policies, tmp_path / "a", port, group, *same_member), tmp_path / "a.log")
+    b = SidecarProcess(run_args(kafka, policies, tmp_path / "b", port, group, *same_member), tmp_path / "b.log")
+    produce_due(kafka_helper, topic, [int(time.time() * 1000) + 5_000] * 200)
+    try:
+        a.start()
+        wait_for(lambda: scrape(port, "delay_sidecar_messages_delayed_total", topic=topic) == 200, 60, "A indexing")
+        assert a.stop() == 0, a.tail()
+        b.start()  # no local state: rebuilds from the commit, then delivers when due
+        wait_for(lambda: outbound_end(kafka_helper, f"{topic}.a") >= 200, 60, "B delivering")
+        assert b.stop() == 0, b.tail()
+        a.start()
+        wait_for(lambda: scrape(port, "delay_sidecar_tracked_messages", topic=topic) == 0, 30, "A serving")
+        assert a.stop() == 0, a.tail()
+    finally:
+        a.close()
+        b.close()
+    assert "local index is stale" in a.log.read_text()
+    assert_once_each(kafka_helper, f"{topic}.a", 200)
+
+
+def test_sigterm_while_due_records_are_read_back_checkpoints_and_exits_0(
+    kafka: str, kafka_helper: KafkaHelper, topic_factory: TopicFactory, policy_file: PolicyFile, tmp_path: Path
+) -> None:
+    topic = topic_factory("readback")
+    policies = policy_file(f"topics:\n  {topic}:\n    subscriptions: {{a: {{}}}}\n")
+    port, count = free_port(), 60_000
+    args = run_args(kafka, policies, tmp_path / "state", port, f"g-{topic}", "--read-ahead-ms", "0")
+    sidecar = SidecarProcess(args, tmp_path / "log")
+    due = int(time.time() * 1000) + 10_000
+    value = b"x" * 1_000
+    for i in range(count):
+        kafka_helper.produce(topic, value, headers=[("deliver-at", str(due))])
+    kafka_helper.flush()
+    try:
+        sidecar.start()
+        wait_for(lambda: scrape(port, "delay_sidecar_messages_delayed_total", topic=topic) == count, 60, "indexing")
+        # Every record falls due at once and is read back in one long pass: stop in the middle of it.
+        time.sleep(max(due + 300 - time.time() * 1000, 0) / 1000)
+        assert sidecar.stop() == 0, sidecar.tail()
+        sidecar.start()
+        wait_for(lambda: outbound_end(kafka_helper, f"{topic}.a") >= count, 60, "the rest")
+        wait_for(lambda: scrape(port, "delay_sidecar_tracked_messages", topic=topic) == 0, 30, "a checkpoint")
+        assert sidecar.stop() == 0, sidecar.tail()
+    finally:
+        sidecar.close()
+    assert_once_each(kafka_helper, f"{topic}.a", count)
+
+
+def committed_offsets(kafka: str, group: str, topic: str) -> list[int]:
+    consumer = Consumer({"bootstrap.servers": kafka, "group.id": group})
+    try:
+        return [tp.offset for tp in consumer.committed([TopicPartition(topic, 0)], timeout=10)]
+    finally:
+        consumer.close()
+
+
+def test_the_commit_never_passes_what_a_degraded_index_made_durable(
+    kafka: str, kafka_helper: KafkaHelper, topic_factory: TopicFactory, policy_file: PolicyFile
+) -> None:
+    topic, group = topic_factory("degraded"), f"g-{uuid.uuid4().hex[:8]}"
+    storage = FakeSnapshotStorage()
+    trackers: dict[str, BucketTracker] = {}
+
+    def factory(name: str, partition: int) -> Any:
+        if name != topic:
+            return InMemoryTracker(SystemClock())
+        trackers[name] = BucketTracker(SystemClock(), storage, f"{name}/{partition}")
+        return trackers[name]
+
+    policies = load_policies(policy_file(f"topics:\n  {topic}:\n    subscriptions: {{a: {{}}}}\n"))
+    sidecar = Sidecar({"bootstrap.servers": kafka}, lambda: policies, factory, group_id=group, commit_interval_ms=100)
+    thread = threading.Thread(target=sidecar.run, daemon=True)
+    thread.start()
+    try:
+        assert sidecar.assigned.wait(30)
+        produce_due(kafka_helper, topic, [int(time.time() * 1000) + 600_000] * 50)
+        wait_for(lambda: committed_offsets(kafka, group, topic) == [50], 30, "the first commit")
+        storage.fail("checkpoint", 1_000_000)
+        produce_due(kafka_helper, topic, [int(time.time() * 1000) + 600_000] * 50)
+        wait_for(lambda: sidecar.metrics.registry.get_sample_value(
+            "delay_sidecar_messages_delayed_total", {"topic": topic}) == 100, 30, "intake")  # fmt: skip
+        wait_for(lambda: storage.calls["checkpoint"] > 5, 30, "failing checkpoints")
+        tracker = trackers[topic]
+        assert tracker.degraded and tracker.index_cursor() == 50
+        assert committed_offsets(kafka, group, topic) == [50]
+        storage.heal()
+        wait_for(lambda: committed_offsets(kafka, group, topic) == [100], 30, "the commit after healing")
+    finally:
+        sidecar.stop()
+        thread.join(30)
+
+
+@pytest.mark.parametrize("lost", ["kill -9", "state dir deleted"])
+def test_rebuild_skips_what_the_watermark_covers(
+    lost: str,
+    kafka: str,
+    kafka_helper: KafkaHelper,
+    topic_factory: TopicFactory,
+    policy_file: PolicyFile,
+    tmp_path: Path,
+) -> None:
+    """Records delivered before the index was lost are not delivered again by its rebuild."""
+    topic = topic_factory("watermark")
+    policies = policy_file(f"topics:\n  {topic}:\n    subscriptions: {{a: {{}}}}\n")
+    port, state = free_port(), tmp_path / "state"
+    tracker = ["--tracker", "memory"] if lost == "kill -9" else []
+    sidecar = SidecarProcess(run_args(kafka, policies, state, port, f"g-{topic}", *tracker), tmp_path / "log")
+    now = int(time.time() * 1000)
+    produce_due(kafka_helper, topic, [now + (2_000 if i % 2 == 0 else 10_000) for i in range(1_000)])
+    try:
+        sidecar.start()
+        wait_for(lambda: outbound_end(kafka_helper, f"{topic}.a") == 500, 60, "the early half")
+        wait_for(lambda: scrape(port, "delay_sidecar_tracked_messages", topic=topic) == 500, 30, "a checkpoint")
+        sidecar.kill()
+        if lost == "state dir deleted":
+            shutil.rmtree(state)
+        sidecar.start()
+        wait_for(lambda: outbound_end(kafka_helper, f"{topic}.a") >= 1_000, 60, "the late half")
+        assert sidecar.stop() == 0, sidecar.tail()
+    finally:
+        sidecar.close()
+    assert_once_each(kafka_helper, f"{topic}.a", 1_000)
