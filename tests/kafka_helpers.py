@@ -211,6 +211,16 @@ def settings_for(kafka: str, policies: Path, state_dir: Path, **overrides: Any) 
     return RunSettings(**values)
 
 
+def committed(bootstrap: str, group: str, topic: str, partitions: int) -> list[tuple[int, str | None]]:
+    """The group's committed (offset, metadata) per partition; offset -1001 when none."""
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": group})
+    try:
+        found = consumer.committed([TopicPartition(topic, p) for p in range(partitions)], timeout=10)
+        return [(tp.offset, tp.metadata) for tp in found]
+    finally:
+        consumer.close()
+
+
 def scrape(port: int, name: str, **labels: str) -> float:
     """One sample from a running sidecar's /metrics; fails when the sample is not there."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:

@@ -145,7 +145,7 @@ def test_sigterm_while_due_records_are_read_back_checkpoints_and_exits_0(
     sidecar = SidecarProcess(args, tmp_path / "log")
     due = int(time.time() * 1000) + 10_000
     value = b"x" * 1_000
-    for i in range(count):
+    for _ in range(count):
         kafka_helper.produce(topic, value, headers=[("deliver-at", str(due))])
     kafka_helper.flush()
     try:
