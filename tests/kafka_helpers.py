@@ -149,7 +149,7 @@ def _received(m: Any) -> Received:
 def deliveries(records: list[Received]) -> Counter[tuple[int, int, int]]:
     """Copies per (origin partition, origin offset, redelivery count): a duplicate counts 2."""
     return Counter(
-        (int(r.headers[ORIGIN_PARTITION]), int(r.headers[ORIGIN_OFFSET]), int(r.headers[REDELIVERY_COUNT]))
+        (int(r.headers[ORIGIN_PARTITION]), int(r.headers[ORIGIN_OFFSET]), int(r.headers.get(REDELIVERY_COUNT, b"0")))
         for r in records
     )
 

@@ -18,7 +18,7 @@ from sidecar.outbound.records import (
     ORIGIN_TOPIC,
     REDELIVERY_COUNT,
 )
-from tests.kafka_helpers import KafkaHelper, ThreadedSidecar, settings_for, sidecar_process
+from tests.kafka_helpers import KafkaHelper, ThreadedSidecar, deliveries, early, settings_for, sidecar_process, wait_for
 
 
 def two_subscriptions(topic: str) -> str:
@@ -194,3 +194,114 @@ def test_interleaved_immediate_and_delayed_keep_order_with_concurrent_readers(
         assert delayed == sorted(delayed, key=lambda o: (base + (o % 10) * 100, o))  # deliver-at, then FIFO
         assert len(set(offsets)) == 1000
         assert all(r.timestamp >= r.header_int(DELIVER_AT) for r in records)
+
+
+def test_a_removed_topic_dead_letters_its_pending_records_with_a_code(
+    kafka: str,
+    kafka_helper: KafkaHelper,
+    topic_factory: Callable[..., str],
+    policy_file: Callable[[str], Path],
+    tmp_path: Path,
+) -> None:
+    topic, other = topic_factory("removed"), topic_factory("kept")
+    path = policy_file(two_subscriptions(topic) + f"  {other}:\n    subscriptions: {{a: {{}}}}\n")
+    with ThreadedSidecar(settings_for(kafka, path, tmp_path)) as sidecar:
+        for i in range(50):
+            kafka_helper.produce(topic, f"v{i}".encode(), headers=[("deliver-after", "10m")])
+        kafka_helper.flush()
+        wait_for(lambda: sidecar.metric("delay_sidecar_messages_delayed_total", topic=topic) == 50, 30, "indexing")
+        path.write_text(f"topics:\n  {other}:\n    subscriptions: {{a: {{}}}}\n")
+        wait_for(lambda: sum(kafka_helper.end_offsets(f"{topic}.dlt")) >= 50, 30, "the dead letters")
+    dead = kafka_helper.read_to_end(f"{topic}.dlt")
+    assert sorted(deliveries(dead).values()) == [1] * 50
+    assert {r.headers[ERROR_CODE] for r in dead} == {b"TOPIC_REMOVED"}
+    assert kafka_helper.read_to_end(f"{topic}.billing") == []
+
+
+def test_changing_a_subscription_type_neither_loses_nor_repeats_records(
+    kafka: str,
+    kafka_helper: KafkaHelper,
+    topic_factory: Callable[..., str],
+    policy_file: Callable[[str], Path],
+    tmp_path: Path,
+) -> None:
+    """A delayed record is owed to the subscriptions that honoured delays when it arrived."""
+    topic = topic_factory("retype")
+
+    def policy(kind: str) -> str:
+        return f"topics:\n  {topic}:\n    subscriptions: {{a: {{}}, b: {{type: {kind}}}}}\n"
+
+    def produce(first: int, delay: str) -> None:
+        for i in range(first, first + 100):
+            kafka_helper.produce(topic, f"v{i}".encode(), headers=[("deliver-after", delay)])
+        kafka_helper.flush()
+
+    path = policy_file(policy("shared"))
+    with ThreadedSidecar(settings_for(kafka, path, tmp_path)) as sidecar:
+        delayed = lambda: sidecar.metric("delay_sidecar_messages_delayed_total", topic=topic)  # noqa: E731
+        generation = lambda: sidecar.metric("delay_sidecar_policy_generation")  # noqa: E731
+        produce(0, "4s")  # owed to a and b at their deliver-at
+        wait_for(lambda: delayed() == 100, 30, "indexing")
+        path.write_text(policy("exclusive"))
+        wait_for(lambda: generation() == 2, 30, "b exclusive")
+        produce(100, "4s")  # b gets these at once, a at their deliver-at
+        wait_for(lambda: sum(kafka_helper.end_offsets(f"{topic}.b")) >= 200, 30, "b")
+        path.write_text(policy("shared"))
+        wait_for(lambda: generation() == 3, 30, "b shared again")
+        produce(200, "1s")  # owed to both again
+        wait_for(lambda: sum(kafka_helper.end_offsets(f"{topic}.a")) >= 300, 30, "a")
+        wait_for(lambda: sidecar.metric("delay_sidecar_tracked_messages", topic=topic) == 0, 30, "nothing pending")
+    for sub in ("a", "b"):
+        records = kafka_helper.read_to_end(f"{topic}.{sub}")
+        assert sorted(deliveries(records).values()) == [1] * 300, sub
+        assert not early(records)
+
+
+def test_one_partition_in_the_same_partition_out(
+    kafka: str,
+    kafka_helper: KafkaHelper,
+    topic_factory: Callable[..., str],
+    policy_file: Callable[[str], Path],
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    topic = topic_factory("order", partitions=3)
+    odd = topic_factory("odd", partitions=2)  # an existing outbound topic with another partition count
+    path = policy_file(f"""
+topics:
+  {topic}:
+    subscriptions:
+      audit: {{type: exclusive}}
+      work: {{}}
+      odd: {{outbound: {odd}}}
+""")
+    with ThreadedSidecar(settings_for(kafka, path, tmp_path)) as sidecar:
+        for i in range(3_000):
+            kafka_helper.produce(topic, f"p0-{i}".encode(), partition=0)
+        due = str(int(time.time() * 1000) + 1_000)
+        for i in range(1_000):
+            kafka_helper.produce(topic, f"p1-{i}".encode(), headers=[("deliver-at", due)], partition=1)
+        kafka_helper.flush()
+        wait_for(lambda: sum(kafka_helper.end_offsets(f"{topic}.work", 3)) >= 4_000, 30, "deliveries")
+        wait_for(lambda: sidecar.metric("delay_sidecar_tracked_messages", topic=topic) == 0, 30, "nothing pending")
+    for sub in ("audit", "work"):
+        records = kafka_helper.read_to_end(f"{topic}.{sub}")
+        assert all(r.partition == int(r.headers[ORIGIN_PARTITION]) for r in records), sub
+        for partition in (0, 1):
+            offsets = [int(r.headers[ORIGIN_OFFSET]) for r in records if r.partition == partition]
+            assert offsets == sorted(offsets) and len(offsets) == (3_000 if partition == 0 else 1_000), sub
+    assert len(kafka_helper.read_to_end(odd)) == 4_000
+    assert "outbound topic has a different partition count from its inbound topic" in caplog.text
+    assert f"topic={odd} partitions=2" in caplog.text
+
+
+def test_a_stop_closes_every_reader_once(
+    kafka: str, topic_factory: Callable[..., str], policy_file: Callable[[str], Path], tmp_path: Path
+) -> None:
+    topic = topic_factory("close")
+    with ThreadedSidecar(settings_for(kafka, policy_file(two_subscriptions(topic)), tmp_path)) as sidecar:
+        engine = sidecar.app.sidecar
+        assert engine is not None
+    for reader in (engine._ahead_reader, engine._reader):
+        with pytest.raises(RuntimeError, match="closed"):
+            reader._consumer.assignment()
