@@ -158,6 +158,7 @@ class Sidecar:
             self._drain_removed(topic, self._routes[topic])
         self._routes, self._generation = routes, policies.generation
         self.metrics.policy_generation.set(policies.generation)
+        self.metrics.export_topics(list(routes))
         self._admin.ensure(policies)
         counts = self._admin.partitions
         outbound = {

@@ -102,3 +102,9 @@ class Metrics:
         if found is None:
             found = self._children[key] = metric.labels(*labels)
         return found
+
+    def export_topics(self, topics: list[str]) -> None:
+        """Export each topic's counters at 0 from the start: a scrape can tell "none yet" from "not served"."""
+        for topic in topics:
+            for metric in (self.messages_in, self.messages_delayed, self.replayed, self.lost):
+                self.child(metric, topic)

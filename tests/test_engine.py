@@ -18,7 +18,16 @@ from sidecar.outbound.records import (
     ORIGIN_TOPIC,
     REDELIVERY_COUNT,
 )
-from tests.kafka_helpers import KafkaHelper, ThreadedSidecar, deliveries, early, settings_for, sidecar_process, wait_for
+from tests.kafka_helpers import (
+    KafkaHelper,
+    ThreadedSidecar,
+    committed,
+    deliveries,
+    early,
+    settings_for,
+    sidecar_process,
+    wait_for,
+)
 
 
 def two_subscriptions(topic: str) -> str:
@@ -150,7 +159,8 @@ def test_kill_9_with_1000_pending_loses_nothing_and_delivers_nothing_early(
             deliver_at = now + 6000 + (i % 50) * 40  # due 6-8 s from now, so all are pending at the kill
             kafka_helper.produce(topic, f"v{i}".encode(), f"k{i}".encode(), headers=[("deliver-at", str(deliver_at))])
         kafka_helper.flush()
-        time.sleep(3)  # indexed and committed at least once
+        group = f"crash-{topic}"
+        wait_for(lambda: sum(o for o, _ in committed(kafka, group, topic, 3)) == 1000, 30, "indexed and committed")
         os.kill(first.pid, signal.SIGKILL)
         first.wait(10)
     finally:
@@ -160,13 +170,14 @@ def test_kill_9_with_1000_pending_loses_nothing_and_delivers_nothing_early(
     second = sidecar_process(args, log)
     try:
         for sub in ("billing", "shipping"):
-            records = kafka_helper.read(f"{topic}.{sub}", 1000, timeout_s=40)
-            values = {r.value for r in records}
-            assert values == {f"v{i}".encode() for i in range(1000)}, log.read_text()[-3000:]
-            assert all(r.timestamp >= r.header_int(DELIVER_AT) for r in records), "delivered early"
+            wait_for(lambda s=sub: sum(kafka_helper.end_offsets(f"{topic}.{s}", 3)) >= 1000, 40, f"{sub} delivered")
     finally:
         second.send_signal(signal.SIGTERM)
         assert second.wait(30) == 0, log.read_text()[-3000:]
+    for sub in ("billing", "shipping"):
+        records = kafka_helper.read_to_end(f"{topic}.{sub}")
+        assert sorted(deliveries(records).values()) == [1] * 1000, log.read_text()[-3000:]
+        assert not early(records), "delivered early"
 
 
 def test_interleaved_immediate_and_delayed_keep_order_with_concurrent_readers(

@@ -5,13 +5,11 @@ import re
 import shutil
 import signal
 import time
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
 from sidecar.broker.embedded import free_port
-from sidecar.outbound.records import DELIVER_AT, ORIGIN_OFFSET, ORIGIN_PARTITION
-from tests.kafka_helpers import KafkaHelper, sidecar_process
+from tests.kafka_helpers import KafkaHelper, deliveries, early, scrape, sidecar_process, wait_for
 
 TopicFactory = Callable[..., str]
 PolicyFile = Callable[[str], Path]
@@ -19,22 +17,7 @@ COUNT = 20_000
 
 
 def metric(port: int, name: str, topic: str) -> float:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
-        text = response.read().decode()
-    match = re.search(rf'^{name}{{topic="{re.escape(topic)}"}} (\S+)$', text, re.MULTILINE)
-    return float(match.group(1)) if match else 0.0
-
-
-def wait_for(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if condition():
-                return
-        except OSError:
-            pass  # the endpoint is not up yet
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
+    return scrape(port, name, topic=topic)
 
 
 def run_args(kafka: str, policies: Path, state: Path, port: int, group: str) -> list[str]:
@@ -56,12 +39,15 @@ def assert_all_delivered(kafka_helper: KafkaHelper, topic: str, log: Path, expec
     """Every record on both subscriptions, none early; returns the duplicates per subscription."""
     duplicates: dict[str, int] = {}
     for sub in ("a", "b"):
-        # Keep reading past COUNT: records delivered but not checkpointed before a kill come again.
-        records = kafka_helper.read(f"{topic}.{sub}", expected, timeout_s=60, extra_s=2)
-        origins = {(r.headers[ORIGIN_PARTITION], r.headers[ORIGIN_OFFSET]) for r in records}
-        assert len(origins) == expected, f"{sub}: {len(origins)} of {expected}\n{log.read_text()[-2000:]}"
-        duplicates[sub] = len(records) - expected
-        assert all(r.timestamp >= r.header_int(DELIVER_AT) for r in records), "delivered early"
+        outbound = f"{topic}.{sub}"
+        wait_for(
+            lambda o=outbound: len(deliveries(kafka_helper.read_to_end(o))) >= expected, 60, f"{outbound} delivered"
+        )
+        records = kafka_helper.read_to_end(outbound)
+        copies = deliveries(records)
+        assert len(copies) == expected, f"{sub}: {len(copies)} of {expected}\n{log.read_text()[-2000:]}"
+        duplicates[sub] = sum(copies.values()) - expected
+        assert not early(records), "delivered early"
     return duplicates
 
 
