@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sidecar.control.commands import NackCommand, check_max_delay, parse_command
+from sidecar.control.commands import AcceptedNack, NackCommand, check_max_delay, parse_accepted, parse_command
 from sidecar.errors import RejectedRecord
 from sidecar.policy.model import EffectiveDelay, Sourced
 
@@ -98,3 +98,16 @@ def test_any_json_object_gives_a_command_or_invalid_command(data: dict[str, Any]
         parse_command(json.dumps(data).encode())
     except RejectedRecord as e:
         assert e.code == "INVALID_COMMAND"
+
+
+def test_an_accepted_record_round_trips_and_is_not_a_command() -> None:
+    command = parse_command(
+        b'{"v":1,"type":"nack","subscription":"s","topic":"t","partition":1,"offset":2,"delay_ms":5}'
+    )
+    accepted = AcceptedNack(command, 1_700_000_000_005, (2, 40))
+    parsed = parse_accepted(accepted.encode())
+    assert parsed is not None and parsed.deliver_at == accepted.deliver_at and parsed.source == (2, 40)
+    assert parsed.command.message_key == command.message_key
+    assert parse_accepted(b'{"v":1,"type":"nack"}') is None and parse_accepted(b"\xff") is None
+    with pytest.raises(RejectedRecord, match="written by the sidecar"):
+        parse_command(accepted.encode())

@@ -24,3 +24,13 @@ def test_forgetting_a_revoked_control_partition() -> None:
     latest.accept(nack(2), (1, 1))
     latest.forget_partition(0)
     assert len(latest) == 1 and latest.claim(nack(2), (1, 1))
+
+
+def test_an_acceptance_written_twice_or_late_does_not_replace_a_later_command() -> None:
+    nacks = LatestNacks()
+    command = NackCommand("s", "t", 0, 5, 1000, None, 0)
+    nacks.accept(command, (1, 10))
+    nacks.accept(command, (1, 30))
+    nacks.accept(command, (1, 10))  # the first command accepted again after a crash
+    assert not nacks.claim(command, (1, 10))
+    assert nacks.claim(command, (1, 30))

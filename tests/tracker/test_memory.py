@@ -90,3 +90,23 @@ def test_peek_shows_upcoming_entries_without_removing_them(clock: ManualClock) -
     assert tracker.peek(Due(now + 100, 1), now + 300, 10) == [Due(now + 100, 4), Due(now + 300, 2)]
     assert tracker.peek(None, now + 1000, 2) == [Due(now + 50, 3), Due(now + 100, 1)]
     assert len(tracker) == 5 and tracker.pop_due(10) == []
+
+
+def test_the_delivered_watermark_keeps_every_delivery_in_key_order(clock: ManualClock) -> None:
+    tracker = InMemoryTracker(clock)
+    now = clock.now_ms()
+    assert tracker.add(1, now + 100)
+    assert not tracker.add(2, now - 5)  # due, nothing indexed before it: delivered now, as if popped
+    assert tracker.delivered_through() == (now - 5) << 64 | 2
+    clock.advance(200)
+    assert tracker.add(3, now + 150)  # due, but behind an indexed entry: it comes out after it
+    assert tracker.pop_due(10) == [Due(now + 100, 1), Due(now + 150, 3)]
+    assert not tracker.add(4, now + 120)  # at or below the watermark: due by an earlier pop
+    assert tracker.delivered_through() == (now + 150) << 64 | 3
+
+
+def test_drain_pops_entries_before_their_time(clock: ManualClock) -> None:
+    tracker = InMemoryTracker(clock)
+    tracker.add(1, clock.now_ms() + 10**6)
+    assert tracker.pop_due(10) == []
+    assert tracker.pop_due(10, until_ms=clock.now_ms() + 10**7) == [Due(clock.now_ms() + 10**6, 1)]

@@ -1,0 +1,55 @@
+"""judge(): the one decision of a record's fate, pure, for live intake and rebuild alike."""
+
+from sidecar.inbound.intake import Fate, judge
+from sidecar.policy.model import EffectiveDelay, Sourced
+from sidecar.policy.routes import IntakeRule
+
+PUBLISH = 1_700_000_000_000
+
+
+def rule(enabled: bool = True, fixed: int = 0, max_ms: int = 0, retention: int | None = None,
+         delayed: tuple[str, ...] = ("a",)) -> IntakeRule:  # fmt: skip
+    delay = EffectiveDelay(Sourced(enabled, "topic"), Sourced(max_ms, "topic"), Sourced(fixed, "topic"))
+    return IntakeRule(delay, retention, delayed)
+
+
+def test_no_header_is_delivered_now() -> None:
+    assert judge(rule(), None, PUBLISH).deliver_at is None
+
+
+def test_a_delay_header_delays_for_the_subscriptions_that_honour_it() -> None:
+    fate = judge(rule(), [("deliver-after", b"5s")], PUBLISH)
+    assert fate.deliver_at == PUBLISH + 5_000 and fate.rejected is None
+
+
+def test_without_subscriptions_that_honour_delays_everything_goes_now() -> None:
+    assert judge(rule(delayed=()), [("deliver-after", b"5s")], PUBLISH).deliver_at is None
+
+
+def test_rejections_carry_their_code() -> None:
+    assert outcome(judge(rule(), [("deliver-after", b"soon")], PUBLISH)) == (None, "INVALID_DELAY_HEADER")
+    over = judge(rule(max_ms=1_000), [("deliver-after", b"5s")], PUBLISH).rejected
+    assert over is not None and over.code == "EXCEEDS_MAX_DELAY"
+    kept = judge(rule(retention=1_000), [("deliver-after", b"5s")], PUBLISH).rejected
+    assert kept is not None and kept.code == "EXCEEDS_RETENTION"
+
+
+def test_fixed_delay_overrides_and_disabled_is_counted() -> None:
+    fixed = judge(rule(fixed=2_000), [("deliver-after", b"5s")], PUBLISH)
+    assert fixed.deliver_at == PUBLISH + 2_000 and fixed.overridden
+    disabled = judge(rule(enabled=False), [("deliver-after", b"5s")], PUBLISH)
+    assert disabled.deliver_at is None and disabled.disabled
+
+
+def outcome(fate: Fate) -> tuple[int | None, str | None]:
+    return fate.deliver_at, fate.rejected.code if fate.rejected is not None else None
+
+
+def test_a_recorded_rule_judges_as_the_live_one_did() -> None:
+    live = rule(fixed=0, max_ms=60_000, retention=86_400_000, delayed=("a", "b"))
+    decoded = IntakeRule.decode(live.encode(42))
+    assert decoded is not None
+    offset, recorded = decoded
+    assert offset == 42 and recorded.key == live.key
+    for headers in ([("deliver-after", b"5s")], [("deliver-after", b"2m")], None, [("deliver-at", b"x")]):
+        assert outcome(judge(recorded, headers, PUBLISH)) == outcome(judge(live, headers, PUBLISH))

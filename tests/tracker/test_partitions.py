@@ -1,0 +1,122 @@
+"""Partition state without Kafka: the commit metadata, the rule history, and the start decision."""
+
+import json
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from sidecar.clock import ManualClock
+from sidecar.policy.model import EffectiveDelay, Sourced
+from sidecar.policy.routes import IntakeRule
+from sidecar.tracker import InMemoryTracker
+from sidecar.tracker.base import NOTHING_DELIVERED, pack
+from sidecar.tracker.bucket import BucketTracker
+from sidecar.tracker.partitions import MAX_METADATA_BYTES, CommitMetadata, PartitionState, RuleHistory
+from sidecar.tracker.storage.fake import FakeSnapshotStorage
+
+FAR = 10**13
+
+
+def rule(max_ms: int = 0, delayed: tuple[str, ...] = ("a",)) -> IntakeRule:
+    delay = EffectiveDelay(Sourced(True, "topic"), Sourced(max_ms, "topic"), Sourced(0, "topic"))
+    return IntakeRule(delay, None, delayed)
+
+
+@given(
+    earliest=st.none() | st.integers(0, 2**62),
+    through=st.just(NOTHING_DELIVERED) | st.builds(pack, st.integers(0, 2**45), st.integers(0, 2**62)),
+    rules=st.lists(st.tuples(st.integers(0, 2**40), st.integers(0, 10**9)), max_size=5),
+)
+def test_commit_metadata_round_trips(earliest: int | None, through: int, rules: list[tuple[int, int]]) -> None:
+    metadata = CommitMetadata(earliest, through, tuple((offset, rule(max_ms)) for offset, max_ms in rules))
+    decoded = CommitMetadata.decode(metadata.encode())
+    assert (decoded.earliest, decoded.through) == (earliest, through)
+    assert [(o, r.key) for o, r in decoded.rules] == [(o, r.key) for o, r in metadata.rules]
+
+
+def test_older_and_foreign_metadata() -> None:
+    assert CommitMetadata.decode('{"v":1,"earliest":7}') == CommitMetadata(7)
+    for text in (None, "", "not json", '{"v":9,"earliest":7}', "[]"):
+        assert CommitMetadata.decode(text) == CommitMetadata()
+
+
+def test_metadata_stays_under_kafkas_limit_by_dropping_the_oldest_rules() -> None:
+    many = tuple((i * 10, rule(max_ms=i, delayed=("subscription-" + "x" * 40,))) for i in range(200))
+    text = CommitMetadata(0, NOTHING_DELIVERED, many).encode()
+    assert len(text) <= MAX_METADATA_BYTES
+    assert json.loads(text)["rules"][-1][0] == 1990
+
+
+def test_rule_history_finds_the_rule_of_an_offset_and_forgets_what_nothing_needs() -> None:
+    history = RuleHistory()
+    loose, tight = rule(max_ms=60_000), rule(max_ms=5_000)
+    history.note(0, loose)
+    history.note(5, rule(max_ms=60_000))  # the same values: no new entry
+    history.note(10, tight)
+    assert history.single is None and [o for o, _ in history.items()] == [0, 10]
+    assert history.at(9) is not None and history.at(9).key == loose.key  # type: ignore[union-attr]
+    assert history.at(10) is tight and history.at(99) is tight
+    history.prune(12)
+    assert history.single is tight
+
+
+def state(tracker: InMemoryTracker | BucketTracker, control: bool = False) -> PartitionState:
+    return PartitionState("orders", 0, tracker, control=control)
+
+
+def test_without_local_state_the_index_is_rebuilt_from_the_earliest_pending_offset() -> None:
+    s = state(InMemoryTracker(ManualClock()))
+    assert s.start(100, CommitMetadata(40, pack(5, 39))) == 40
+    assert s.rebuild is not None and (s.rebuild.start, s.rebuild.until, s.rebuild.through) == (40, 100, pack(5, 39))
+    assert s.tracker.delivered_through() == pack(5, 39)
+    assert s.commit_point(None) is None  # never during a rebuild
+
+
+def test_control_partitions_replay_accepted_nacks_without_judging_commands_again() -> None:
+    s = state(InMemoryTracker(ManualClock()), control=True)
+    assert s.start(100, CommitMetadata(40, pack(5, 39))) == 40
+    assert s.rebuild is None and (s.replay_until, s.replay_through) == (100, pack(5, 39))
+
+
+def bucket(storage: FakeSnapshotStorage) -> BucketTracker:
+    return BucketTracker(ManualClock(), storage, "orders/0")
+
+
+def test_local_state_is_used_only_when_it_matches_the_commit() -> None:
+    storage = FakeSnapshotStorage()
+    tracker = bucket(storage)
+    tracker.add(5, FAR)
+    tracker.checkpoint(10)
+    committed = CommitMetadata(5, NOTHING_DELIVERED)
+    assert state(bucket(storage)).start(10, committed) == 10  # it matches: resume at its cursor
+    assert state(bucket(storage)).start(8, committed) == 10  # one checkpoint ahead of Kafka: still ours
+    stale = state(bucket(storage))
+    assert stale.start(12, committed) == 5  # another owner moved the partition on: rebuild
+    assert len(stale.tracker) == 0 and stale.rebuild is not None
+    behind = state(bucket(storage))  # the stale state was cleared for good
+    assert behind.tracker.index_cursor() is None
+
+
+def test_local_state_behind_the_committed_watermark_is_stale() -> None:
+    storage = FakeSnapshotStorage()
+    tracker = bucket(storage)
+    tracker.add(5, FAR)
+    tracker.checkpoint(10)
+    s = state(bucket(storage))
+    assert s.start(10, CommitMetadata(10, pack(FAR, 5))) == 10
+    assert len(s.tracker) == 0 and s.tracker.delivered_through() == pack(FAR, 5)
+
+
+def test_a_commit_only_when_something_changed_and_never_past_the_durable_index() -> None:
+    storage = FakeSnapshotStorage()
+    s = state(bucket(storage))
+    assert s.start(None, CommitMetadata()) is None
+    assert s.commit_point(None) is None  # nothing read yet
+    s.next_offset = 3
+    s.tracker.checkpoint(3)
+    point = s.commit_point(None)
+    assert point is not None and point[0] == 3
+    s.committed = point
+    assert s.commit_point(None) is None
+    s.next_offset = 4  # read on, but the tracker's checkpoint did not happen: not durable
+    assert s.commit_point(None) is None
