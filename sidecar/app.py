@@ -16,6 +16,7 @@ from sidecar.clock import Clock, SystemClock
 from sidecar.engine import Sidecar
 from sidecar.errors import ConfigError
 from sidecar.http import StatusServer
+from sidecar.kafka_io import LIBRDKAFKA
 from sidecar.metrics import Metrics
 from sidecar.policy import PolicySet
 from sidecar.policy.commands import effective_policy_json
@@ -26,6 +27,10 @@ from sidecar.tracker.bucket import BucketTracker
 from sidecar.tracker.storage import RocksDbSnapshotStorage, SnapshotStorage
 
 logger = logging.getLogger(__name__)
+
+# Pause before the engine is built again after a failure, doubling up to the max.
+RESTART_BACKOFF_S = 1.0
+RESTART_BACKOFF_MAX_S = 30.0
 
 
 def launcher_for(settings: RunSettings) -> BrokerLauncher:
@@ -81,7 +86,7 @@ def open_snapshot_storage(settings: RunSettings, client_config: dict[str, Any]) 
     """
     if settings.tracker != "bucket":
         return None
-    cluster = AdminClient(client_config).list_topics(timeout=10).cluster_id or "unknown-cluster"
+    cluster = AdminClient(client_config, logger=LIBRDKAFKA).list_topics(timeout=10).cluster_id or "unknown-cluster"
     return RocksDbSnapshotStorage(settings.state_dir / "index", owner=f"{cluster}/{settings.group_id}")
 
 
@@ -103,6 +108,7 @@ class SidecarApp:
         self.status: StatusServer | None = None
         self.policies: PolicyWatcher | None = None
         self._stop = threading.Event()
+        self._recovering: str | None = None
 
     def stop(self) -> None:
         self._stop.set()
@@ -125,7 +131,7 @@ class SidecarApp:
             storage = open_snapshot_storage(settings, client_config)
             if storage is not None:
                 stack.callback(storage.close)
-            self.sidecar = Sidecar(
+            build = lambda: Sidecar(  # noqa: E731 - one engine per attempt, see _serve
                 client_config,
                 policies=policies.get,
                 tracker_factory=tracker_factory(settings, self.clock, storage, self.metrics, settings.control_topic),
@@ -150,9 +156,41 @@ class SidecarApp:
                 )
                 self.status.start()
                 stack.callback(self.status.stop)
+            self._serve(build)
+
+    def _serve(self, build: Callable[[], Sidecar]) -> None:
+        """Run the engine; when it fails (a fatal client error, a broker gone for good), drop it and
+        build a new one that starts again from the last checkpoint, after a growing pause.
+
+        Everything the failed engine did after its last checkpoint is simply done again: the
+        recovery paths that serve a restart serve here too, without the process going away.
+        """
+        backoff = RESTART_BACKOFF_S
+        while not self._stop.is_set():
+            self.sidecar = sidecar = build()
             if self._stop.is_set():
                 return
-            self.sidecar.run()
+            started = time.monotonic()
+            try:
+                sidecar.run()
+                return
+            except ConfigError:
+                raise
+            except Exception as e:
+                if self._stop.is_set():
+                    return
+                if time.monotonic() - started > RESTART_BACKOFF_MAX_S:
+                    backoff = RESTART_BACKOFF_S  # it ran well for a while: this is a new fault
+                self.metrics.engine_restarts.inc()
+                self._recovering = f"recovering from {type(e).__name__}: {e}"
+                logger.error(
+                    "engine failed; starting again from the last checkpoint error_type=%s error=%s retry_in_s=%.1f",
+                    type(e).__name__,
+                    str(e).replace("\n", " "),
+                    backoff,
+                )
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, RESTART_BACKOFF_MAX_S)
 
     def wait_serving(self, timeout_s: float) -> bool:
         """True once the sidecar holds inbound partitions; for the demo and tests."""
@@ -193,9 +231,12 @@ class SidecarApp:
         sidecar = self.sidecar
         if sidecar is None:
             return False, ["starting"], details
+        if self._recovering is not None and not sidecar.running:
+            return False, [self._recovering], details
         if sidecar.degraded:
             details["degraded"] = list(sidecar.degraded)
-        return sidecar.running, list(sidecar.not_ready_reasons), details
+        reasons = list(sidecar.not_ready_reasons)
+        return sidecar.running and not reasons, reasons, details
 
 
 def run_until_signalled(app: SidecarApp) -> None:

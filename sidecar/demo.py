@@ -16,6 +16,7 @@ from confluent_kafka import Consumer, Producer
 from sidecar.app import SidecarApp
 from sidecar.broker.embedded import EmbeddedBroker, free_port
 from sidecar.errors import ConfigError, SidecarError
+from sidecar.kafka_io import LIBRDKAFKA
 from sidecar.outbound.records import DELIVER_AT, ERROR_CODE
 from sidecar.policy import load_policies
 from sidecar.settings import RunSettings
@@ -66,10 +67,11 @@ def _produce_and_watch(
     bootstrap: str, dead_letter: str, outbounds: list[str], count: int, out: Callable[[str], None]
 ) -> int:
     consumer = Consumer(
-        {"bootstrap.servers": bootstrap, "group.id": f"demo-watch-{time.time_ns()}", "auto.offset.reset": "earliest"}
+        {"bootstrap.servers": bootstrap, "group.id": f"demo-watch-{time.time_ns()}", "auto.offset.reset": "earliest"},
+        logger=LIBRDKAFKA,
     )
     consumer.subscribe([*outbounds, dead_letter])
-    producer = Producer({"bootstrap.servers": bootstrap})
+    producer = Producer({"bootstrap.servers": bootstrap}, logger=LIBRDKAFKA)
     delays = [0, *sorted(random.sample(range(1, 11), k=min(count - 1, 10)))]
     start = time.time()
     sent: dict[int, str] = {}

@@ -10,7 +10,6 @@ One thread keeps the commit rule simple to state and to check (see checkpoint.py
 import logging
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -25,14 +24,14 @@ from sidecar.control.redelivery import Redelivery
 from sidecar.dispatch.dispatcher import Dispatcher
 from sidecar.dispatch.reader import LogReader
 from sidecar.inbound.receiver import Receiver
-from sidecar.kafka_io import consume_batch, consumer_config
+from sidecar.kafka_io import LIBRDKAFKA, Connectivity, consume_batch, consumer_config
 from sidecar.metrics import Metrics
 from sidecar.outbound.delivery import Delivery
 from sidecar.outbound.writer import Writer
 from sidecar.policy import PolicySet
 from sidecar.policy.routes import Routes
 from sidecar.tracker import DelayedDeliveryTracker
-from sidecar.tracker.bucket import BucketTracker
+from sidecar.tracker.gauges import publish_index_gauges
 from sidecar.tracker.partitions import Assignment, PartitionState
 
 logger = logging.getLogger(__name__)
@@ -73,7 +72,9 @@ class Sidecar:
         self._generation = -1
         self._subscribed: frozenset[str] = frozenset()
         self._stalled_until = 0.0
-        librdkafka = logging.getLogger("librdkafka")
+        librdkafka = LIBRDKAFKA
+        self._connectivity = Connectivity()
+        client_config = {**client_config, "error_cb": self._connectivity.on_error}
         group: dict[str, Any] = {
             "group.id": group_id,
             "session.timeout.ms": session_timeout_ms,
@@ -132,6 +133,7 @@ class Sidecar:
                 records = consume_batch(self._consumer, self._batch_size, self._wait_s())
                 if records:
                     self._receiver.take(records)
+                self._watch_connectivity(records)
                 if time.monotonic() - last_checkpoint >= self._commit_interval_s:
                     self._checkpoint()
                     last_checkpoint = time.monotonic()
@@ -146,7 +148,14 @@ class Sidecar:
                 self._dispatcher.close()
                 self._ahead_reader.close()
                 self._reader.close()
-                self._writer.close()
+                self._writer.close(clean)
+
+    def _watch_connectivity(self, records: list[Any]) -> None:
+        """/healthz is 503 with the reason while the brokers are away, and ready again by itself."""
+        connectivity = self._connectivity
+        if connectivity.reason is not None and (records or (connectivity.probe_due() and self._admin.reachable())):
+            connectivity.up()
+        self.not_ready_reasons = [connectivity.reason] if connectivity.reason else []
 
     def _current_routes(self) -> dict[str, Routes]:
         return self._routes
@@ -222,22 +231,5 @@ class Sidecar:
         states = list(self._assignment.states.values())
         if checkpoint(self._writer, states, self._consumer):
             self.metrics.commits.inc()
-        tracked: Counter[str] = Counter()
-        gauges: dict[str, Counter[str]] = {name: Counter() for name in ("buckets", "loaded_indexes", "snapshot_bytes")}
-        degraded = []
-        for state in states:
-            tracked[state.topic] += len(state.tracker)
-            if isinstance(state.tracker, BucketTracker):
-                stats = state.tracker.stats()
-                for name, counts in gauges.items():
-                    counts[state.topic] += getattr(stats, name)
-                if stats.degraded:
-                    degraded.append(f"{state.name}: index storage failing ({','.join(stats.degraded_ops)}); "
-                                    "retrying, entries kept in memory")  # fmt: skip
-        for name, counts in gauges.items():
-            for topic, value in counts.items():
-                getattr(self.metrics, name).labels(topic).set(value)
-        for topic in self._routes:
-            self.metrics.tracked.labels(topic).set(tracked.get(topic, 0))
-        self.degraded = degraded
+        self.degraded = publish_index_gauges(self.metrics, states, list(self._routes))
         self._admin.refresh_retention(list(self._routes))

@@ -1,8 +1,11 @@
 """Small helpers for the Kafka edge that the intake and the log reader share."""
 
+import logging
+import re
+import time
 from typing import Any
 
-from confluent_kafka import Consumer, Message
+from confluent_kafka import Consumer, KafkaError, Message
 
 # Some brokers (noida-db among them) answer a fetch with more than fetch.max.bytes; librdkafka
 # then rejects the response ("Invalid response size") and retries forever. Accept up to 512 MiB,
@@ -12,6 +15,38 @@ CONSUMER_DEFAULTS: dict[str, Any] = {
     "queued.max.messages.kbytes": 32 * 1024,
     "fetch.wait.max.ms": 10,
 }
+
+
+# A repeated client error (a broker that refuses connections, every 50 ms) is logged once, then
+# once a minute with the count of lines held back.
+REPEAT_WINDOW_S = 60.0
+_VARYING = re.compile(r"\d+(ms)?")
+
+
+class RepeatFilter(logging.Filter):
+    def __init__(self, window_s: float = REPEAT_WINDOW_S) -> None:
+        super().__init__()
+        self._window_s = window_s
+        self._seen: dict[str, tuple[float, int]] = {}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        key = _VARYING.sub("#", record.getMessage())
+        now = time.monotonic()
+        first, held = self._seen.get(key, (0.0, 0))
+        if now - first < self._window_s:
+            self._seen[key] = (first, held + 1)
+            return False
+        if len(self._seen) > 1_000:
+            self._seen.clear()
+        self._seen[key] = (now, 0)
+        if held:
+            record.msg, record.args = f"{record.getMessage()} repeated={held}", None
+        return True
+
+
+LIBRDKAFKA = logging.getLogger("librdkafka")
+"""Every Kafka client the sidecar opens logs here, in the key=value format, repeats held back."""
+LIBRDKAFKA.addFilter(RepeatFilter())
 
 
 def consumer_config(client_config: dict[str, Any], **overrides: Any) -> dict[str, Any]:
@@ -32,3 +67,47 @@ def consume_batch(consumer: Consumer, max_records: int, wait_s: float) -> list[M
     if first is None:
         return []
     return [first, *consumer.consume(max_records - 1, 0)]
+
+
+_UNREACHABLE = {
+    KafkaError._ALL_BROKERS_DOWN,
+    KafkaError._TRANSPORT,
+    KafkaError._RESOLVE,
+    KafkaError._AUTHENTICATION,
+    KafkaError._SSL,
+}
+
+
+class Connectivity:
+    """Whether the cluster answers, as the clients report it, for /healthz and one log line per change.
+
+    librdkafka reports losing the brokers (error_cb) but not finding them again, so the loop asks
+    for metadata while they are away (`probe_due`), and `up()` clears the state on the first answer.
+    """
+
+    PROBE_EVERY_S = 2.0
+
+    def __init__(self) -> None:
+        self.reason: str | None = None
+        self._down_since = 0.0
+        self._probed = 0.0
+
+    def on_error(self, error: KafkaError) -> None:
+        """The clients' error_cb: runs on the loop's thread, inside poll and consume."""
+        if error.code() in _UNREACHABLE and self.reason is None:
+            self.reason = f"Kafka unreachable: {error.str()}"
+            self._down_since = time.monotonic()
+            logging.getLogger(__name__).warning("brokers unreachable error=%s", error.str())
+
+    def probe_due(self) -> bool:
+        if self.reason is None or time.monotonic() - self._probed < self.PROBE_EVERY_S:
+            return False
+        self._probed = time.monotonic()
+        return True
+
+    def up(self) -> None:
+        if self.reason is not None:
+            logging.getLogger(__name__).info(
+                "brokers reachable again after_s=%.1f", time.monotonic() - self._down_since
+            )
+            self.reason = None

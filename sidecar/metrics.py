@@ -76,6 +76,9 @@ class Metrics:
         )
         self.policy_reloads = Counter(PREFIX + "policy_reloads", "Policy reloads by result", ["result"], registry=r)
         self.policy_generation = Gauge(PREFIX + "policy_generation", "Policy generation in force", registry=r)
+        self.engine_restarts = Counter(
+            PREFIX + "engine_restarts", "Times the engine failed and started again from the last checkpoint", registry=r
+        )
         self.commits = Counter(PREFIX + "commits", "Checkpoints that committed inbound offsets", registry=r)
         self.buckets = Gauge(PREFIX + "bucket_count", "Buckets of the delayed index", ["topic"], registry=r)
         self.loaded_indexes = Gauge(

@@ -11,6 +11,7 @@ from typing import Any
 from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic
 
 from sidecar.errors import BrokerError
+from sidecar.kafka_io import LIBRDKAFKA
 from sidecar.policy import PolicySet
 
 logger = logging.getLogger(__name__)
@@ -22,7 +23,7 @@ RETENTION_REFRESH_S = 60.0
 
 class TopicAdmin:
     def __init__(self, client_config: dict[str, Any], control_topics: tuple[str, ...], new_partitions: int) -> None:
-        self._admin = AdminClient(client_config)
+        self._admin = AdminClient(client_config, logger=LIBRDKAFKA)
         self._control_topics = control_topics
         self._new_partitions = new_partitions
         self.partitions: dict[str, int] = {}
@@ -56,6 +57,14 @@ class TopicAdmin:
                             f"cannot create topic {topic}: {e}; create it yourself or grant CREATE on the cluster"
                         ) from e
         self.partitions = {**existing, **wanted}
+
+    def reachable(self) -> bool:
+        """True when a broker answers a metadata request within a second."""
+        try:
+            self._admin.list_topics(timeout=1)
+        except Exception:
+            return False
+        return True
 
     def refresh_retention(self, topics: list[str], force: bool = False) -> None:
         """retention.ms of the inbound topics, re-read at most once a minute unless forced."""

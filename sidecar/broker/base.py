@@ -8,6 +8,7 @@ from typing import Any, Self
 from confluent_kafka.admin import AdminClient
 
 from sidecar.errors import BrokerError
+from sidecar.kafka_io import LIBRDKAFKA
 
 
 class BrokerLauncher(ABC):
@@ -30,7 +31,7 @@ class BrokerLauncher(ABC):
 
 def wait_for_metadata(bootstrap_servers: str, timeout_s: float, client_config: dict[str, Any] | None = None) -> None:
     """Block until the cluster answers a metadata request; a listening port is not enough."""
-    admin = AdminClient({"bootstrap.servers": bootstrap_servers, **(client_config or {})})
+    admin = AdminClient({"bootstrap.servers": bootstrap_servers, **(client_config or {})}, logger=LIBRDKAFKA)
     deadline = time.monotonic() + timeout_s
     last: Exception | None = None
     while time.monotonic() < deadline:

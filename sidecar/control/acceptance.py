@@ -35,6 +35,8 @@ from sidecar.tracker.partitions import PartitionState
 
 logger = logging.getLogger(__name__)
 
+UNKNOWN_LABEL = "(unknown)"
+"""The subscription label of commands for a topic or subscription that is not configured."""
 DueNow = Callable[[PartitionState, list[tuple[int, AcceptedNack]]], None]
 """redeliver(control partition, [(accepted offset, nack), ...]) for nacks already due when read."""
 
@@ -106,7 +108,9 @@ class Acceptance:
             self._check_known_message(command, routes)
         except RejectedRecord as rejected:
             self.reject(record, rejected)
-            self._metrics.nacks.labels(subscription, rejected.code.lower()).inc()
+            # Commands are untrusted input: only configured subscriptions become label values.
+            label = subscription if rejected.code != UNKNOWN_SUBSCRIPTION else UNKNOWN_LABEL
+            self._metrics.nacks.labels(label, rejected.code.lower()).inc()
             return
         # From the command's own timestamp, so the time does not depend on when it was read.
         accepted = AcceptedNack(command, command.effective_deliver_at(sent_ms), (record.partition(), record.offset()))

@@ -7,14 +7,15 @@ through gaps of up to `max_gap` records and seeks only across wider ones.
 
 import logging
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from confluent_kafka import Consumer, KafkaError, Message, TopicPartition
 
-from sidecar.errors import SidecarError
-from sidecar.kafka_io import consume_batch, consumer_config
+from sidecar.errors import BrokerError, SidecarError
+from sidecar.kafka_io import LIBRDKAFKA, consume_batch, consumer_config
 
 logger = logging.getLogger(__name__)
 
@@ -23,6 +24,9 @@ TopicPartitionKey = tuple[str, int]
 # Reading through a gap of this many 100-byte records costs about what one extra fetch round trip
 # costs on a local broker; beyond it a seek is cheaper.
 DEFAULT_MAX_GAP = 2_000
+# A read that gets nothing but errors for this long gives up: the engine starts again from its last
+# checkpoint (and /healthz says why) rather than retry in silence forever.
+READ_ERROR_DEADLINE_S = 30.0
 
 
 class ReadInterrupted(SidecarError):
@@ -52,7 +56,8 @@ class LogReader:
                     # report the wanted offsets that are gone, rather than fail.
                     "auto.offset.reset": "earliest",
                 },
-            )
+            ),
+            logger=LIBRDKAFKA,
         )
 
     def read(
@@ -68,10 +73,17 @@ class LogReader:
         if not cursors:
             return
         self._consumer.assign([TopicPartition(t, p, c.offsets[0]) for (t, p), c in cursors.items()])
+        failing_since: float | None = None
+        last_error: KafkaError | None = None
         try:
             while cursors:
                 if self._stop.is_set():
                     raise ReadInterrupted("stopping while reading due records back")
+                if failing_since is not None and time.monotonic() - failing_since > READ_ERROR_DEADLINE_S:
+                    raise BrokerError(
+                        f"reading due records back failed for {READ_ERROR_DEADLINE_S:.0f} s ({last_error}); "
+                        "check that the brokers are up and the inbound topics readable"
+                    )
                 for record in consume_batch(self._consumer, 10_000, 0.1):
                     key = (record.topic(), record.partition())
                     cursor = cursors.get(key)
@@ -81,7 +93,10 @@ class LogReader:
                     offsets = cursor.offsets
                     if error is not None:
                         if error.code() != KafkaError._PARTITION_EOF:
-                            logger.warning("log read error topic=%s partition=%d error=%s", key[0], key[1], error)
+                            if failing_since is None:
+                                failing_since = time.monotonic()
+                                logger.warning("log read error topic=%s partition=%d error=%s", key[0], key[1], error)
+                            last_error = error
                             continue
                         if record.offset() <= offsets[cursor.index]:
                             # Everything still wanted lies at or past the end of the log.
@@ -89,6 +104,7 @@ class LogReader:
                                 yield key, offset, None
                             cursor.index = len(offsets)
                     else:
+                        failing_since = None
                         offset = record.offset()
                         while cursor.index < len(offsets) and offsets[cursor.index] < offset:
                             yield key, offsets[cursor.index], None

@@ -103,8 +103,14 @@ class Writer:
                 "Nothing past the last checkpoint was committed; a restart resumes there."
             )
 
-    def close(self) -> None:
-        self.producer.flush(FLUSH_TIMEOUT_S)
+    def close(self, clean: bool = True) -> None:
+        """Wait for what is queued after a clean stop; after a failure, drop it: the next engine
+        starts again from the last checkpoint, which is exactly what was acknowledged."""
+        if clean:
+            self.producer.flush(FLUSH_TIMEOUT_S)
+        else:
+            self.producer.purge()
+            self.producer.flush(0)
 
     def _on_delivery(self, error: KafkaError | None, record: Message) -> None:
         if error is not None:

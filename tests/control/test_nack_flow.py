@@ -99,7 +99,7 @@ def test_invalid_commands_get_their_own_code_and_the_sidecar_keeps_serving(
 ) -> None:
     topic, control = topic_factory("badnack"), f"ctl-{uuid.uuid4().hex[:8]}"
     settings = settings_for(kafka, setup(topic, policy_file, max_delay="1m"), tmp_path, control_topic=control)
-    with ThreadedSidecar(settings):
+    with ThreadedSidecar(settings) as sidecar:
         kafka_helper.produce(topic, b"m")
         kafka_helper.flush()
         kafka_helper.read(f"{topic}.billing", 1)
@@ -123,6 +123,10 @@ def test_invalid_commands_get_their_own_code_and_the_sidecar_keeps_serving(
         assert dead[0].value == b"{oops"
         # The valid command after them still works.
         assert [r.headers[REDELIVERY_COUNT] for r in kafka_helper.read(f"{topic}.billing", 2)] == [b"0", b"1"]
+        # A command's subscription becomes a metric label only when it is configured.
+        samples = sidecar.app.metrics.registry.get_sample_value
+        assert samples("delay_sidecar_nack_total", {"subscription": "nobody", "result": "unknown_subscription"}) is None
+        assert samples("delay_sidecar_nack_total", {"subscription": "(unknown)", "result": "unknown_subscription"}) == 1
 
 
 def test_1000_nacks_survive_kill_9(
