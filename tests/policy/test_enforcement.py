@@ -61,7 +61,7 @@ topics:
         kafka_helper.produce(topic, b"h", headers=[("deliver-after", "1h")], timestamp=published)  # fixed wins over max
         kafka_helper.produce(topic, b"n", timestamp=published)
         kafka_helper.flush()
-        records = kafka_helper.read(f"{topic}.a", 2, timeout_s=15)
+        records = kafka_helper.read(f"{topic}.a", 2, timeout_s=60)
         assert sorted(r.value for r in records) == [b"h", b"n"]
         for r in records:
             assert r.header_int(DELIVER_AT) == published + 2000
@@ -90,7 +90,7 @@ topics:
         archive = kafka_helper.read(f"{topic}.archive", 5)
         assert [r.value for r in archive] == [b"0", b"1", b"2", b"3", b"4"]  # inbound order
         assert [r.header_int(DELIVER_AT) for r in archive] == [published + i for i in range(5)]  # no delay
-        shared = kafka_helper.read(f"{topic}.shared", 5, timeout_s=15)
+        shared = kafka_helper.read(f"{topic}.shared", 5, timeout_s=60)
         assert [r.value for r in shared] == [b"1", b"3", b"0", b"2", b"4"]  # deliver-at order
         assert all(r.timestamp >= r.header_int(DELIVER_AT) for r in shared)
 
@@ -137,7 +137,7 @@ topics:
         kafka_helper.flush()
         assert [r.value for r in kafka_helper.read(f"{topic}.dlt", 1)] == [b"too-late"]
         assert [r.value for r in kafka_helper.read(f"{topic}.b", 1, extra_s=0.5)] == [b"now"]
-        assert [r.value for r in kafka_helper.read(f"{added}.c", 1, timeout_s=20)] == [b"new-topic"]
+        assert [r.value for r in kafka_helper.read(f"{added}.c", 1, timeout_s=60)] == [b"new-topic"]
         assert [r.value for r in kafka_helper.read(f"{topic}.gone", 0, extra_s=0.5)] == []
 
         # A broken edit: reported (log, /healthz, metric), and generation 2 keeps working.
