@@ -59,10 +59,14 @@ def noida_binary() -> Path:
 
 def port_in_use(host: str, port: int) -> bool:
     """Whether a listener holds the port; binds as noida-db does (SO_REUSEADDR), so TIME_WAIT does not count."""
-    with socket.socket() as s:
+    try:
+        family, kind, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except OSError as e:
+        raise BrokerError(f"cannot resolve {host} for the embedded broker ({e}); check --host") from e
+    with socket.socket(family, kind) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            s.bind((host, port))
+            s.bind(address)
         except OSError as e:
             if e.errno == errno.EADDRINUSE:
                 return True
