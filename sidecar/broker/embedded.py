@@ -144,6 +144,11 @@ class EmbeddedBroker(BrokerLauncher):
         return self._process.pid if self._process is not None else None
 
     def start(self) -> str:
+        """Start noida-db and wait until it answers; its bootstrap servers.
+
+        Call it from a thread that lives as long as the broker should (the main thread of `run`):
+        the parent-death signal fires when the starting thread ends, not only the process.
+        """
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self._claim()
         log_path = self.data_dir / "broker.log"
