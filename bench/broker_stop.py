@@ -6,7 +6,8 @@ Usage: .venv/bin/python -m bench.broker_stop [--via direct|service|cli] [--signa
 Each run starts a fresh broker, produces numbered records with acks=all at a steady rate, stops the
 broker with the signal while the producer keeps going, restarts it on the same data dir and counts
 the acknowledged records that are not in the topic. `--via direct` signals noida-db itself;
-`--via cli` signals `delay-sidecar broker`, which then stops its noida-db child. The numbers are
+`--via service` runs `noida-db stop kafka` first, as the launcher now does; `--via cli` signals
+`delay-sidecar broker`, which then stops its noida-db child. The numbers are
 quoted in the README's embedded-broker section, which is why this lives in bench/ and not in a test:
 the loss depends on timing, and a test must not.
 """
@@ -34,6 +35,7 @@ from confluent_kafka.admin import AdminClient, NewTopic
 
 from sidecar.broker.base import wait_for_metadata
 from sidecar.broker.embedded import EmbeddedBroker, free_port, noida_binary
+from sidecar.broker.lifeline import die_with_parent
 
 ROOT = Path(__file__).resolve().parents[1]
 TOPIC = "loss"
@@ -104,7 +106,14 @@ def start_broker(via: str, data_dir: Path, port: int, log: Path) -> subprocess.P
     else:
         argv = [sys.executable, "-m", "sidecar", "broker", "--port", str(port), "--data-dir", str(data_dir)]
     with log.open("ab") as out:
-        return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
+        return subprocess.Popen(
+            argv,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+            start_new_session=True,
+            preexec_fn=die_with_parent(),  # noqa: PLW1509 - see sidecar/broker/lifeline.py
+        )
 
 
 def read_all(bootstrap: str) -> set[int]:
