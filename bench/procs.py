@@ -8,12 +8,19 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from bench.probe import scrape
+from sidecar.broker.lifeline import die_with_parent
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def _dies_with_us() -> Callable[[], None] | None:
+    """SIGKILL on the bench's death: an interrupted run must not leave sidecars or load generators behind."""
+    return die_with_parent(signal.SIGKILL)
 
 
 class Child:
@@ -23,7 +30,13 @@ class Child:
         self.argv = argv
         self.log = log
         with log.open("ab") as out:
-            self.process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+            self.process = subprocess.Popen(
+                argv,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                cwd=ROOT,
+                preexec_fn=_dies_with_us(),  # noqa: PLW1509 - see sidecar/broker/lifeline.py
+            )
 
     @property
     def pid(self) -> int:
@@ -126,7 +139,15 @@ def load_argv(
 def run_load(argv: list[str], log: Path, timeout_s: float = 600.0) -> dict[str, Any]:
     """Run the load generator to the end; its stats."""
     with log.open("ab") as err:
-        done = subprocess.run(argv, stdout=subprocess.PIPE, stderr=err, cwd=ROOT, timeout=timeout_s, check=False)
+        done = subprocess.run(
+            argv,
+            stdout=subprocess.PIPE,
+            stderr=err,
+            cwd=ROOT,
+            timeout=timeout_s,
+            check=False,
+            preexec_fn=_dies_with_us(),
+        )
     if done.returncode != 0:
         raise RuntimeError(f"the load generator failed with code {done.returncode}; see {log}")
     stats: dict[str, Any] = json.loads(done.stdout.decode().strip().splitlines()[-1])
@@ -135,7 +156,13 @@ def run_load(argv: list[str], log: Path, timeout_s: float = 600.0) -> dict[str, 
 
 def start_load(argv: list[str], log: Path) -> subprocess.Popen[bytes]:
     with log.open("ab") as err:
-        return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, cwd=ROOT)
+        return subprocess.Popen(
+            argv,
+            stdout=subprocess.PIPE,
+            stderr=err,
+            cwd=ROOT,
+            preexec_fn=_dies_with_us(),  # noqa: PLW1509 - see sidecar/broker/lifeline.py
+        )
 
 
 def finish_load(process: subprocess.Popen[bytes], timeout_s: float = 600.0) -> dict[str, Any]:

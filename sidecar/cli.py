@@ -11,10 +11,11 @@ import threading
 from pathlib import Path
 
 from pydantic import Field, ValidationError
-from pydantic_settings import BaseSettings, CliApp, CliSubCommand, SettingsConfigDict
+from pydantic_settings import BaseSettings, CliApp, CliSettingsSource, CliSubCommand, SettingsConfigDict
 
 from sidecar.app import SidecarApp, run_until_signalled
 from sidecar.broker.embedded import EmbeddedBroker
+from sidecar.cli_help import add_argument
 from sidecar.demo import run_demo
 from sidecar.errors import SidecarError
 from sidecar.logs import setup_logging
@@ -79,8 +80,9 @@ class DelaySidecar(BaseSettings):
 
 
 def main(argv: list[str] | None = None) -> None:
+    source: CliSettingsSource[DelaySidecar] = CliSettingsSource(DelaySidecar, add_argument_method=add_argument)
     try:
-        CliApp.run(DelaySidecar, cli_args=sys.argv[1:] if argv is None else argv)
+        CliApp.run(DelaySidecar, cli_args=sys.argv[1:] if argv is None else argv, cli_settings_source=source)
     except ValidationError as e:
         problems = "; ".join(
             f"--{'-'.join(str(p) for p in err['loc'][1:]).replace('_', '-')}: {err['msg']}" for err in e.errors()

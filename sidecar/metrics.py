@@ -44,6 +44,12 @@ class Metrics:
             ["topic", "namespace"],
             registry=r,
         )
+        self.delay_header_miscased = Counter(
+            PREFIX + "delay_header_miscased",
+            "Records with a header like Deliver-At: header names are case-sensitive, so it was not applied",
+            ["topic"],
+            registry=r,
+        )
         self.delivered = Counter(
             PREFIX + "messages_delivered",
             "Records written to a subscription's outbound topic",

@@ -18,9 +18,7 @@ ENV_PREFIX = "DELAY_SIDECAR_"
 class KafkaSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, cli_kebab_case=True, extra="ignore")
 
-    bootstrap_servers: str | None = Field(
-        None, description="Kafka bootstrap servers (HOST:PORT,...). Unset: start the embedded broker."
-    )
+    bootstrap_servers: str | None = Field(None, description="Kafka bootstrap servers")
     security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] | None = Field(
         None, description="librdkafka security.protocol"
     )
@@ -57,6 +55,9 @@ def default_instance_id(state_dir: Path) -> str:
 
 
 class RunSettings(KafkaSettings):
+    bootstrap_servers: str | None = Field(
+        None, description="Kafka bootstrap servers. Unset: start the embedded broker on --broker-port"
+    )
     policies: Path = Field(Path("policies"), description="Policy YAML file or directory of files")
     state_dir: Path = Field(
         Path(".state"), description="Directory for the delayed index and the embedded broker's data"

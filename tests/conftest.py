@@ -12,12 +12,18 @@ from pathlib import Path
 
 import pytest
 from confluent_kafka.admin import AdminClient, NewTopic
+from hypothesis import HealthCheck, settings
 
 from sidecar.broker import BrokerLauncher, EmbeddedBroker, ExternalBroker
 from sidecar.broker.container import ContainerBroker, docker_available
 from sidecar.broker.embedded import free_port
 from sidecar.clock import ManualClock
 from tests.kafka_helpers import KafkaHelper
+
+# CI must never fail by chance: on a loaded two-core machine a slow example is not a bug, so the
+# suite runs without hypothesis' deadline and too_slow check. HYPOTHESIS_PROFILE=default restores them.
+settings.register_profile("ci", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 @pytest.fixture(scope="session")

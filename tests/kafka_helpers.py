@@ -17,6 +17,7 @@ from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
 
 from sidecar.app import SidecarApp
 from sidecar.broker.base import wait_for_metadata
+from sidecar.broker.lifeline import die_with_parent
 from sidecar.outbound.records import DELIVER_AT, ORIGIN_OFFSET, ORIGIN_PARTITION, REDELIVERY_COUNT
 from sidecar.settings import RunSettings
 
@@ -185,15 +186,48 @@ class ThreadedSidecar:
             raise self.error
 
     def metric(self, name: str, **labels: str) -> float:
+        """The sample's value. A missing sample fails: as 0 it would let a misspelt name or label pass."""
         value = self.app.metrics.registry.get_sample_value(name, labels)
-        return value or 0.0
+        if value is None:
+            known = sorted(
+                f"{sample.name}{sample.labels}"
+                for family in self.app.metrics.registry.collect()
+                for sample in family.samples
+                if sample.name == name
+            )
+            raise AssertionError(f"no sample {name}{labels}; samples of that name: {known or 'none'}")
+        return value
+
+    def metric_or_zero(self, name: str, **labels: str) -> float:
+        """For a labelled counter that appears on its first increment, where "never" is a valid answer."""
+        value = self.app.metrics.registry.get_sample_value(name, labels)
+        return 0.0 if value is None else value
+
+    def wait_for_metric(self, name: str, at_least: float = 1.0, timeout_s: float = 60.0, **labels: str) -> float:
+        """Wait until the sample exists and reaches `at_least`; its value then. Fails at the deadline."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            value = self.app.metrics.registry.get_sample_value(name, labels)
+            if value is not None and value >= at_least:
+                return value
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{name}{labels} is {value}, not >= {at_least} after {timeout_s:.0f} s")
+            time.sleep(0.05)
 
 
 def sidecar_process(args: list[str], log: Path) -> subprocess.Popen[bytes]:
-    """`python -m sidecar run ...` as a child process, for kill -9 tests."""
+    """`python -m sidecar run ...` as a child process, for kill -9 tests.
+
+    It dies with the test run (SIGKILL on parent death): a killed pytest must not leave sidecars
+    consuming from the shared broker. Its embedded broker, if any, dies with it in turn.
+    """
     with log.open("ab") as out:
         return subprocess.Popen(
-            [sys.executable, "-m", "sidecar", "run", *args], stdout=out, stderr=subprocess.STDOUT, cwd=ROOT
+            [sys.executable, "-m", "sidecar", "run", *args],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+            preexec_fn=die_with_parent(signal.SIGKILL),  # noqa: PLW1509 - see sidecar/broker/lifeline.py
         )
 
 

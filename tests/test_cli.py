@@ -1,11 +1,21 @@
 """The command line as a user runs it: `python -m sidecar ...`."""
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
+from types import UnionType
+from typing import Any, Literal, Union, get_args, get_origin
 
+import pytest
+from pydantic import SecretStr
+from pydantic.fields import FieldInfo
+from pydantic_settings import BaseSettings
+
+from sidecar.cli import BrokerCommand, DemoCommand, main
 from sidecar.settings import RunSettings
+from spark.command import AuditSettings
 from tests.kafka_helpers import ROOT
 
 
@@ -36,25 +46,103 @@ def test_run_help_explains_every_flag() -> None:
         assert field.description, f"{name} has no help text"
 
 
-def test_every_flag_has_an_environment_variable(tmp_path: Path) -> None:
-    env = {
-        "DELAY_SIDECAR_METRICS_PORT": "1234",
-        "DELAY_SIDECAR_GROUP_ID": "g7",
-        "DELAY_SIDECAR_SASL_PASSWORD": "hunter2",
+def env_value(name: str, field: FieldInfo) -> tuple[str, Any]:
+    """A valid value for the field, unlike its default: (as an environment variable, as parsed)."""
+    annotation = field.annotation
+    if get_origin(annotation) is UnionType or get_origin(annotation) is Union:  # X | None: the X
+        annotation = next(a for a in get_args(annotation) if a is not type(None))
+    if get_origin(annotation) is Literal:
+        choice = next(c for c in get_args(annotation) if c != field.default)
+        return str(choice), choice
+    if annotation is int:
+        low = next((m.ge for m in field.metadata if getattr(m, "ge", None) is not None), 0)
+        value = max(low, 1) + 7
+        return str(value), value
+    if annotation is str:
+        return f"{name}-from-env", f"{name}-from-env"
+    if annotation is SecretStr:
+        return "hunter2", "hunter2"
+    if annotation is Path:
+        return f"/tmp/{name}-from-env", Path(f"/tmp/{name}-from-env")
+    if annotation == list[str]:
+        return '["a-from-env","b-from-env"]', ["a-from-env", "b-from-env"]
+    raise AssertionError(f"{name}: no environment value for {field.annotation}; teach env_value about it")
+
+
+def settings_commands() -> list[type[BaseSettings]]:
+    """Every command whose flags are settings: each flag must have its DELAY_SIDECAR_* variable."""
+    return [RunSettings, BrokerCommand, DemoCommand, AuditSettings]
+
+
+@pytest.mark.parametrize("command", settings_commands(), ids=lambda c: c.__name__)
+def test_every_flag_has_an_environment_variable(command: type[BaseSettings], monkeypatch: pytest.MonkeyPatch) -> None:
+    expected: dict[str, Any] = {}
+    for name, field in command.model_fields.items():
+        raw, parsed = env_value(name, field)
+        monkeypatch.setenv(f"DELAY_SIDECAR_{name.upper()}", raw)
+        expected[name] = parsed
+    settings = command()
+    got = {
+        name: value.get_secret_value() if isinstance(value, SecretStr) else value
+        for name, value in ((name, getattr(settings, name)) for name in command.model_fields)
     }
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        settings = RunSettings()
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k)
-            else:
-                os.environ[k] = v
-    assert (settings.metrics_port, settings.group_id) == (1234, "g7")
+    assert got == expected
+    assert "hunter2" not in repr(settings)
+
+
+def test_secrets_reach_librdkafka_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DELAY_SIDECAR_SASL_PASSWORD", "hunter2")
+    settings = RunSettings()
     assert "hunter2" not in repr(settings)
     assert settings.client_config("b:1")["sasl.password"] == "hunter2"
+
+
+HELP_COMMANDS = [
+    ["run"],
+    ["broker"],
+    ["demo"],
+    ["policies", "show"],
+    ["policies", "validate"],
+    ["policies", "set-delayed-delivery"],
+    ["audit"],
+]
+
+
+@pytest.mark.parametrize("command", HELP_COMMANDS, ids=" ".join)
+def test_help_shows_what_a_value_looks_like_not_python_types(
+    command: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 12: `--bootstrap-servers {str,null}`, `--sasl-password {SecretStr,null}`, `--topics list[str]`."""
+    with pytest.raises(SystemExit) as done:
+        main([*command, "--help"])
+    assert done.value.code == 0
+    shown = capsys.readouterr().out
+    python = re.findall(r"\b(?:str|int|Path|SecretStr|null|list\[\w+\])\b|\(default(?: factory)?: \)", shown)
+    assert python == [], shown
+    assert "default factory" not in shown
+
+
+def test_help_names_metavars_and_real_defaults(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["run", "--help"])
+    run = " ".join(capsys.readouterr().out.split())
+    for piece in (
+        "--bootstrap-servers HOST:PORT[,HOST:PORT...]",
+        "--policies PATH",
+        "--state-dir DIR",
+        "--metrics-port PORT",
+        "--commit-interval-ms MS",
+        "--batch-size N",
+        "Unset: start the embedded broker",
+        "(default: 9464)",
+        "(default: librdkafka's, PLAINTEXT)",
+    ):
+        assert piece in run
+    with pytest.raises(SystemExit):
+        main(["audit", "--help"])
+    audit = " ".join(capsys.readouterr().out.split())
+    assert "embedded broker" not in audit  # the audit starts none
+    assert "--topics TOPIC[,TOPIC...]" in audit
 
 
 def test_bad_input_gets_a_clear_error_not_a_traceback(tmp_path: Path) -> None:

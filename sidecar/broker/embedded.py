@@ -1,9 +1,20 @@
 """The embedded broker: noida-db's Kafka-compatible server as a child process.
 
 It exists so a newcomer, CI and the tests get a real broker on a machine without Docker. Its data
-lives under the state dir, so topics and committed offsets survive a restart of the sidecar.
+lives under the state dir, so topics and committed offsets survive a restart of the sidecar. It is
+for development and single-host trials, not production (see the README for what it loses).
+
+Three rules, each from a fault seen in a trial:
+- The broker dies with its parent (a parent-death signal), so a kill -9 of `run` or `broker` never
+  leaves an orphan holding the port and the data dir.
+- The broker that answers must be our own child: a port already in use is an error, not a broker.
+- It is stopped through its own `stop kafka` command before it is signalled. On SIGTERM noida-db
+  keeps serving, and acknowledging writes, while it saves its data, and those writes are lost; the
+  stop command closes the Kafka listener and its connections first, then saves.
 """
 
+import errno
+import json
 import logging
 import os
 import signal
@@ -14,13 +25,21 @@ from importlib.resources import files
 from pathlib import Path
 
 from sidecar.broker.base import BrokerLauncher, wait_for_metadata
+from sidecar.broker.lifeline import die_with_parent
 from sidecar.errors import BrokerError
 
 logger = logging.getLogger(__name__)
 
-# noida-db persists its log on shutdown; give it time to finish writing before a SIGKILL.
-STOP_GRACE_S = 15.0
+# noida-db writes its whole data set to one JSON file when it stops: seconds for a large data dir
+# (about 5 s for 100 MB on two cores). A SIGKILL during that write loses everything written since
+# its last periodic save, so the grace period is long; a broker that needs it is logged.
+STOP_GRACE_S = 120.0
+# After the data is saved, the process itself exits within milliseconds.
+EXIT_GRACE_S = 10.0
 START_TIMEOUT_S = 30.0
+# A broker whose parent was killed gets SIGTERM and saves before it exits: wait for that much.
+TAKEOVER_WAIT_S = 30.0
+CONTROL_FILE = "noida.control.json"
 
 
 def free_port() -> int:
@@ -38,16 +57,100 @@ def noida_binary() -> Path:
     return binary
 
 
+def port_in_use(host: str, port: int) -> bool:
+    """Whether a listener holds the port; binds as noida-db does (SO_REUSEADDR), so TIME_WAIT does not count."""
+    try:
+        family, kind, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except OSError as e:
+        raise BrokerError(f"cannot resolve {host} for the embedded broker ({e}); check --host") from e
+    with socket.socket(family, kind) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(address)
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                return True
+            raise BrokerError(f"cannot bind {host}:{port} for the embedded broker ({e}); check --host") from e
+    return False
+
+
+def _running_noida(pid: int) -> bool:
+    """A live (not zombie) noida-db process; the pid check guards against a stale control file."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+    state = stat.rsplit(")", 1)[-1].split()[0]
+    return state not in ("Z", "X") and b"noida-db" in cmdline
+
+
+def previous_broker(data_dir: Path) -> int | None:
+    """The pid of a noida-db still serving this data dir, from its control file; None when there is none."""
+    try:
+        pid = int(json.loads((data_dir / CONTROL_FILE).read_text())["pid"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return pid if _running_noida(pid) else None
+
+
+def listening_inodes(port: int) -> set[str] | None:
+    """Socket inodes listening on the port, from /proc/net; None where /proc/net is missing (not Linux)."""
+    inodes: set[str] = set()
+    found_table = False
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        found_table = True
+        for line in lines:
+            fields = line.split()
+            local, state, inode = fields[1], fields[3], fields[9]
+            if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:
+                inodes.add(inode)
+    return inodes if found_table else None
+
+
+def owns_listener(pid: int, port: int) -> bool | None:
+    """Whether process `pid` holds the listening socket of the port; None when it cannot be told."""
+    inodes = listening_inodes(port)
+    if inodes is None:
+        return None
+    try:
+        links = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
+    except OSError:
+        return False
+    return any(link.startswith("socket:[") and link[8:-1] in inodes for link in links)
+
+
 class EmbeddedBroker(BrokerLauncher):
-    def __init__(self, data_dir: Path, port: int = 9092, host: str = "127.0.0.1") -> None:
+    def __init__(
+        self,
+        data_dir: Path,
+        port: int = 9092,
+        host: str = "127.0.0.1",
+        takeover_wait_s: float | None = None,
+    ) -> None:
         self.data_dir = data_dir
         self.port = port
         self.host = host
         self.bootstrap_servers = f"{host}:{port}"
+        self.takeover_wait_s = TAKEOVER_WAIT_S if takeover_wait_s is None else takeover_wait_s
         self._process: subprocess.Popen[bytes] | None = None
 
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process is not None else None
+
     def start(self) -> str:
+        """Start noida-db and wait until it answers; its bootstrap servers.
+
+        Call it from a thread that lives as long as the broker should (the main thread of `run`):
+        the parent-death signal fires when the starting thread ends, not only the process.
+        """
         self.data_dir.mkdir(parents=True, exist_ok=True)
+        self._claim()
         log_path = self.data_dir / "broker.log"
         command = [
             str(noida_binary()),
@@ -63,13 +166,14 @@ class EmbeddedBroker(BrokerLauncher):
         ]
         with log_path.open("ab") as log:
             # A session of its own: Ctrl-C in a terminal reaches the sidecar, which stops the broker
-            # in order, instead of killing both at once.
+            # in order, instead of killing both at once. The parent-death signal covers the rest.
             self._process = subprocess.Popen(
                 command,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
+                preexec_fn=die_with_parent(signal.SIGTERM),  # noqa: PLW1509 - see lifeline
             )
         logger.info(
             "broker starting pid=%d bootstrap=%s data_dir=%s", self._process.pid, self.bootstrap_servers, self.data_dir
@@ -79,8 +183,44 @@ class EmbeddedBroker(BrokerLauncher):
         except BaseException:
             self.stop()
             raise
-        logger.info("broker ready bootstrap=%s", self.bootstrap_servers)
+        logger.info("broker ready pid=%d bootstrap=%s", self._process.pid, self.bootstrap_servers)
         return self.bootstrap_servers
+
+    def _claim(self) -> None:
+        """Make sure our child will be the only broker on this port and this data dir.
+
+        A broker from an earlier run whose parent was killed is still saving its data: wait for it.
+        Anything else is an error the operator must resolve; running against it would look fine
+        and write to someone else's broker.
+        """
+        deadline = time.monotonic() + self.takeover_wait_s
+        waiting_logged = False
+        while True:
+            previous = previous_broker(self.data_dir)
+            busy = port_in_use(self.host, self.port)
+            if previous is None and not busy:
+                return
+            if previous is None:
+                raise BrokerError(
+                    f"port {self.port} on {self.host} is already in use by another process, so the embedded broker "
+                    f"cannot listen there; stop that process, or pick another port (--broker-port for run, --port "
+                    f"for broker), or give --bootstrap-servers to use a broker that is already running"
+                )
+            if time.monotonic() >= deadline:
+                raise BrokerError(
+                    f"another noida-db broker (pid {previous}) serves {self.data_dir}: another run or broker command "
+                    f"on the same directory, or one left from an earlier run. Stop it with: noida-db down --data-dir "
+                    f"{self.data_dir} (or kill {previous}), or use another --state-dir; then start again"
+                )
+            if not waiting_logged:
+                logger.warning(
+                    "waiting for the previous broker of this data dir to stop pid=%d data_dir=%s wait_s=%.0f",
+                    previous,
+                    self.data_dir,
+                    self.takeover_wait_s,
+                )
+                waiting_logged = True
+            time.sleep(0.2)
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -91,13 +231,17 @@ class EmbeddedBroker(BrokerLauncher):
                 tail = (self.data_dir / "broker.log").read_text(errors="replace")[-2000:]
                 raise BrokerError(
                     f"the embedded broker exited with code {process.returncode} before it was ready; is port "
-                    f"{self.port} already in use? Pick another with --port. Its log ends:\n{tail}"
+                    f"{self.port} already in use? Pick another port (--broker-port for run, --port for broker). "
+                    f"Its log ends:\n{tail}"
                 )
             try:
                 wait_for_metadata(self.bootstrap_servers, timeout_s=1.0)
-                return
             except BrokerError:
                 continue
+            # Whoever answered must be our child: another process may have taken the port since _claim.
+            if process.poll() is None and owns_listener(process.pid, self.port) is not False:
+                return
+            time.sleep(0.1)
         raise BrokerError(
             f"the embedded broker did not answer within {START_TIMEOUT_S:.0f}s; see {self.data_dir / 'broker.log'}"
         )
@@ -106,11 +250,47 @@ class EmbeddedBroker(BrokerLauncher):
         process, self._process = self._process, None
         if process is None or process.poll() is not None:
             return
+        began = time.monotonic()
+        saved = self._stop_kafka_service()
         process.send_signal(signal.SIGTERM)
+        grace = EXIT_GRACE_S if saved else STOP_GRACE_S
         try:
-            process.wait(timeout=STOP_GRACE_S)
+            process.wait(timeout=grace)
         except subprocess.TimeoutExpired:
-            logger.warning("broker did not stop in %.0fs; killing pid=%d", STOP_GRACE_S, process.pid)
+            logger.warning(
+                "broker did not exit; killing it, writes since its last save may be lost pid=%d grace_s=%.0f",
+                process.pid,
+                grace,
+            )
             process.kill()
             process.wait()
-        logger.info("broker stopped bootstrap=%s", self.bootstrap_servers)
+        logger.info(
+            "broker stopped bootstrap=%s saved=%s stop_s=%.1f",
+            self.bootstrap_servers,
+            saved,
+            time.monotonic() - began,
+        )
+
+    def _stop_kafka_service(self) -> bool:
+        """`noida-db stop kafka`: stops serving, then saves. True once the data is saved."""
+        command = [str(noida_binary()), "stop", "kafka", "--data-dir", str(self.data_dir)]
+        try:
+            done = subprocess.run(
+                command,
+                capture_output=True,
+                timeout=STOP_GRACE_S,
+                check=False,
+                preexec_fn=die_with_parent(signal.SIGTERM),
+            )
+        except subprocess.TimeoutExpired:
+            logger.warning("broker did not save its data in time; stopping it with SIGTERM grace_s=%.0f", STOP_GRACE_S)
+            return False
+        if done.returncode != 0:
+            output = (done.stdout + done.stderr).decode(errors="replace").strip().splitlines()
+            logger.warning(
+                "broker stop command failed; stopping it with SIGTERM rc=%d output=%r",
+                done.returncode,
+                output[-1] if output else "",
+            )
+            return False
+        return True

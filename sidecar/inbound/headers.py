@@ -5,6 +5,7 @@ Pure code: it sees header lists and timestamps, never a Kafka client, so every f
 
 import re
 from datetime import datetime
+from typing import NamedTuple
 
 from sidecar.durations import MAX_EPOCH_MS, format_duration_ms, parse_duration_ms
 from sidecar.errors import InvalidDelayHeader
@@ -20,15 +21,35 @@ _RFC3339 = re.compile(
 )
 
 
+_NAME_LENGTHS = (len(DELIVER_AT), len(DELIVER_AFTER))
+
+
+class DelayRequest(NamedTuple):
+    deliver_at: int | None
+    """What the delay header asks for in epoch ms; None without one."""
+    miscased: str | None = None
+    """A header named like a delay header in other letter case (`Deliver-At`), which is not one.
+
+    Kafka header names are case-sensitive and so is the contract: such a header is ignored, and
+    counted (delay_header_miscased_total) so a producer that spells it so can be found.
+    """
+
+
 def requested_deliver_at(headers: Headers, publish_ms: int) -> int | None:
     """The deliver-at a record asks for in epoch ms, or None when it carries no delay header.
 
     A deliver-at in the past is returned as it is: the caller delivers such a record at once.
     Raises InvalidDelayHeader for anything else the contract does not allow.
     """
+    return delay_request(headers, publish_ms).deliver_at
+
+
+def delay_request(headers: Headers, publish_ms: int) -> DelayRequest:
+    """requested_deliver_at, and the name of a delay header in the wrong letter case if there is one."""
     if not headers:
-        return None
+        return DelayRequest(None)
     found: tuple[str, bytes | None] | None = None
+    miscased: str | None = None
     for name, value in headers:
         if name in (DELIVER_AT, DELIVER_AFTER):
             if found is not None:
@@ -36,8 +57,14 @@ def requested_deliver_at(headers: Headers, publish_ms: int) -> int | None:
                     raise InvalidDelayHeader(f"header '{name}' appears more than once; send it once")
                 raise InvalidDelayHeader("both 'deliver-at' and 'deliver-after' are set; send only one")
             found = (name, value)
+        elif len(name) in _NAME_LENGTHS and name.lower() in (DELIVER_AT, DELIVER_AFTER):
+            miscased = name
     if found is None:
-        return None
+        return DelayRequest(None, miscased)
+    return DelayRequest(_deliver_at(found, publish_ms), miscased)
+
+
+def _deliver_at(found: tuple[str, bytes | None], publish_ms: int) -> int:
     name, raw = found
     text = _ascii(name, raw)
     if text.startswith("-"):

@@ -22,6 +22,8 @@ class Fate(NamedTuple):
     """A fixed delay replaced the producer's header (counted)."""
     disabled: bool = False
     """The record asked for a delay on a topic whose delays are disabled (counted)."""
+    miscased: bool = False
+    """A header like `Deliver-At`, which is not a delay header: names are case-sensitive (counted)."""
 
 
 def judge(rule: IntakeRule, headers: Headers, publish_ms: int) -> Fate:
@@ -30,4 +32,4 @@ def judge(rule: IntakeRule, headers: Headers, publish_ms: int) -> Fate:
     except RejectedRecord as rejected:
         return Fate(None, rejected)
     deliver_at = decision.deliver_at if rule.delayed else None
-    return Fate(deliver_at, None, decision.overridden, decision.disabled)
+    return Fate(deliver_at, None, decision.overridden, decision.disabled, decision.miscased)

@@ -108,6 +108,8 @@ class Receiver:
                 self._metrics.fixed_delay_overridden.labels(topic, routes.route.namespace or "").inc()
             if fate.disabled:
                 self._metrics.delay_disabled.labels(topic, routes.route.namespace or "").inc()
+            if fate.miscased:
+                self._metrics.delay_header_miscased.labels(topic).inc()
             subs = sent.get(topic)
             if subs is None:
                 subs = sent[topic] = Counter()

@@ -108,7 +108,7 @@ def validate_paths(paths: list[Path], out: TextIO, err: TextIO) -> int:
     status = 0
     for path in paths:
         try:
-            policy_set = load_policies(path)
+            policy_set = load_policies(path, require_topics=True)
         except PolicyError as e:
             status = EXIT_INVALID
             for problem in e.problems:

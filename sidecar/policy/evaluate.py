@@ -8,7 +8,7 @@ from typing import NamedTuple
 
 from sidecar.durations import format_duration_ms
 from sidecar.errors import RejectedRecord
-from sidecar.inbound.headers import Headers, requested_deliver_at
+from sidecar.inbound.headers import Headers, delay_request
 from sidecar.policy.model import EffectiveDelay
 
 EXCEEDS_MAX_DELAY = "EXCEEDS_MAX_DELAY"
@@ -17,12 +17,16 @@ EXCEEDS_RETENTION = "EXCEEDS_RETENTION"
 
 class Decision(NamedTuple):
     deliver_at: int | None
-    """Effective deliver-at in epoch ms; None delivers at once. It may be at or before the publish
-    time (a deliver-at in the past), which also means "at once"."""
+    """Effective deliver-at in epoch ms, always after the publish time; None delivers at once, and
+    the outbound `delay-deliver-at` is then the publish time. A deliver-at at or before the publish
+    time (`0`, `1000`, an hour ago) asks for "at once" and gets None: one rule for every past value."""
     overridden: bool = False
     """A fixed delay replaced a header the producer sent (messages_fixed_delay_overridden_total)."""
     disabled: bool = False
     """Delays are disabled for the topic and the record asked for one; it goes out at once (counted)."""
+    miscased: bool = False
+    """The record has a header like `Deliver-At`: not a delay header, since names are case-sensitive.
+    The caller counts it (delay_header_miscased_total) so the producer can be found."""
 
 
 def decide(delay: EffectiveDelay, headers: Headers, publish_ms: int, retention_ms: int | None = None) -> Decision:
@@ -45,13 +49,18 @@ def decide(delay: EffectiveDelay, headers: Headers, publish_ms: int, retention_m
     Exclusive/failover subscriptions ignore delays (SubscriptionRoute.ordered); that is routing,
     done by the caller after this decision, not here.
     """
-    requested = requested_deliver_at(headers, publish_ms)
+    request = delay_request(headers, publish_ms)
+    decision = _decide(delay, request.deliver_at, publish_ms, retention_ms)
+    return decision._replace(miscased=True) if request.miscased is not None else decision
+
+
+def _decide(delay: EffectiveDelay, requested: int | None, publish_ms: int, retention_ms: int | None) -> Decision:
     if not delay.is_enabled:
         return Decision(None, disabled=requested is not None)
     if delay.fixed_ms > 0:
         deliver_at = publish_ms + delay.fixed_ms
         decision = Decision(deliver_at, overridden=requested is not None)
-    elif requested is None:
+    elif requested is None or requested <= publish_ms:
         return Decision(None)
     else:
         deliver_at = requested

@@ -48,7 +48,7 @@ POLICY_SUFFIXES = (".yaml", ".yml")
 
 _DELAY_KEYS = "enabled, max_delivery_delay, fixed_delivery_delay"
 _ALLOWED_KEYS = {
-    "file": "defaults, namespaces, topics",
+    "file": "defaults, namespaces, topics, allow_empty",
     "defaults": "delayed_delivery",
     "delayed_delivery": _DELAY_KEYS,
     "namespace": "topics, delayed_delivery",
@@ -131,7 +131,20 @@ def parse_policy_text(path: Path, text: str) -> ParsedFile:
     return ParsedFile(path, text, policy)
 
 
-def load_policies(path: Path, generation: int = 1, *, replace: Mapping[Path, str] | None = None) -> PolicySet:
+EMPTY_POLICY = (
+    "no topics: the sidecar would consume nothing and stop serving every topic. An empty or half-saved "
+    "file is refused, and the policy in force stays; to run with no topics on purpose, add "
+    "`allow_empty: true` at the top of a policy file"
+)
+
+
+def load_policies(
+    path: Path,
+    generation: int = 1,
+    *,
+    replace: Mapping[Path, str] | None = None,
+    require_topics: bool = False,
+) -> PolicySet:
     """Every file under `path` merged into one PolicySet; PolicyError lists every problem found.
 
     A topic, namespace or defaults section defined in two files is an error rather than "last one
@@ -140,6 +153,10 @@ def load_policies(path: Path, generation: int = 1, *, replace: Mapping[Path, str
 
     `replace` gives the text to use for some files instead of what is on disk, so an edit can be
     validated together with the other files before it is written.
+
+    `require_topics` refuses a policy without topics unless a file says `allow_empty: true`: what
+    the sidecar runs and `validate` checks. `show` and the editor leave it off, because a file of
+    defaults alone is a fine thing to show or edit inside a directory of policies.
     """
     problems: list[Problem] = []
     parsed: list[ParsedFile] = []
@@ -199,6 +216,9 @@ def load_policies(path: Path, generation: int = 1, *, replace: Mapping[Path, str
             delay=resolve_delay(levels),
         )
     problems.extend(_crossed_topics(routes, topics))
+    allow_empty = any(f.policy.allow_empty for f in parsed)
+    if require_topics and not topics and not allow_empty and not problems:
+        problems.append(Problem(str(path), "", EMPTY_POLICY))
     if problems:
         raise PolicyError(problems)
     log.debug("policies loaded path=%s generation=%d topics=%d", path, generation, len(routes))
@@ -208,6 +228,7 @@ def load_policies(path: Path, generation: int = 1, *, replace: Mapping[Path, str
         sources=tuple(str(f.path) for f in parsed),
         namespaces=MappingProxyType(namespace_policies),
         defaults=defaults,
+        allow_empty=allow_empty,
     )
 
 

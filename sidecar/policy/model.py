@@ -105,6 +105,9 @@ class PolicyFile(_Strict):
     defaults: DefaultsPolicy | None = None
     namespaces: dict[str, NamespacePolicy] = {}
     topics: dict[TopicName, TopicPolicy | None] = {}
+    allow_empty: bool = False
+    """A policy with no topics is refused unless a file says this: an empty file is far more often a
+    save caught half-way (truncate, then write) than an operator who means to stop every topic."""
 
 
 BUILT_IN = DelayedDeliveryPolicy(enabled=True, max_delivery_delay=0, fixed_delivery_delay=0)
@@ -200,6 +203,8 @@ class PolicySet:
     sources: tuple[str, ...] = field(default=())
     namespaces: Mapping[str, NamespacePolicy] = field(default_factory=lambda: MappingProxyType({}))
     defaults: DelayedDeliveryPolicy | None = None
+    allow_empty: bool = False
+    """Some file says `allow_empty: true`: no topics is what the operator means."""
 
     def route(self, topic: str) -> TopicRoute | None:
         return self.topics.get(topic)

@@ -9,6 +9,7 @@ subscribe with `add_listener` and read `generation` / `last_error`.
 import hashlib
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +24,10 @@ log = logging.getLogger(__name__)
 
 POLL_INTERVAL_S = 0.5
 """Half a second between looks at the files: with the settle rule below an edit takes effect within
-about a second, well inside the 2 s promised to operators, for a few stat+read calls per second."""
+about 1.5 s, inside the 2 s promised to operators, for a few stat+read calls per second."""
+SETTLE_S = 1.0
+"""How long the files must stay unchanged before they are loaded. A save that truncates and then
+writes leaves an empty or half-written file for a moment; it must never become a generation."""
 
 Trigger = Literal["poll", "signal", "manual"]
 
@@ -124,8 +128,11 @@ class PolicyWatcher:
     start on a broken policy. After that, a broken edit never replaces a working generation; it is
     kept in `last_error` (cleared by the next good load) and sent to the listeners.
 
-    A change is applied once the files have looked the same on two polls in a row, so an editor
-    that writes a file in several steps is not caught half-way and reported as an error.
+    A change is applied once the files have looked the same on two polls in a row, at least
+    `settle_s` apart, so an editor that writes a file in several steps is not caught half-way. A
+    reload asked for by SIGHUP waits for the same. A policy with no topics is refused unless a file
+    says `allow_empty: true`, like any other invalid policy, so a save caught while the file was
+    empty cannot unsubscribe every topic.
     """
 
     def __init__(
@@ -133,20 +140,24 @@ class PolicyWatcher:
         path: Path,
         *,
         interval_s: float = POLL_INTERVAL_S,
+        settle_s: float = SETTLE_S,
         listeners: Iterable[Listener] = (),
         generation: int = 1,
     ) -> None:
         self.path = path
         self.interval_s = interval_s
+        self.settle_s = settle_s
         self._listeners: list[Listener] = list(listeners)
         self._lock = threading.RLock()  # serialises reloads; readers of `current` never take it
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         seen = fingerprint(path)
-        self._current: PolicySet = load_policies(path, generation)
+        self._current: PolicySet = load_policies(path, generation, require_topics=True)
         self._applied: Fingerprint = seen  # what the last load attempt (good or bad) saw
-        self._pending: Fingerprint | None = None
+        self._seen: Fingerprint = seen  # what the last look saw
+        self._seen_since = time.monotonic()  # since when the files have looked like `_seen`
+        self._signalled = False  # a SIGHUP reload waits for the files to settle
         self.last_error: ConfigError | None = None
         log.info("policies loaded path=%s generation=%d topics=%d", path, generation, len(self._current.topics))
 
@@ -174,14 +185,23 @@ class PolicyWatcher:
     def poll(self) -> ReloadResult | None:
         """Look at the files once; reload when they changed and have settled. None when nothing was done."""
         seen = fingerprint(self.path)
+        now = time.monotonic()
         with self._lock:
-            if seen == self._applied:
-                self._pending = None
+            if seen != self._seen:
+                # Changed since the last look: wait for it to settle.
+                self._seen, self._seen_since = seen, now
                 return None
-            if seen != self._pending:
-                self._pending = seen  # changed since the last look: wait one more poll for it to settle
+            if now - self._seen_since < self.settle_s:
+                return None
+            if self._signalled:
+                self._signalled = False
+                return self._reload(seen, "signal")
+            if seen == self._applied:
                 return None
             return self._reload(seen, "poll")
+
+    def _settle_remaining_s(self) -> float:
+        return max(0.0, self._seen_since + self.settle_s - time.monotonic())
 
     def reload_now(self, trigger: Trigger = "manual") -> ReloadResult:
         """Load the files now, changed or not (SIGHUP, an admin endpoint). A success is a new generation."""
@@ -193,10 +213,10 @@ class PolicyWatcher:
         self._wake.set()
 
     def _reload(self, seen: Fingerprint, trigger: Trigger) -> ReloadResult:
-        self._applied, self._pending = seen, None
+        self._applied = seen
         old = self._current
         try:
-            new = load_policies(self.path, old.generation + 1)
+            new = load_policies(self.path, old.generation + 1, require_topics=True)
         except ConfigError as e:
             self.last_error = e
             result = ReloadResult(False, trigger, old.generation, error=e)
@@ -258,14 +278,17 @@ class PolicyWatcher:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            woken = self._wake.wait(self.interval_s)
+            wait_s = self.interval_s
+            if self._signalled:  # a SIGHUP waits only for the files to settle, not for the next poll
+                wait_s = min(wait_s, self._settle_remaining_s() + 0.01)
+            woken = self._wake.wait(wait_s)
             if self._stop.is_set():
                 return
             try:
                 if woken:
                     self._wake.clear()
-                    self.reload_now("signal")
-                else:
-                    self.poll()
+                    with self._lock:
+                        self._signalled = True
+                self.poll()
             except Exception:  # keep watching whatever happens; the last good generation stays in force
                 log.exception("policy watcher poll failed path=%s", self.path)

@@ -11,6 +11,7 @@ from sidecar.errors import ConfigError
 from sidecar.policy import PolicyError, load_policies
 from sidecar.policy.commands import PoliciesCommand, effective_policy_json
 from sidecar.policy.edit import Level, edit_delayed_delivery, set_delayed_delivery
+from sidecar.policy.loader import EMPTY_POLICY
 
 WriteYaml = Callable[..., Path]
 
@@ -207,6 +208,21 @@ def test_cli_validate(write_yaml: WriteYaml, capsys: pytest.CaptureFixture[str])
         f"{bad}:4: topics.a.subscriptions.s.type: expected one of shared, key_shared, exclusive, failover, got 'x'",
         f"{bad}:5: topics.b.dead_letter_topic: expected a Kafka topic name, got 1",
     ]
+
+
+def test_cli_validate_refuses_a_policy_without_topics(
+    write_yaml: WriteYaml, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 12: `validate` said ok to an empty file, which the sidecar then ran with no topics."""
+    empty = write_yaml("empty.yaml", "")
+    defaults_only = write_yaml("defaults.yaml", "defaults:\n  delayed_delivery: {max_delivery_delay: 1h}\n")
+    assert run("validate", str(empty), str(defaults_only)) == 1
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.splitlines() == [f"{empty}: {EMPTY_POLICY}", f"{defaults_only}: {EMPTY_POLICY}"]
+    on_purpose = write_yaml("none.yaml", "allow_empty: true\ntopics: {}\n")
+    assert run("validate", str(on_purpose)) == 0
+    assert capsys.readouterr().out == f"ok {on_purpose}: 0 topics, 0 namespaces, defaults not set\n"
 
 
 def test_cli_show(write_yaml: WriteYaml, capsys: pytest.CaptureFixture[str]) -> None:

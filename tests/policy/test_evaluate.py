@@ -140,7 +140,24 @@ def test_a_delay_equal_to_max_is_accepted() -> None:
 
 def test_a_deliver_at_in_the_past_is_not_limited() -> None:
     past = str(PUBLISH - 10 * 86_400_000).encode()
-    assert decide(delay(max_ms=1), [("deliver-at", past)], PUBLISH) == Decision(PUBLISH - 10 * 86_400_000)
+    assert decide(delay(max_ms=1), [("deliver-at", past)], PUBLISH) == Decision(None)
+
+
+@pytest.mark.parametrize("value", [b"0", b"1000", str(PUBLISH - 1).encode(), str(PUBLISH).encode()])
+def test_every_deliver_at_up_to_the_publish_time_means_at_once(value: bytes) -> None:
+    """Issue 12: deliver-at 0 went out with delay-deliver-at = publish time, deliver-at 1000 with 1000."""
+    assert decide(delay(), [("deliver-at", value)], PUBLISH) == Decision(None)
+    assert decide(delay(), [("deliver-after", b"0")], PUBLISH) == Decision(None)
+    assert decide(delay(), [("deliver-at", str(PUBLISH + 1).encode())], PUBLISH) == Decision(PUBLISH + 1)
+
+
+@pytest.mark.parametrize("name", ["Deliver-At", "DELIVER-AFTER", "deliver-At"])
+def test_a_delay_header_in_other_letter_case_is_not_applied_but_flagged(name: str) -> None:
+    assert decide(delay(), [(name, b"1h")], PUBLISH) == Decision(None, miscased=True)
+    both = [(name, b"1h"), ("deliver-after", b"1m")]
+    assert decide(delay(), both, PUBLISH) == Decision(PUBLISH + MINUTE, miscased=True)
+    assert decide(delay(enabled=False), [(name, b"1h")], PUBLISH) == Decision(None, miscased=True)
+    assert decide(delay(), [("deliver-atx", b"1h"), ("Deliver", b"1")], PUBLISH) == Decision(None)
 
 
 @pytest.mark.parametrize(

@@ -79,7 +79,7 @@ def problems(path: Path) -> list[str]:
         ),
         (
             "topic:\n  orders: {}\n",
-            "1: topic: unknown key; expected one of defaults, namespaces, topics",
+            "1: topic: unknown key; expected one of defaults, namespaces, topics, allow_empty",
         ),
         (
             "defaults:\n  enabled: false\n",

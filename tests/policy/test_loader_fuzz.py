@@ -50,6 +50,9 @@ DOCUMENTS = st.recursive(
     max_leaves=30,
 )
 
+# Naming suppress_health_check replaces the suite profile's list (tests/conftest.py): keep too_slow in it.
+SUPPRESSED = [HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+
 
 @pytest.fixture(scope="module")
 def policy_file() -> Iterator[Path]:
@@ -63,7 +66,7 @@ def dump(data: Any) -> str:
     return out.getvalue()
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=300, deadline=None, suppress_health_check=SUPPRESSED)
 @given(text=st.text(max_size=200))
 def test_arbitrary_text(policy_file: Path, text: str) -> None:
     policy_file.write_text(text, encoding="utf-8")
@@ -71,7 +74,7 @@ def test_arbitrary_text(policy_file: Path, text: str) -> None:
         load_policies(policy_file)
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=300, deadline=None, suppress_health_check=SUPPRESSED)
 @given(raw=st.binary(max_size=200))
 def test_arbitrary_bytes(policy_file: Path, raw: bytes) -> None:
     policy_file.write_bytes(raw)
@@ -79,7 +82,7 @@ def test_arbitrary_bytes(policy_file: Path, raw: bytes) -> None:
         load_policies(policy_file)
 
 
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=400, deadline=None, suppress_health_check=SUPPRESSED)
 @given(data=DOCUMENTS)
 def test_arbitrary_documents(policy_file: Path, data: Any) -> None:
     policy_file.write_text(dump(data), encoding="utf-8")

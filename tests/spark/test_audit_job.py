@@ -83,7 +83,7 @@ topics:
     for s in by_sub.values():
         assert (s.inbound, s.rejected, s.accepted, s.delivered, s.pending, s.missing) == (12, 2, 10, 10, 0, 0)
         assert (s.duplicates, s.early) == (0, 0)
-        assert s.lateness_max_ms is not None and 0 <= s.lateness_max_ms < 5000
+        assert s.lateness_max_ms is not None and s.lateness_max_ms >= 0  # how late: a timing, for bench/
     assert (by_sub["billing"].nacks, by_sub["billing"].redelivered, by_sub["billing"].nacks_missing) == (1, 1, 0)
     assert (by_sub["shipping"].nacks, by_sub["shipping"].redelivered) == (0, 0)
     assert outcome.result.rejections == [

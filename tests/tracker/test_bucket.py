@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import random
-import time
 from typing import Any
 
 import pytest
@@ -694,15 +693,12 @@ def test_invalid_config_is_rejected(clock: ManualClock, storage: FakeSnapshotSto
         make_tracker(clock, storage, max_buckets=0)
 
 
-def test_sealing_50k_entries_is_cheap(clock: ManualClock, storage: FakeSnapshotStorage) -> None:
-    """Pulsar #24603 took 1.5 s per seal; here a seal of 50,000 entries stays well under that."""
+def test_sealing_50k_entries_makes_one_bucket(clock: ManualClock, storage: FakeSnapshotStorage) -> None:
+    """How long a seal takes (Pulsar #24603 took 1.5 s) is measured by bench/bench_tracker.py, not here."""
     tracker = BucketTracker(clock, storage, "t/0", retry_backoff_s=0)
     rng = random.Random(1)
     start = clock.now_ms()
     for i in range(50_000):
         tracker.add(i, start + 1 + rng.randrange(7 * 86_400_000))
-    began = time.perf_counter()
     assert tracker.seal()
-    elapsed = time.perf_counter() - began
-    assert tracker.stats().buckets == 1
-    assert elapsed < 0.5, f"sealing 50k entries took {elapsed:.3f} s"
+    assert tracker.stats().buckets == 1 and len(tracker) == 50_000
