@@ -1,0 +1,77 @@
+"""Faults from outside, against a broker of the test's own that it stops and starts again.
+
+The short version of bench/faults.py: the sidecar must ride out broker restarts under load, say so
+on /healthz while the broker is away, and not flood its log.
+"""
+
+import json
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+
+from sidecar.broker.embedded import EmbeddedBroker, free_port
+from tests.kafka_helpers import KafkaHelper, SidecarProcess, deliveries, early, wait_for
+
+PolicyFile = Callable[[str], Path]
+RESTARTS = 3
+COUNT = 6_000
+
+
+def health(port: int) -> tuple[int, dict[str, object]]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_the_sidecar_rides_out_broker_restarts_under_load_and_healthz_tells_the_truth(
+    policy_file: PolicyFile, tmp_path: Path
+) -> None:
+    broker = EmbeddedBroker(tmp_path / "broker", port=free_port())
+    bootstrap = broker.start()
+    topic = "faults"
+    policies = policy_file(f"topics:\n  {topic}:\n    subscriptions: {{a: {{}}, o: {{type: exclusive}}}}\n")
+    port = free_port()
+    args = ["--bootstrap-servers", bootstrap, "--policies", str(policies), "--state-dir", str(tmp_path / "state"),
+            "--metrics-port", str(port), "--group-id", "faults", "--commit-interval-ms", "200"]  # fmt: skip
+    sidecar = SidecarProcess(args, tmp_path / "sidecar.log")
+    helper = KafkaHelper(bootstrap)
+    try:
+        sidecar.start()
+        wait_for(lambda: health(port)[0] == 200, 60, "ready")
+        first_due = int(time.time() * 1000) + 3_000
+        for i in range(COUNT):  # falling due all through the restarts
+            helper.produce(topic, f"v{i}".encode(), headers=[("deliver-at", str(first_due + i * 4))])
+        helper.flush()
+        reasons = []
+        for _ in range(RESTARTS):
+            broker.stop()
+            wait_for(lambda: health(port)[0] == 503, 60, "/healthz to report the outage")
+            reasons.append(health(port)[1])
+            time.sleep(2)  # an outage of a few seconds, with deliveries falling due
+            broker.start()
+            wait_for(lambda: health(port)[0] == 200, 120, "/healthz ready again by itself")
+            assert sidecar.process is not None and sidecar.process.poll() is None, sidecar.tail()
+        for sub in ("a", "o"):
+            wait_for(lambda s=sub: len(deliveries(helper.read_to_end(f"{topic}.{s}"))) >= COUNT, 120, f"{sub}")
+        assert sidecar.stop() == 0, sidecar.tail()
+        outbound = {sub: helper.read_to_end(f"{topic}.{sub}") for sub in ("a", "o")}
+    finally:
+        sidecar.close()
+        helper.close()
+        broker.stop()
+    for sub, records in outbound.items():
+        copies = deliveries(records)
+        assert len(copies) == COUNT and not early(records), sub  # nothing lost, nothing early
+        print(f"{sub}: duplicated={sum(copies.values()) - COUNT}")  # at least once: reported, not asserted
+    for body in reasons:
+        assert body["status"] != "ready" and any("unreachable" in r or "recovering" in r for r in body["reasons"])
+    log = sidecar.log.read_text()
+    assert "%3|" not in log and "%4|" not in log, "raw librdkafka lines in the log"
+    # Every client line goes through the logger, and a repeated one is held back (one a minute).
+    client_lines = [line for line in log.splitlines() if "logger=librdkafka" in line]
+    assert len(client_lines) < 40 * RESTARTS, f"{len(client_lines)} client log lines for {RESTARTS} outages"
+    assert not [line for line in log.splitlines() if "Traceback" in line], log[-3000:]
