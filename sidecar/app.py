@@ -33,10 +33,10 @@ RESTART_BACKOFF_S = 1.0
 RESTART_BACKOFF_MAX_S = 30.0
 
 
-def launcher_for(settings: RunSettings) -> BrokerLauncher:
+def launcher_for(settings: RunSettings, stop: threading.Event | None = None) -> BrokerLauncher:
     """The cluster the settings name, or the embedded broker under the state dir when they name none."""
     if settings.bootstrap_servers:
-        return ExternalBroker(settings.bootstrap_servers, settings.client_config(settings.bootstrap_servers))
+        return ExternalBroker(settings.bootstrap_servers, settings.client_config(settings.bootstrap_servers), stop)
     return EmbeddedBroker(settings.state_dir / "broker", port=settings.broker_port)
 
 
@@ -122,7 +122,7 @@ class SidecarApp:
         with ExitStack() as stack:
             policies.start()
             stack.callback(policies.stop)
-            launcher = launcher_for(settings)
+            launcher = launcher_for(settings, self._stop)
             bootstrap = launcher.start()
             stack.callback(launcher.stop)
             if self._stop.is_set():
