@@ -351,8 +351,8 @@ def test_merge_reads_sources_in_chunks(
 ) -> None:
     """A merge reads a few segments per storage call and cuts a few windows at once; the order and
     the pops must not depend on either."""
-    monkeypatch.setattr("sidecar.tracker.bucket.tracker._READ_CHUNK", 3)
-    monkeypatch.setattr("sidecar.tracker.bucket.tracker._CUT_BATCH", 5)
+    monkeypatch.setattr("sidecar.tracker.bucket.merge._READ_CHUNK", 3)
+    monkeypatch.setattr("sidecar.tracker.bucket.merge._CUT_BATCH", 5)
     rng = random.Random(3)
     start = clock.now_ms()
     tracker = make_tracker(clock, storage, max_buckets=3, time_step_ms=10, max_indexes_per_segment=2)
