@@ -2,7 +2,7 @@
 
 Crash semantics in the model: the machine always checkpoints before it reopens, so a reopen must
 lose nothing and bring nothing back. Pops that were not checkpointed may come back after a crash
-(at-least-once); that case has its own targeted tests in test_bucket.py
+(at-least-once); that case has its own targeted tests in test_bucket_tracker.py
 (test_popped_but_not_checkpointed_entries_come_back and the recover-snapshot test).
 
 Storage faults are injected on the fake: while a segment load fails, pop_due may return fewer
