@@ -146,9 +146,10 @@ class Rig:
     def wait_ready(self, timeout_s: float = 120) -> float:
         """Seconds until /healthz says ready."""
         started = time.monotonic()
-        while health(self.port) != "ready":
+        while (status := health(self.port)) != "ready":
             if time.monotonic() - started > timeout_s:
-                raise RuntimeError(f"not ready after {timeout_s:.0f} s")
+                log = self.sidecar.tail(3000) if self.sidecar is not None else ""
+                raise RuntimeError(f"not ready after {timeout_s:.0f} s: {status}\n{log}")
             time.sleep(0.1)
         return time.monotonic() - started
 

@@ -179,8 +179,8 @@ class SidecarApp:
             except Exception as e:
                 if self._stop.is_set():
                     return
-                if time.monotonic() - started > RESTART_BACKOFF_MAX_S:
-                    backoff = RESTART_BACKOFF_S  # it ran well for a while: this is a new fault
+                if sidecar.assigned.is_set() or time.monotonic() - started > RESTART_BACKOFF_MAX_S:
+                    backoff = RESTART_BACKOFF_S  # it got as far as serving: this is a new fault
                 self.metrics.engine_restarts.inc()
                 self._recovering = f"recovering from {type(e).__name__}: {e}"
                 logger.error(
