@@ -41,6 +41,8 @@ TrackerFactory = Callable[[str, int], DelayedDeliveryTracker]
 # is noticed. Due deliveries wake the loop earlier by shortening the wait.
 MAX_WAIT_S = 0.1
 STALL_WAIT_S = 0.05
+# A loop turn normally takes milliseconds; one this long is blocked on a broker that does not answer.
+STUCK_S = 15.0
 TOPIC_REMOVED = "TOPIC_REMOVED"
 
 
@@ -113,7 +115,8 @@ class Sidecar:
         self.degraded: list[str] = []
         """Partitions whose durable index is failing and running from memory (for /healthz)."""
         self.running = False
-        self.not_ready_reasons: list[str] = ["starting"]
+        self._state = "starting"
+        self._turned = time.monotonic()
 
     def stop(self) -> None:
         self._stop.set()
@@ -123,9 +126,10 @@ class Sidecar:
         clean = False
         try:
             self._apply(self._policies())
-            self.running, self.not_ready_reasons = True, []
+            self.running, self._state = True, ""
             last_checkpoint = time.monotonic()
             while not self._stop.is_set():
+                self._turned = time.monotonic()
                 policies = self._policies()  # one generation judges this whole batch
                 if policies.generation != self._generation:
                     self._apply(policies)
@@ -140,7 +144,7 @@ class Sidecar:
             self._checkpoint()
             clean = True
         finally:
-            self.running, self.not_ready_reasons = False, ["stopped"]
+            self.running, self._state = False, "stopped"
             self._assignment.failed = not clean  # after a failure nothing more is committed
             try:
                 self._consumer.close()  # revokes the assignment, which checkpoints once more if clean
@@ -150,12 +154,22 @@ class Sidecar:
                 self._reader.close()
                 self._writer.close(clean)
 
+    @property
+    def not_ready_reasons(self) -> list[str]:
+        """Why /healthz is 503: read at request time, so a loop stuck on a broker shows as well."""
+        reasons = [self._state] if self._state else []
+        if self._connectivity.reason is not None:
+            reasons.append(self._connectivity.reason)
+        stuck = time.monotonic() - self._turned
+        if self.running and stuck > STUCK_S:
+            reasons.append(f"the loop has been waiting on Kafka for {stuck:.0f} s")
+        return reasons
+
     def _watch_connectivity(self, records: list[Any]) -> None:
-        """/healthz is 503 with the reason while the brokers are away, and ready again by itself."""
+        """The brokers are back at the first records or the first metadata answer."""
         connectivity = self._connectivity
         if connectivity.reason is not None and (records or (connectivity.probe_due() and self._admin.reachable())):
             connectivity.up()
-        self.not_ready_reasons = [connectivity.reason] if connectivity.reason else []
 
     def _current_routes(self) -> dict[str, Routes]:
         return self._routes

@@ -78,6 +78,11 @@ _UNREACHABLE = {
 }
 
 
+# librdkafka also reports "0/2 brokers are down" while it moves from the bootstrap address to the
+# brokers it learned of: nothing is down then.
+_NONE_DOWN = re.compile(r"0/\d+ brokers are down")
+
+
 class Connectivity:
     """Whether the cluster answers, as the clients report it, for /healthz and one log line per change.
 
@@ -94,7 +99,7 @@ class Connectivity:
 
     def on_error(self, error: KafkaError) -> None:
         """The clients' error_cb: runs on the loop's thread, inside poll and consume."""
-        if error.code() in _UNREACHABLE and self.reason is None:
+        if error.code() in _UNREACHABLE and self.reason is None and not _NONE_DOWN.match(error.str()):
             self.reason = f"Kafka unreachable: {error.str()}"
             self._down_since = time.monotonic()
             logging.getLogger(__name__).warning("brokers unreachable error=%s", error.str())

@@ -32,6 +32,7 @@ def test_connectivity_goes_down_on_a_transport_error_and_up_on_the_first_answer(
     monkeypatch.setattr("sidecar.kafka_io.time.monotonic", lambda: now[0])
     connectivity = Connectivity()
     connectivity.on_error(KafkaError(KafkaError._MSG_TIMED_OUT))
+    connectivity.on_error(KafkaError(KafkaError._ALL_BROKERS_DOWN, "0/2 brokers are down"))  # none is
     assert connectivity.reason is None and not connectivity.probe_due()
     connectivity.on_error(KafkaError(KafkaError._ALL_BROKERS_DOWN, "3/3 brokers are down"))
     assert connectivity.reason is not None and "3/3 brokers are down" in connectivity.reason

@@ -24,8 +24,8 @@ TopicPartitionKey = tuple[str, int]
 # Reading through a gap of this many 100-byte records costs about what one extra fetch round trip
 # costs on a local broker; beyond it a seek is cheaper.
 DEFAULT_MAX_GAP = 2_000
-# A read that gets nothing but errors for this long gives up: the engine starts again from its last
-# checkpoint (and /healthz says why) rather than retry in silence forever.
+# A read that gets nothing (no record, no end of partition) for this long gives up: the engine
+# starts again from its last checkpoint, and /healthz says why, rather than wait in silence forever.
 READ_ERROR_DEADLINE_S = 30.0
 
 
@@ -73,16 +73,16 @@ class LogReader:
         if not cursors:
             return
         self._consumer.assign([TopicPartition(t, p, c.offsets[0]) for (t, p), c in cursors.items()])
-        failing_since: float | None = None
+        progressed = time.monotonic()
         last_error: KafkaError | None = None
         try:
             while cursors:
                 if self._stop.is_set():
                     raise ReadInterrupted("stopping while reading due records back")
-                if failing_since is not None and time.monotonic() - failing_since > READ_ERROR_DEADLINE_S:
+                if time.monotonic() - progressed > READ_ERROR_DEADLINE_S:
                     raise BrokerError(
-                        f"reading due records back failed for {READ_ERROR_DEADLINE_S:.0f} s ({last_error}); "
-                        "check that the brokers are up and the inbound topics readable"
+                        f"reading due records back got nothing for {READ_ERROR_DEADLINE_S:.0f} s "
+                        f"(last error: {last_error}); check that the brokers are up and the inbound topics readable"
                     )
                 for record in consume_batch(self._consumer, 10_000, 0.1):
                     key = (record.topic(), record.partition())
@@ -93,18 +93,18 @@ class LogReader:
                     offsets = cursor.offsets
                     if error is not None:
                         if error.code() != KafkaError._PARTITION_EOF:
-                            if failing_since is None:
-                                failing_since = time.monotonic()
+                            if last_error is None or last_error.code() != error.code():
                                 logger.warning("log read error topic=%s partition=%d error=%s", key[0], key[1], error)
                             last_error = error
                             continue
+                        progressed = time.monotonic()
                         if record.offset() <= offsets[cursor.index]:
                             # Everything still wanted lies at or past the end of the log.
                             for offset in offsets[cursor.index :]:
                                 yield key, offset, None
                             cursor.index = len(offsets)
                     else:
-                        failing_since = None
+                        progressed = time.monotonic()
                         offset = record.offset()
                         while cursor.index < len(offsets) and offsets[cursor.index] < offset:
                             yield key, offsets[cursor.index], None
