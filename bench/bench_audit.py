@@ -26,8 +26,8 @@ from confluent_kafka.admin import AdminClient, NewTopic  # noqa: E402
 from sidecar.broker.embedded import EmbeddedBroker, free_port  # noqa: E402
 from sidecar.outbound.records import outbound_headers  # noqa: E402
 from spark.audit_job import audit  # noqa: E402
-from spark.command import AuditSettings  # noqa: E402
 from spark.session import build_session  # noqa: E402
+from spark.settings import AuditSettings  # noqa: E402
 
 
 def produce(bootstrap: str, topic: str, inbound: int, subs: list[str], partitions: int) -> float:

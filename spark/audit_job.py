@@ -29,10 +29,10 @@ from pyspark.sql import DataFrame, SparkSession
 from sidecar.errors import ConfigError, SidecarError
 from sidecar.policy import load_policies
 from spark.audit import AuditInputs, AuditParams, AuditResult, AuditRoute, run_audit
-from spark.command import AuditSettings
 from spark.kafka_source import KafkaSourceError, kafka_schema, plan_ranges
 from spark.report import print_summary, thresholds_report, write_chart
 from spark.session import build_session, resolve_source
+from spark.settings import AuditSettings
 
 EXIT_OK = 0
 EXIT_ANOMALIES = 1

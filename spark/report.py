@@ -13,7 +13,7 @@ import matplotlib.pyplot as plt
 
 if TYPE_CHECKING:
     from spark.audit import AuditResult
-    from spark.command import AuditSettings
+    from spark.settings import AuditSettings
 
 COLUMNS = [
     ("topic", "topic"),

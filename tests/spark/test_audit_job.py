@@ -16,7 +16,8 @@ from pyspark.sql import SparkSession
 from sidecar.client import Nacker
 from sidecar.outbound.records import dead_letter_headers, outbound_headers
 from spark.audit_job import EXIT_ANOMALIES, EXIT_OK, EXIT_USAGE, audit, run_job
-from spark.command import AuditCommand, AuditSettings
+from spark.command import AuditCommand
+from spark.settings import AuditSettings
 from tests.control.test_nack_flow import RecordView
 from tests.kafka_helpers import KafkaHelper, ThreadedSidecar, settings_for
 
