@@ -56,17 +56,41 @@ class AuditSettings(KafkaSettings):
     max_early: int = Field(0, description="Most early deliveries that still pass")
     max_late: int = Field(-1, description="Most deliveries later than deliver-at + grace that pass (-1: no limit)")
     output_dir: Path = Field(
-        Path("audit-report"), description="Where report.json, anomalies/, rejections/ and lateness.png go"
+        Path("audit-report"),
+        description="Where report.json, report.html, report.png, anomalies/ and rejections/ go",
     )
     source: Literal["auto", "kafka", "python"] = Field(
         "auto",
-        description="Kafka reader: kafka (Spark's built-in, needs --packages spark-sql-kafka-0-10), "
-        "python (embedded confluent-kafka data source), auto (built-in when on the classpath)",
+        description="Kafka reader: kafka (Spark's built-in, needs --packages spark-sql-kafka-0-10 of this Spark's "
+        "version), python (embedded confluent-kafka data source), auto (built-in when a connector of this "
+        "Spark's version is on the classpath, else python with a warning)",
     )
-    master: str | None = Field(None, description="Spark master (default local[*], or spark-submit's --master)")
+    max_records_per_partition: int = Field(
+        1_000_000,
+        ge=1,
+        description="Most records one Spark task reads: larger Kafka partitions are split into offset ranges "
+        "(maxRecordsPerPartition), so a billion records need no task per Kafka partition",
+    )
+    isolation_level: Literal["read_committed", "read_uncommitted"] = Field(
+        "read_committed",
+        description="kafka.isolation.level of the reads: read_committed leaves out aborted transactions",
+    )
+    master: str | None = Field(None, description="Spark master, e.g. local[4] or yarn (default local[*])")
+    packages: str | None = Field(
+        None,
+        description="Maven coordinates for Spark, comma-separated, as spark-submit --packages: "
+        "org.apache.spark:spark-sql-kafka-0-10_2.13:<pyspark version> for Spark's own Kafka source",
+    )
+    jars: str | None = Field(None, description="Jars for Spark's classpath, comma-separated, as spark-submit --jars")
+    conf: list[str] = Field(
+        [], description="Spark setting KEY=VALUE, as spark-submit --conf; repeat the flag for more than one"
+    )
     driver_memory: str | None = Field(None, description="Spark driver memory, e.g. 4g (local mode: all memory)")
     shuffle_partitions: int | None = Field(
-        None, ge=1, description="spark.sql.shuffle.partitions (default: Spark's 200; ~2-4x the cores is plenty)"
+        None,
+        ge=1,
+        description="spark.sql.shuffle.partitions (default: sized to the input, one per 500k records, "
+        "at least the cores)",
     )
     min_partitions: int | None = Field(
         None, ge=1, description="Split the Kafka read into at least this many Spark tasks (minPartitions)"

@@ -96,7 +96,7 @@ topics:
     ranges = report["snapshot"]["inbound"][topic]
     assert set(ranges) == {"0", "1"} and all(start == 0 for start, _ in ranges.values())
     assert sum(end for _, end in ranges.values()) == 12  # the partitioner decides the split
-    assert (tmp_path / "report" / "lateness.png").stat().st_size > 1000
+    assert (tmp_path / "report" / "report.png").stat().st_size > 1000
     assert parquet_rows(tmp_path / "report" / "anomalies") == []
     assert {(r["code"], r["topic"]) for r in parquet_rows(tmp_path / "report" / "rejections")} == {
         ("INVALID_DELAY_HEADER", topic),
