@@ -198,14 +198,15 @@ class SourceDecision:
     fallback_reason: str | None = None
 
 
-def resolve_source(spark: SparkSession, choice: SourceChoice) -> SourceDecision:
+def resolve_source(spark: SparkSession, choice: SourceChoice, loader: Any = None) -> SourceDecision:
     """The format to read Kafka with: "kafka" (built-in) or the Python source's name.
 
     `kafka` fails with the reason (a ConfigError, exit 2) when the connector is missing or of
-    another version; `auto` then falls back to the Python source with a warning.
+    another version; `auto` then falls back to the Python source with a warning. `loader`: where
+    to look for the connector, as in find_connectors().
     """
     spark_version, scala = spark_versions(spark)
-    connectors = tuple(find_connectors(spark))
+    connectors = tuple(find_connectors(spark, loader))
     if choice == "python":
         return SourceDecision(SOURCE_NAME, spark_version, scala, connectors)
     problem = connector_problem(connectors, spark_version, scala)
