@@ -674,7 +674,7 @@ def analyse(spark: SparkSession, prepared: Prepared, routes: Sequence[AuditRoute
         anomalies = anomalies.unionByName(part)
     anomalies = anomalies.persist()
 
-    summaries = _summaries(fates, anomalies, redeliveries, nack_fates, routes)
+    summaries, span = _summaries(fates, anomalies, redeliveries, nack_fates, routes)
     counts = {
         "missing": sum(s.missing for s in summaries),
         "nack_missing": sum(s.nacks_missing for s in summaries),
@@ -719,7 +719,7 @@ def analyse(spark: SparkSession, prepared: Prepared, routes: Sequence[AuditRoute
         if sec == "orphan":
             orphans[name] = orphans.get(name, 0) + k
     rejected_records = dlt.select(*KEYS, "code", "message", "dlt_topic", "dlt_partition", "dlt_offset")
-    timeline = _timeline(audited, anomalies)
+    timeline = _timeline(audited, anomalies, span)
     return AuditResult(
         summaries, rejections, control_rejections, counts, anomalies, rejected_records, orphans, timeline=timeline
     )
@@ -736,44 +736,65 @@ def bucket_width(span_ms: int, buckets: int = 60) -> int:
     return BUCKETS_MS[-1]
 
 
-def _timeline(audited: DataFrame, anomalies: DataFrame) -> Timeline:
-    """Lateness per subscription and anomalies per kind, by bucket of the inbound record's publish time."""
-    span = audited.agg(F.min("publish_ms").alias("lo"), F.max("publish_ms").alias("hi")).first()
-    lo, hi = (span["lo"], span["hi"]) if span is not None else (None, None)
-    width = bucket_width(int(hi - lo) if lo is not None and hi is not None else 0)
+def _timeline(audited: DataFrame, anomalies: DataFrame, span: tuple[int | None, int | None]) -> Timeline:
+    """Lateness per subscription and anomalies per kind, by bucket of the inbound record's publish time.
+
+    `span`: the earliest and latest publish time audited (from the summaries' job); both series
+    come back in one Spark job.
+    """
+    lo, hi = span
+    width = bucket_width(hi - lo if lo is not None and hi is not None else 0)
     bucket = (F.floor(F.col("publish_ms") / F.lit(width)) * F.lit(width)).cast("long").alias("bucket_ms")
+    null_str, null_long, null_double = (F.lit(None).cast(t) for t in ("string", "long", "double"))
     lateness = (
         audited.where(F.col("status") == "delivered")
         .groupBy("topic", "subscription", bucket)
         .agg(
-            F.count(F.lit(1)).alias("delivered"),
+            F.count(F.lit(1)).alias("n"),
             F.percentile("lateness_ms", F.lit(0.5)).alias("p50_ms"),
             F.percentile("lateness_ms", F.lit(0.99)).alias("p99_ms"),
             F.max("lateness_ms").alias("max_ms"),
         )
-        .orderBy("topic", "subscription", "bucket_ms")
+        .select("topic", "subscription", "bucket_ms", "n", "p50_ms", "p99_ms", "max_ms", null_str.alias("kind"))
     )
     kinds = (
         anomalies.where(F.col("publish_ms").isNotNull())
         .groupBy("kind", bucket)
-        .agg(F.count(F.lit(1)).alias("count"))
-        .orderBy("kind", "bucket_ms")
+        .agg(F.count(F.lit(1)).alias("n"))
+        .select(
+            null_str.alias("topic"),
+            null_str.alias("subscription"),
+            "bucket_ms",
+            "n",
+            null_double.alias("p50_ms"),
+            null_double.alias("p99_ms"),
+            null_long.alias("max_ms"),
+            "kind",
+        )
     )
+    rows = lateness.unionAll(kinds).collect()
     return Timeline(
         width,
-        [
-            {
-                "topic": r["topic"],
-                "subscription": r["subscription"],
-                "bucket_ms": int(r["bucket_ms"]),
-                "delivered": int(r["delivered"]),
-                "p50_ms": float(r["p50_ms"]),
-                "p99_ms": float(r["p99_ms"]),
-                "max_ms": int(r["max_ms"]),
-            }
-            for r in lateness.collect()
-        ],
-        [{"kind": r["kind"], "bucket_ms": int(r["bucket_ms"]), "count": int(r["count"])} for r in kinds.collect()],
+        sorted(
+            (
+                {
+                    "topic": r["topic"],
+                    "subscription": r["subscription"],
+                    "bucket_ms": int(r["bucket_ms"]),
+                    "delivered": int(r["n"]),
+                    "p50_ms": float(r["p50_ms"]),
+                    "p99_ms": float(r["p99_ms"]),
+                    "max_ms": int(r["max_ms"]),
+                }
+                for r in rows
+                if r["kind"] is None
+            ),
+            key=lambda r: (r["topic"], r["subscription"], r["bucket_ms"]),
+        ),
+        sorted(
+            ({"kind": r["kind"], "bucket_ms": int(r["bucket_ms"]), "count": int(r["n"])} for r in rows if r["kind"]),
+            key=lambda r: (r["kind"], r["bucket_ms"]),
+        ),
     )
 
 
@@ -821,7 +842,8 @@ def _summaries(
     redeliveries: DataFrame,
     nack_fates: DataFrame | None,
     routes: Sequence[AuditRoute],
-) -> list[SubscriptionSummary]:
+) -> tuple[list[SubscriptionSummary], tuple[int | None, int | None]]:
+    """The summary per (topic, subscription), and the earliest and latest publish time audited."""
     status = F.col("status")
     main = (
         fates.where(F.col("has_inbound"))
@@ -835,6 +857,8 @@ def _summaries(
             F.count_if(status == "missing").alias("missing"),
             F.count_if(status == "rejected_and_delivered").alias("rejected_and_delivered"),
             *_percentiles("lateness_ms", "lateness"),
+            F.min("publish_ms").alias("_first_publish_ms"),
+            F.max("publish_ms").alias("_last_publish_ms"),
         )
     )
     by_kind = (
@@ -860,11 +884,17 @@ def _summaries(
         (r.topic, r.subscription): SubscriptionSummary(r.topic, r.subscription) for r in routes
     }
     fields = {f.name: f.type for f in dataclasses.fields(SubscriptionSummary)}
+    firsts: list[int] = []
+    lasts: list[int] = []
     for row in joined.collect():
         key = (row["topic"], row["subscription"])
         summary = summaries.setdefault(key, SubscriptionSummary(*key))
         for name, value in row.asDict().items():
-            if name in ("topic", "subscription") or value is None:
-                continue
-            setattr(summary, name, int(value) if fields[name] in ("int", "int | None") else float(value))
-    return [summaries[k] for k in sorted(summaries)]
+            if name == "_first_publish_ms" and value is not None:
+                firsts.append(int(value))
+            elif name == "_last_publish_ms" and value is not None:
+                lasts.append(int(value))
+            elif name not in ("topic", "subscription", "_first_publish_ms", "_last_publish_ms") and value is not None:
+                setattr(summary, name, int(value) if fields[name] in ("int", "int | None") else float(value))
+    span = (min(firsts) if firsts else None, max(lasts) if lasts else None)
+    return [summaries[k] for k in sorted(summaries)], span
