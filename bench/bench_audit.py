@@ -1,9 +1,13 @@
-"""The Spark audit on N inbound and N x subscriptions outbound records: wall time and records per second.
+"""The Spark audit on N inbound and N x subscriptions outbound records: where the time goes.
 
 Starts an embedded broker in a temporary directory, writes the records directly with confluent-kafka
 (a batching producer; outbound records carry the contract's headers, every one on time), then runs
 the audit job in this process on local[2] with the embedded Python Kafka source and prints a
-markdown table. The SparkSession is started before the clock starts (its JVM start is reported apart).
+markdown table: Spark start-up (the JVM and session), then the audit's own phases (snapshot of the
+offsets, read = Kafka into the cached, reduced inputs, analysis, write of the anomalies and chart),
+the CPU seconds this process and its children used (JVM and Python workers), the memory the cached
+inputs took per million records, and the load average (the machine is shared: compare CPU, not
+only wall time).
 
 Usage: .venv/bin/python bench/bench_audit.py [--inbound 1000000] [--subscriptions 2] [--partitions 4]
 """
@@ -12,10 +16,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -26,8 +32,8 @@ from confluent_kafka.admin import AdminClient, NewTopic  # noqa: E402
 from sidecar.broker.embedded import EmbeddedBroker, free_port  # noqa: E402
 from sidecar.outbound.records import outbound_headers  # noqa: E402
 from spark.audit_job import audit  # noqa: E402
-from spark.command import AuditSettings  # noqa: E402
 from spark.session import build_session  # noqa: E402
+from spark.settings import AuditSettings  # noqa: E402
 
 
 def produce(bootstrap: str, topic: str, inbound: int, subs: list[str], partitions: int) -> float:
@@ -76,13 +82,34 @@ def produce(bootstrap: str, topic: str, inbound: int, subs: list[str], partition
     return time.monotonic() - started
 
 
+def cpu_seconds() -> float:
+    """User + system CPU of this process and its reaped children (the Spark JVM is one, when it exits)."""
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def jvm_cpu_seconds(spark: Any) -> float:
+    """CPU of the Spark JVM so far (a live child: not in RUSAGE_CHILDREN yet), from /proc."""
+    pid = int(spark.sparkContext._jvm.java.lang.ProcessHandle.current().pid())
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cached_mb(spark: Any) -> float:
+    """Memory (plus disk) of every cached DataFrame right now, in MB."""
+    infos = spark.sparkContext._jsc.sc().getRDDStorageInfo()
+    return sum(int(i.memSize()) + int(i.diskSize()) for i in infos) / 1e6
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--inbound", type=int, default=1_000_000)
     parser.add_argument("--subscriptions", type=int, default=2)
     parser.add_argument("--partitions", type=int, default=4)
     parser.add_argument("--master", default="local[2]")
-    parser.add_argument("--shuffle-partitions", type=int, default=8)
+    parser.add_argument("--shuffle-partitions", type=int, default=None, help="default: sized by the audit")
     parser.add_argument("--driver-memory", default="4g")
     args = parser.parse_args()
     subs = [f"s{i}" for i in range(args.subscriptions)]
@@ -100,6 +127,7 @@ def main() -> None:
             policies.write_text(
                 f"topics:\n  {topic}:\n    subscriptions: {{{', '.join(f'{s}: {{}}' for s in subs)}}}\n"
             )
+            load_before = os.getloadavg()[0]
             jvm_started = time.monotonic()
             os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
             spark = build_session(
@@ -114,21 +142,46 @@ def main() -> None:
                 source="python",
                 control_topic="",
                 show_anomalies=0,
+                shuffle_partitions=args.shuffle_partitions,
             )
+            # The cached inputs' size, sampled while the analysis runs (they are dropped at the end).
+            import spark.audit as audit_module  # noqa: PLC0415
+
+            peak_cache = [0.0]
+            analyse = audit_module.analyse
+
+            def measured(*a: Any, **k: Any) -> Any:
+                peak_cache[0] = cached_mb(spark)
+                return analyse(*a, **k)
+
+            import spark.audit_job as job_module  # noqa: PLC0415
+
+            job_module.analyse = measured  # type: ignore[assignment]
+            cpu_before, jvm_before = cpu_seconds(), jvm_cpu_seconds(spark)
             started = time.monotonic()
             with open(os.devnull, "w") as quiet:
                 outcome = audit(settings, spark, out=quiet)
             wall = time.monotonic() - started
+            cpu = cpu_seconds() - cpu_before + jvm_cpu_seconds(spark) - jvm_before
+            load_after = os.getloadavg()[0]
             spark.stop()
     outbound = args.inbound * len(subs)
     total = args.inbound + outbound
     anomalies = sum(outcome.result.anomaly_counts.values())
-    print(f"\nAudit benchmark ({args.master}, Python Kafka source, {args.partitions} partitions per topic)\n")
-    print("| inbound | outbound | records read | produce s | Spark start s | audit wall s | records/s | anomalies |")
-    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    t = outcome.report["timings_s"]
+    shuffle = outcome.report["spark"]["shuffle_partitions"]
+    print(f"\nAudit benchmark ({args.master}, Python Kafka source, {args.partitions} partitions per topic, ", end="")
+    print(f"{shuffle} shuffle partitions, maxRecordsPerPartition {settings.max_records_per_partition:,})\n")
     print(
-        f"| {args.inbound:,} | {outbound:,} | {total:,} | {produce_s:.1f} | {jvm_s:.1f} | {wall:.1f} "
-        f"| {total / wall:,.0f} | {anomalies} |"
+        "| inbound | outbound | produce s | Spark start-up s | snapshot s | read s | analysis s | write s "
+        "| audit wall s | start-up + audit s | records/s | CPU s (all processes) | cache MB per 1M records "
+        "| load avg before/after | anomalies |"
+    )
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print(
+        f"| {args.inbound:,} | {outbound:,} | {produce_s:.1f} | {jvm_s:.1f} | {t['snapshot']:.1f} | {t['read']:.1f} "
+        f"| {t['analysis']:.1f} | {t['write']:.1f} | {wall:.1f} | {jvm_s + wall:.1f} | {total / wall:,.0f} "
+        f"| {cpu:.0f} | {peak_cache[0] / (total / 1e6):.0f} | {load_before:.1f} / {load_after:.1f} | {anomalies} |"
     )
     if anomalies or outcome.exit_code != 0:
         sys.exit(f"the benchmark's records should audit clean: {outcome.result.anomaly_counts}")

@@ -23,7 +23,14 @@ Rules (contract sections 1-5):
 * nack redeliveries: outbound records with `delay-redelivery-count` > 0, their lateness; each valid
   nack command (control topic, not on the control dead-letter topic) for an audited record must be
   followed by a redelivery to that subscription, at or after the latest command's timestamp, by
-  its deliver-at + grace; otherwise `nack_missing` (or pending).
+  its deliver-at + grace; otherwise `nack_missing` (or pending). Only `"type":"nack"` records of
+  the control topic are commands: the sidecar's own `"type":"accepted"` records there are not.
+
+How it runs (the shape matters at a billion records): every input is first reduced to a few
+columns (prepare: the headers parsed once, the payloads dropped) and cached; that is the read.
+Then ONE shuffle brings each record's inbound row, its first deliveries and its dead-letter rows
+together per (record, subscription), and a hash aggregation judges them. Everything else
+(redeliveries, duplicates, early deliveries, nack commands) is small and joins by broadcast.
 """
 
 from __future__ import annotations
@@ -53,7 +60,6 @@ from sidecar.outbound.records import (
     ORIGIN_TOPIC,
     REDELIVERY_COUNT,
 )
-from spark.kafka_source import HEADERS_TYPE
 
 DEAD_LETTER_SUBSCRIPTION = "(dead-letter)"
 MAX_EPOCH_MS = 253_402_300_799_999  # year 9999, as sidecar.durations
@@ -190,15 +196,79 @@ class AuditResult:
     orphans: dict[str, int] = field(default_factory=dict)
     """Outbound records per outbound topic whose origin is not an audited inbound record (informational:
     normal when the audit covers part of the inbound topics' history)."""
+    records_read: dict[str, int] = field(default_factory=dict)
+    """Records read per input (inbound, outbound, dead_letter, control, control_dead_letter)."""
+    timeline: Timeline | None = None
+    """Lateness per subscription and anomalies per kind over time, for the chart."""
 
     def as_json(self) -> dict[str, Any]:
         return {
+            "records_read": self.records_read,
             "subscriptions": [asdict(s) for s in self.subscriptions],
             "rejections": self.rejections,
             "control_rejections": self.control_rejections,
             "anomaly_counts": self.anomaly_counts,
             "orphans": self.orphans,
+            "timeline": asdict(self.timeline) if self.timeline else None,
         }
+
+
+@dataclass
+class Timeline:
+    """Buckets of inbound publish time: how late each subscription delivered, and what went wrong, when."""
+
+    bucket_ms: int
+    lateness: list[dict[str, Any]]
+    """{"topic", "subscription", "bucket_ms", "delivered", "p50_ms", "p99_ms", "max_ms"} per non-empty bucket."""
+    anomalies: list[dict[str, Any]]
+    """{"kind", "bucket_ms", "count"} per non-empty bucket."""
+
+
+@dataclass
+class Prepared:
+    """The inputs reduced to the columns the audit needs, one row per Kafka record; cached by persist()."""
+
+    inbound: DataFrame
+    """topic, partition, offset, publish_ms, requested_ms."""
+    outbound: DataFrame
+    """Origin (topic, partition, offset), subscription (null: origin topic not routed to this outbound
+    topic), outbound_topic, outbound_partition, outbound_offset, delivered_ms, deliver_at_ms, redelivery_count."""
+    dead_letter: DataFrame
+    """Origin, code, message, dlt_topic, dlt_partition, dlt_offset."""
+    commands: DataFrame | None = None
+    """Valid nack commands: control_partition, control_offset, command_ms, origin, subscription, due_ms."""
+    control_rejections: DataFrame | None = None
+    """code, one row per record of the control dead-letter topic."""
+
+    def frames(self) -> dict[str, DataFrame]:
+        named = {"inbound": self.inbound, "outbound": self.outbound, "dead_letter": self.dead_letter}
+        if self.commands is not None:
+            named["control"] = self.commands
+        if self.control_rejections is not None:
+            named["control_dead_letter"] = self.control_rejections
+        return named
+
+    def persist(self) -> Prepared:
+        for frame in self.frames().values():
+            frame.persist()
+        return self
+
+    def unpersist(self) -> None:
+        for frame in self.frames().values():
+            frame.unpersist()
+
+    def materialise(self) -> dict[str, int]:
+        """Read every input into the cache in one Spark job; the rows kept per input.
+
+        For the control topic that is the valid nack commands, not every record read.
+        """
+        tagged = [f.select(F.lit(name).alias("input")) for name, f in self.frames().items()]
+        union = tagged[0]
+        for part in tagged[1:]:
+            union = union.unionAll(part)
+        counts = dict.fromkeys(self.frames(), 0)
+        counts.update({r["input"]: int(r["count"]) for r in union.groupBy("input").count().collect()})
+        return counts
 
 
 def routes_frame(spark: SparkSession, routes: Sequence[AuditRoute]) -> DataFrame:
@@ -209,17 +279,23 @@ def routes_frame(spark: SparkSession, routes: Sequence[AuditRoute]) -> DataFrame
     return spark.createDataFrame(rows, ROUTE_SCHEMA)
 
 
-def _headers() -> Column:
-    return F.coalesce(F.col("headers"), F.array().cast(HEADERS_TYPE))
+def header_position(name: str) -> Column:
+    """1-based position of the first header called `name` (0: none; null: no headers).
+
+    array_position over the extracted keys is generated code; a higher-order filter with a lambda
+    is interpreted row by row and cost several times more on millions of records.
+    """
+    return F.array_position(F.col("headers.key"), F.lit(name))
 
 
-def header_values(name: str) -> Column:
-    return F.filter(_headers(), lambda h: h["key"] == F.lit(name))
+def header_count(name: str) -> Column:
+    keys = F.col("headers.key")
+    return F.coalesce(F.size(keys) - F.size(F.array_remove(keys, F.lit(name))), F.lit(0))
 
 
 def header_text(name: str) -> Column:
     """The first value of header `name` as a string, null when absent."""
-    return F.get(header_values(name), 0)["value"].cast("string")
+    return F.get(F.col("headers.value"), header_position(name) - 1).cast("string")
 
 
 def header_long(name: str) -> Column:
@@ -234,13 +310,11 @@ def with_requested_deliver_at(frame: DataFrame, publish_ms: str = "publish_ms") 
     headers are invalid (two delay headers, negative or unparseable values, after year 9999).
     The header values are extracted once into columns, then parsed.
     """
-    at = header_values("deliver-at")
-    after = header_values("deliver-after")
     staged = frame.withColumns(
         {
-            "_n": F.size(at) + F.size(after),
-            "_at": F.get(at, 0)["value"].cast("string"),
-            "_after": F.get(after, 0)["value"].cast("string"),
+            "_n": header_count("deliver-at") + header_count("deliver-after"),
+            "_at": header_text("deliver-at"),
+            "_after": header_text("deliver-after"),
         }
     )
     at_text, after_text = F.col("_at"), F.col("_after")
@@ -264,20 +338,7 @@ def with_requested_deliver_at(frame: DataFrame, publish_ms: str = "publish_ms") 
     )
 
 
-def _prepare_inbound(inputs: AuditInputs, params: AuditParams, routes: DataFrame) -> DataFrame:
-    topics = routes.select("topic").distinct()
-    inbound = inputs.inbound.join(F.broadcast(topics), "topic", "left_semi")
-    inb = with_requested_deliver_at(
-        inbound.select("topic", "partition", "offset", F.unix_millis(F.col("timestamp")).alias("publish_ms"), "headers")
-    ).drop("headers")
-    if params.from_ms is not None:
-        inb = inb.where(F.col("publish_ms") >= F.lit(params.from_ms))
-    if params.to_ms is not None:
-        inb = inb.where(F.col("publish_ms") < F.lit(params.to_ms))
-    return inb
-
-
-def _origin(frame: DataFrame) -> list[Column]:
+def _origin() -> list[Column]:
     return [
         header_text(ORIGIN_TOPIC).alias("topic"),
         header_long(ORIGIN_PARTITION).cast("int").alias("partition"),
@@ -285,23 +346,22 @@ def _origin(frame: DataFrame) -> list[Column]:
     ]
 
 
-def _prepare_dead_letter(inputs: AuditInputs, routes: DataFrame) -> DataFrame:
-    pairs = routes.select("topic", F.col("dead_letter_topic").alias("dlt_topic")).distinct()
-    dlt = inputs.dead_letter.select(
-        *_origin(inputs.dead_letter),
-        header_text(ERROR_CODE).alias("code"),
-        header_text(ERROR_MESSAGE).alias("message"),
-        F.col("topic").alias("dlt_topic"),
-        F.col("partition").alias("dlt_partition"),
-        F.col("offset").alias("dlt_offset"),
-    )
-    return dlt.join(F.broadcast(pairs), ["topic", "dlt_topic"], "left_semi")
+def prepare(spark: SparkSession, inputs: AuditInputs, routes: Sequence[AuditRoute], params: AuditParams) -> Prepared:
+    """Each input reduced to the audit's columns (lazy: persist() and materialise() read them)."""
+    routes_df = F.broadcast(routes_frame(spark, routes))
+    topics = routes_df.select("topic").distinct()
+    inbound = inputs.inbound.join(topics, "topic", "left_semi")
+    inb = with_requested_deliver_at(
+        inbound.select("topic", "partition", "offset", F.unix_millis(F.col("timestamp")).alias("publish_ms"), "headers")
+    ).drop("headers")
+    if params.from_ms is not None:
+        inb = inb.where(F.col("publish_ms") >= F.lit(params.from_ms))
+    if params.to_ms is not None:
+        inb = inb.where(F.col("publish_ms") < F.lit(params.to_ms))
 
-
-def _prepare_outbound(inputs: AuditInputs, routes: DataFrame) -> DataFrame:
-    pairs = routes.select(F.col("outbound").alias("outbound_topic"), "topic", "subscription").distinct()
+    pairs = routes_df.select(F.col("outbound").alias("outbound_topic"), "topic", "subscription").distinct()
     out = inputs.outbound.select(
-        *_origin(inputs.outbound),
+        *_origin(),
         F.col("topic").alias("outbound_topic"),
         F.col("partition").alias("outbound_partition"),
         F.col("offset").alias("outbound_offset"),
@@ -310,7 +370,59 @@ def _prepare_outbound(inputs: AuditInputs, routes: DataFrame) -> DataFrame:
         F.coalesce(header_long(REDELIVERY_COUNT).cast("int"), F.lit(0)).alias("redelivery_count"),
     )
     # Left: a record on an outbound topic whose origin header names no routed topic is still counted (orphan).
-    return out.join(F.broadcast(pairs), ["outbound_topic", "topic"], "left")
+    out = out.join(F.broadcast(pairs), ["outbound_topic", "topic"], "left")
+
+    dlt_pairs = routes_df.select("topic", F.col("dead_letter_topic").alias("dlt_topic")).distinct()
+    dlt = inputs.dead_letter.select(
+        *_origin(),
+        header_text(ERROR_CODE).alias("code"),
+        header_text(ERROR_MESSAGE).alias("message"),
+        F.col("topic").alias("dlt_topic"),
+        F.col("partition").alias("dlt_partition"),
+        F.col("offset").alias("dlt_offset"),
+    ).join(F.broadcast(dlt_pairs), ["topic", "dlt_topic"], "left_semi")
+
+    commands = _parsed_control(inputs)
+    if commands is not None:
+        commands = commands.join(routes_df.select("topic", "subscription"), ["topic", "subscription"], "left_semi")
+    refused = None
+    if inputs.control_dead_letter is not None:
+        refused = inputs.control_dead_letter.select(header_text(ERROR_CODE).alias("code"))
+    return Prepared(inb, out, dlt, commands, refused)
+
+
+def _parsed_control(inputs: AuditInputs) -> DataFrame | None:
+    if inputs.control is None:
+        return None
+    commands = inputs.control.select(
+        F.col("partition").alias("control_partition"),
+        F.col("offset").alias("control_offset"),
+        F.unix_millis(F.col("timestamp")).alias("command_ms"),
+        F.from_json(F.col("value").cast("string"), NACK_SCHEMA).alias("c"),
+    ).where(F.col("c.type") == "nack")  # the sidecar's "accepted" records share the topic: not commands
+    if inputs.control_dead_letter is not None:
+        refused = (
+            inputs.control_dead_letter.select(
+                header_text(ORIGIN_TOPIC).alias("origin_topic"),
+                header_long(ORIGIN_PARTITION).cast("int").alias("control_partition"),
+                header_long(ORIGIN_OFFSET).alias("control_offset"),
+            )
+            .where(F.col("origin_topic") == F.lit(inputs.control_topic))
+            .drop("origin_topic")
+        )
+        commands = commands.join(refused, ["control_partition", "control_offset"], "left_anti")
+    return commands.select(
+        "control_partition",
+        "control_offset",
+        "command_ms",
+        F.col("c.topic").alias("topic"),
+        F.col("c.partition").cast("int").alias("partition"),
+        F.col("c.offset").alias("offset"),
+        F.col("c.subscription").alias("subscription"),
+        F.coalesce(F.col("c.deliver_at"), F.col("command_ms") + F.coalesce(F.col("c.delay_ms"), F.lit(0))).alias(
+            "due_ms"
+        ),
+    )
 
 
 def _anomaly(frame: DataFrame, kind: str, **columns: Column) -> DataFrame:
@@ -340,47 +452,90 @@ def _percentiles(column: str, prefix: str) -> list[Column]:
     ]
 
 
-def run_audit(
-    spark: SparkSession, inputs: AuditInputs, routes: Sequence[AuditRoute], params: AuditParams
-) -> AuditResult:
-    """Join inbound, outbound, dead-letter and control records on their origin and judge each record."""
-    routes_df = F.broadcast(routes_frame(spark, routes))
-    grace = F.lit(params.grace_ms)
-    as_of = F.lit(params.as_of_ms)
+_FIRST_TYPE = StructType(
+    [
+        StructField("outbound_partition", IntegerType()),
+        StructField("outbound_offset", LongType()),
+        StructField("delivered_ms", LongType()),
+        StructField("deliver_at_ms", LongType()),
+        StructField("outbound_topic", StringType()),
+    ]
+)
 
-    inb = _prepare_inbound(inputs, params, routes_df).persist()
-    keys = inb.select(*KEYS)
-    dlt = _prepare_dead_letter(inputs, routes_df).join(keys, KEYS, "left_semi").persist()
-    out_all = _prepare_outbound(inputs, routes_df).persist()
-    out = out_all.where(F.col("subscription").isNotNull()).join(keys, KEYS, "left_semi")
-    copy_order = Window.partitionBy("topic", "partition", "offset", "subscription", "redelivery_count").orderBy(
-        "outbound_partition", "outbound_offset"
-    )
-    out = out.withColumn("copy", F.row_number().over(copy_order)).persist()
 
-    # Every audited inbound record, once per subscription of its topic, with its fate.
-    rejected = dlt.groupBy(*KEYS).agg(F.min_by("code", "dlt_offset").alias("code"))
-    first = out.where((F.col("redelivery_count") == 0) & (F.col("copy") == 1)).select(
-        *KEYS,
-        "subscription",
-        "delivered_ms",
-        "deliver_at_ms",
-        "outbound_topic",
-        "outbound_partition",
-        "outbound_offset",
-    )
+FIRST_FIELDS = ["outbound_partition", "outbound_offset", "delivered_ms", "deliver_at_ms", "outbound_topic"]
+"""A delivery's position first: the minimum of these structs is the first copy written."""
+
+
+def _first_copy() -> Column:
+    return F.struct(*FIRST_FIELDS)
+
+
+def _fates(prepared: Prepared, routes: DataFrame, params: AuditParams) -> DataFrame:
+    """One row per (record, subscription) with anything on it: the single large shuffle of the audit.
+
+    The inbound row (expanded per subscription), every first-time delivery (redelivery count 0) and
+    every dead-letter row are unioned and grouped, rather than joined, so the records cross the
+    cluster once and no side is sorted. Rows without an inbound record are orphans.
+    """
     expected_due = (
         F.when(F.col("ordered") | ~F.col("delays_enabled"), F.col("publish_ms"))
         .when(F.col("fixed_delay_ms") > 0, F.col("publish_ms") + F.col("fixed_delay_ms"))
         .otherwise(F.greatest(F.coalesce(F.col("requested_ms"), F.col("publish_ms")), F.col("publish_ms")))
     )
-    fates = (
-        inb.join(routes_df.select("topic", "subscription", "ordered", "delays_enabled", "fixed_delay_ms"), "topic")
-        .withColumn("due_ms", expected_due)
-        .join(rejected, KEYS, "left")
-        .join(first, [*KEYS, "subscription"], "left")
+    null_long, null_str = F.lit(None).cast("long"), F.lit(None).cast("string")
+    route_cols = routes.select("topic", "subscription", "ordered", "delays_enabled", "fixed_delay_ms")
+    inbound_rows = prepared.inbound.join(route_cols, "topic").select(
+        *KEYS,
+        "subscription",
+        F.lit(0).alias("src"),
+        "publish_ms",
+        expected_due.alias("due_ms"),
+        F.lit(None).cast(_FIRST_TYPE).alias("copy"),
+        null_str.alias("code"),
+        null_long.alias("dlt_offset"),
+    )
+    outbound_rows = prepared.outbound.where(
+        F.col("subscription").isNotNull() & (F.col("redelivery_count") == 0)
+    ).select(
+        *KEYS,
+        "subscription",
+        F.lit(1).alias("src"),
+        null_long.alias("publish_ms"),
+        null_long.alias("due_ms"),
+        _first_copy().alias("copy"),
+        null_str.alias("code"),
+        null_long.alias("dlt_offset"),
+    )
+    dead_rows = prepared.dead_letter.join(route_cols.select("topic", "subscription"), "topic").select(
+        *KEYS,
+        "subscription",
+        F.lit(2).alias("src"),
+        null_long.alias("publish_ms"),
+        null_long.alias("due_ms"),
+        F.lit(None).cast(_FIRST_TYPE).alias("copy"),
+        "code",
+        "dlt_offset",
+    )
+    src = F.col("src")
+    grouped = (
+        inbound_rows.unionAll(outbound_rows)
+        .unionAll(dead_rows)
+        .groupBy(*KEYS, "subscription")
+        .agg(
+            (F.count_if(src == 0) > 0).alias("has_inbound"),
+            F.max("publish_ms").alias("publish_ms"),
+            F.max("due_ms").alias("due_ms"),
+            F.count_if(src == 1).alias("copies"),
+            F.min("copy").alias("first"),
+            F.min_by("code", "dlt_offset").alias("code"),
+        )
+    )
+    grace = F.lit(params.grace_ms)
+    return (
+        grouped.select(*KEYS, "subscription", "has_inbound", "publish_ms", "due_ms", "copies", "code", "first.*")
         .withColumn("is_rejected", F.col("code").isNotNull())
-        .withColumn("is_delivered", F.col("delivered_ms").isNotNull())
+        .withColumn("is_delivered", F.col("copies") > 0)
         .withColumn(
             "lateness_ms",
             F.col("delivered_ms")
@@ -388,47 +543,101 @@ def run_audit(
         )
         .withColumn(
             "status",
-            F.when(F.col("is_rejected") & F.col("is_delivered"), "rejected_and_delivered")
+            F.when(~F.col("has_inbound"), "orphan")
+            .when(F.col("is_rejected") & F.col("is_delivered"), "rejected_and_delivered")
             .when(F.col("is_rejected"), "rejected")
             .when(F.col("is_delivered"), "delivered")
-            .when(F.col("due_ms") + grace > as_of, "pending")
+            .when(F.col("due_ms") + grace > F.lit(params.as_of_ms), "pending")
             .otherwise("missing"),
         )
+    )
+
+
+def run_audit(
+    spark: SparkSession, inputs: AuditInputs, routes: Sequence[AuditRoute], params: AuditParams
+) -> AuditResult:
+    """Prepare, read and judge in one call (the job splits these steps to time them)."""
+    prepared = prepare(spark, inputs, routes, params).persist()
+    records_read = prepared.materialise()
+    result = analyse(spark, prepared, routes, params)
+    result.records_read = records_read
+    return result
+
+
+def analyse(spark: SparkSession, prepared: Prepared, routes: Sequence[AuditRoute], params: AuditParams) -> AuditResult:
+    """Judge every audited record from the prepared (ideally cached) inputs."""
+    routes_df = F.broadcast(routes_frame(spark, routes))
+    grace = F.lit(params.grace_ms)
+    inb = prepared.inbound
+    published = inb.select(*KEYS, "publish_ms")
+    out = prepared.outbound
+
+    fates = _fates(prepared, routes_df, params).persist()
+    audited = fates.where(F.col("has_inbound"))
+
+    # Small sides, joined to the audited records by broadcast (the inbound side is never shuffled again).
+    dlt = prepared.dead_letter.hint("broadcast").join(published, KEYS)
+    redelivery_groups = (
+        out.where(F.col("subscription").isNotNull() & (F.col("redelivery_count") > 0))
+        .groupBy(*KEYS, "subscription", "redelivery_count")
+        .agg(F.count(F.lit(1)).alias("copies"), F.min(_first_copy()).alias("first"))
+        .select(*KEYS, "subscription", "redelivery_count", "copies", "first.*")
+    )
+    redeliveries = (
+        redelivery_groups.hint("broadcast")
+        .join(published, KEYS)
+        .withColumn("lateness_ms", F.col("delivered_ms") - F.greatest(F.col("deliver_at_ms"), F.col("publish_ms")))
         .persist()
     )
-
-    redeliveries = out.where((F.col("redelivery_count") > 0) & (F.col("copy") == 1)).join(
-        inb.select(*KEYS, "publish_ms"), KEYS
+    duplicated = audited.where(F.col("copies") > 1).select(
+        *KEYS, "subscription", F.lit(0).alias("redelivery_count"), "publish_ms", "outbound_partition", "outbound_offset"
     )
-    redeliveries = redeliveries.withColumn(
-        "lateness_ms", F.col("delivered_ms") - F.greatest(F.col("deliver_at_ms"), F.col("publish_ms"))
-    ).persist()
+    duplicated = duplicated.unionByName(
+        redeliveries.where(F.col("copies") > 1).select(
+            *KEYS, "subscription", "redelivery_count", "publish_ms", "outbound_partition", "outbound_offset"
+        )
+    ).withColumnsRenamed({"outbound_partition": "first_partition", "outbound_offset": "first_offset"})
+    extra_copies = (
+        out.join(F.broadcast(duplicated), [*KEYS, "subscription", "redelivery_count"])
+        .where(
+            (F.col("outbound_partition") != F.col("first_partition"))
+            | (F.col("outbound_offset") != F.col("first_offset"))
+        )
+        .withColumn(
+            "copy",
+            F.row_number().over(
+                Window.partitionBy(*KEYS, "subscription", "redelivery_count").orderBy(
+                    "outbound_partition", "outbound_offset"
+                )
+            )
+            + 1,
+        )
+    )
+    early = (
+        out.where(F.col("subscription").isNotNull() & (F.col("delivered_ms") < F.col("deliver_at_ms")))
+        .hint("broadcast")
+        .join(published, KEYS)
+    )
+    nack_fates = _nack_fates(prepared.commands, published, redeliveries, params)
 
-    nack_fates = _nack_fates(inputs, routes_df, keys, redeliveries, params)
-
+    dlt_copy = Window.partitionBy(*KEYS).orderBy("dlt_partition", "dlt_offset")
     anomaly_parts = [
-        _anomaly(fates.where(F.col("status") == "missing"), "missing", deliver_at_ms=F.col("due_ms")),
+        _anomaly(audited.where(F.col("status") == "missing"), "missing", deliver_at_ms=F.col("due_ms")),
         _anomaly(
-            fates.where(F.col("status") == "rejected_and_delivered"),
+            audited.where(F.col("status") == "rejected_and_delivered"),
             "rejected_and_delivered",
             redelivery_count=F.lit(0),
             detail=F.concat(F.lit("dead-lettered with "), F.col("code"), F.lit(" and delivered")),
         ),
         _anomaly(
-            fates.where((F.col("status") == "delivered") & (F.col("lateness_ms") > grace)),
+            audited.where((F.col("status") == "delivered") & (F.col("lateness_ms") > grace)),
             "late",
             redelivery_count=F.lit(0),
             detail=F.concat(F.lit("later than the grace period of "), grace.cast("string"), F.lit(" ms")),
         ),
+        _anomaly(extra_copies, "duplicate", detail=F.concat(F.lit("copy "), F.col("copy").cast("string"))),
         _anomaly(
-            out.where(F.col("copy") > 1),
-            "duplicate",
-            detail=F.concat(F.lit("copy "), F.col("copy").cast("string")),
-        ),
-        _anomaly(
-            dlt.withColumn(
-                "copy", F.row_number().over(Window.partitionBy(*KEYS).orderBy("dlt_partition", "dlt_offset"))
-            ).where(F.col("copy") > 1),
+            dlt.withColumn("copy", F.row_number().over(dlt_copy)).where(F.col("copy") > 1),
             "duplicate",
             subscription=F.lit(DEAD_LETTER_SUBSCRIPTION),
             outbound_topic=F.col("dlt_topic"),
@@ -437,7 +646,7 @@ def run_audit(
             detail=F.concat(F.lit("dead-lettered again with "), F.coalesce(F.col("code"), F.lit("no code"))),
         ),
         _anomaly(
-            out.where(F.col("delivered_ms") < F.col("deliver_at_ms")),
+            early,
             "early",
             lateness_ms=F.col("delivered_ms") - F.col("deliver_at_ms"),
             detail=F.concat(
@@ -465,7 +674,7 @@ def run_audit(
         anomalies = anomalies.unionByName(part)
     anomalies = anomalies.persist()
 
-    summaries = _summaries(fates, anomalies, redeliveries, nack_fates, routes)
+    summaries, span = _summaries(fates, anomalies, redeliveries, nack_fates, routes)
     counts = {
         "missing": sum(s.missing for s in summaries),
         "nack_missing": sum(s.nacks_missing for s in summaries),
@@ -477,15 +686,23 @@ def run_audit(
     # The small tables of the report in one Spark job: (section, name, code, count).
     info = [
         dlt.groupBy("topic", "code").agg(F.count(F.lit(1)).alias("n")).select(F.lit("rejection"), "topic", "code", "n"),
-        out_all.join(keys, KEYS, "left_anti")
+        out.where(F.col("subscription").isNull())
         .groupBy("outbound_topic")
         .agg(F.count(F.lit(1)).alias("n"))
         .select(F.lit("orphan"), "outbound_topic", F.lit(None).cast("string"), "n"),
+        fates.where(~F.col("has_inbound"))
+        .groupBy("outbound_topic")
+        .agg(F.sum("copies").alias("n"))
+        .select(F.lit("orphan"), "outbound_topic", F.lit(None).cast("string"), "n"),
+        redelivery_groups.hint("broadcast")
+        .join(published, KEYS, "left_anti")
+        .groupBy("outbound_topic")
+        .agg(F.sum("copies").alias("n"))
+        .select(F.lit("orphan"), "outbound_topic", F.lit(None).cast("string"), "n"),
     ]
-    if inputs.control_dead_letter is not None:
+    if prepared.control_rejections is not None:
         info.append(
-            inputs.control_dead_letter.select(header_text(ERROR_CODE).alias("code"))
-            .groupBy("code")
+            prepared.control_rejections.groupBy("code")
             .agg(F.count(F.lit(1)).alias("n"))
             .select(F.lit("control_rejection"), F.lit(None).cast("string"), "code", "n")
         )
@@ -497,59 +714,105 @@ def run_audit(
     )
     rejections = [{"topic": n, "code": c, "count": k} for sec, n, c, k in rows if sec == "rejection"]
     control_rejections = [{"code": c, "count": k} for sec, _, c, k in rows if sec == "control_rejection"]
-    orphans = {n: k for sec, n, _, k in rows if sec == "orphan"}
+    orphans: dict[str, int] = {}
+    for sec, name, _, k in rows:
+        if sec == "orphan":
+            orphans[name] = orphans.get(name, 0) + k
     rejected_records = dlt.select(*KEYS, "code", "message", "dlt_topic", "dlt_partition", "dlt_offset")
-    return AuditResult(summaries, rejections, control_rejections, counts, anomalies, rejected_records, orphans)
-
-
-def _parsed_control(inputs: AuditInputs) -> DataFrame | None:
-    if inputs.control is None:
-        return None
-    commands = inputs.control.select(
-        F.col("partition").alias("control_partition"),
-        F.col("offset").alias("control_offset"),
-        F.unix_millis(F.col("timestamp")).alias("command_ms"),
-        F.from_json(F.col("value").cast("string"), NACK_SCHEMA).alias("c"),
+    timeline = _timeline(audited, anomalies, span)
+    return AuditResult(
+        summaries, rejections, control_rejections, counts, anomalies, rejected_records, orphans, timeline=timeline
     )
-    if inputs.control_dead_letter is not None:
-        refused = inputs.control_dead_letter.select(
-            header_text(ORIGIN_TOPIC).alias("origin_topic"),
-            header_long(ORIGIN_PARTITION).cast("int").alias("control_partition"),
-            header_long(ORIGIN_OFFSET).alias("control_offset"),
-        ).where(F.col("origin_topic") == F.lit(inputs.control_topic))
-        commands = commands.join(refused, ["control_partition", "control_offset"], "left_anti")
-    return commands.where(F.col("c.type") == "nack").select(
-        "control_partition",
-        "control_offset",
-        "command_ms",
-        F.col("c.topic").alias("topic"),
-        F.col("c.partition").cast("int").alias("partition"),
-        F.col("c.offset").alias("offset"),
-        F.col("c.subscription").alias("subscription"),
-        F.coalesce(F.col("c.deliver_at"), F.col("command_ms") + F.coalesce(F.col("c.delay_ms"), F.lit(0))).alias(
-            "due_ms"
+
+
+BUCKETS_MS = [1_000, 10_000, 60_000, 300_000, 900_000, 3_600_000, 21_600_000, 86_400_000, 7 * 86_400_000]
+
+
+def bucket_width(span_ms: int, buckets: int = 60) -> int:
+    """The smallest round width that shows `span_ms` in at most about `buckets` bars."""
+    for width in BUCKETS_MS:
+        if span_ms <= width * buckets:
+            return width
+    return BUCKETS_MS[-1]
+
+
+def _timeline(audited: DataFrame, anomalies: DataFrame, span: tuple[int | None, int | None]) -> Timeline:
+    """Lateness per subscription and anomalies per kind, by bucket of the inbound record's publish time.
+
+    `span`: the earliest and latest publish time audited (from the summaries' job); both series
+    come back in one Spark job.
+    """
+    lo, hi = span
+    width = bucket_width(hi - lo if lo is not None and hi is not None else 0)
+    bucket = (F.floor(F.col("publish_ms") / F.lit(width)) * F.lit(width)).cast("long").alias("bucket_ms")
+    null_str, null_long, null_double = (F.lit(None).cast(t) for t in ("string", "long", "double"))
+    lateness = (
+        audited.where(F.col("status") == "delivered")
+        .groupBy("topic", "subscription", bucket)
+        .agg(
+            F.count(F.lit(1)).alias("n"),
+            F.percentile("lateness_ms", F.lit(0.5)).alias("p50_ms"),
+            F.percentile("lateness_ms", F.lit(0.99)).alias("p99_ms"),
+            F.max("lateness_ms").alias("max_ms"),
+        )
+        .select("topic", "subscription", "bucket_ms", "n", "p50_ms", "p99_ms", "max_ms", null_str.alias("kind"))
+    )
+    kinds = (
+        anomalies.where(F.col("publish_ms").isNotNull())
+        .groupBy("kind", bucket)
+        .agg(F.count(F.lit(1)).alias("n"))
+        .select(
+            null_str.alias("topic"),
+            null_str.alias("subscription"),
+            "bucket_ms",
+            "n",
+            null_double.alias("p50_ms"),
+            null_double.alias("p99_ms"),
+            null_long.alias("max_ms"),
+            "kind",
+        )
+    )
+    rows = lateness.unionAll(kinds).collect()
+    return Timeline(
+        width,
+        sorted(
+            (
+                {
+                    "topic": r["topic"],
+                    "subscription": r["subscription"],
+                    "bucket_ms": int(r["bucket_ms"]),
+                    "delivered": int(r["n"]),
+                    "p50_ms": float(r["p50_ms"]),
+                    "p99_ms": float(r["p99_ms"]),
+                    "max_ms": int(r["max_ms"]),
+                }
+                for r in rows
+                if r["kind"] is None
+            ),
+            key=lambda r: (r["topic"], r["subscription"], r["bucket_ms"]),
+        ),
+        sorted(
+            ({"kind": r["kind"], "bucket_ms": int(r["bucket_ms"]), "count": int(r["n"])} for r in rows if r["kind"]),
+            key=lambda r: (r["kind"], r["bucket_ms"]),
         ),
     )
 
 
 def _nack_fates(
-    inputs: AuditInputs, routes: DataFrame, keys: DataFrame, redeliveries: DataFrame, params: AuditParams
+    commands: DataFrame | None, published: DataFrame, redeliveries: DataFrame, params: AuditParams
 ) -> DataFrame | None:
     """Each (record, subscription) with valid nack commands: its latest command and whether it was honoured."""
-    commands = _parsed_control(inputs)
     if commands is None:
         return None
-    commands = commands.join(routes.select("topic", "subscription"), ["topic", "subscription"], "left_semi").join(
-        keys, KEYS, "left_semi"
-    )
-    latest = commands.groupBy(*KEYS, "subscription").agg(
+    audited = commands.hint("broadcast").join(published, KEYS)
+    latest = audited.groupBy(*KEYS, "subscription", "publish_ms").agg(
         F.count("*").alias("commands"),
         F.max_by(
             F.struct("due_ms", "command_ms", "control_partition", "control_offset"),
             F.struct("command_ms", "control_offset"),
         ).alias("last"),
     )
-    latest = latest.select(*KEYS, "subscription", "commands", "last.*")
+    latest = latest.select(*KEYS, "subscription", "publish_ms", "commands", "last.*")
     honoured = (
         latest.alias("l")
         .join(
@@ -579,17 +842,24 @@ def _summaries(
     redeliveries: DataFrame,
     nack_fates: DataFrame | None,
     routes: Sequence[AuditRoute],
-) -> list[SubscriptionSummary]:
+) -> tuple[list[SubscriptionSummary], tuple[int | None, int | None]]:
+    """The summary per (topic, subscription), and the earliest and latest publish time audited."""
     status = F.col("status")
-    main = fates.groupBy("topic", "subscription").agg(
-        F.count("*").alias("inbound"),
-        F.count_if(F.col("is_rejected")).alias("rejected"),
-        F.count_if(~F.col("is_rejected")).alias("accepted"),
-        F.count_if(status == "delivered").alias("delivered"),
-        F.count_if(status == "pending").alias("pending"),
-        F.count_if(status == "missing").alias("missing"),
-        F.count_if(status == "rejected_and_delivered").alias("rejected_and_delivered"),
-        *_percentiles("lateness_ms", "lateness"),
+    main = (
+        fates.where(F.col("has_inbound"))
+        .groupBy("topic", "subscription")
+        .agg(
+            F.count("*").alias("inbound"),
+            F.count_if(F.col("is_rejected")).alias("rejected"),
+            F.count_if(~F.col("is_rejected")).alias("accepted"),
+            F.count_if(status == "delivered").alias("delivered"),
+            F.count_if(status == "pending").alias("pending"),
+            F.count_if(status == "missing").alias("missing"),
+            F.count_if(status == "rejected_and_delivered").alias("rejected_and_delivered"),
+            *_percentiles("lateness_ms", "lateness"),
+            F.min("publish_ms").alias("_first_publish_ms"),
+            F.max("publish_ms").alias("_last_publish_ms"),
+        )
     )
     by_kind = (
         anomalies.where(F.col("kind").isin("duplicate", "early", "late"))
@@ -614,11 +884,17 @@ def _summaries(
         (r.topic, r.subscription): SubscriptionSummary(r.topic, r.subscription) for r in routes
     }
     fields = {f.name: f.type for f in dataclasses.fields(SubscriptionSummary)}
+    firsts: list[int] = []
+    lasts: list[int] = []
     for row in joined.collect():
         key = (row["topic"], row["subscription"])
         summary = summaries.setdefault(key, SubscriptionSummary(*key))
         for name, value in row.asDict().items():
-            if name in ("topic", "subscription") or value is None:
-                continue
-            setattr(summary, name, int(value) if fields[name] in ("int", "int | None") else float(value))
-    return [summaries[k] for k in sorted(summaries)]
+            if name == "_first_publish_ms" and value is not None:
+                firsts.append(int(value))
+            elif name == "_last_publish_ms" and value is not None:
+                lasts.append(int(value))
+            elif name not in ("topic", "subscription", "_first_publish_ms", "_last_publish_ms") and value is not None:
+                setattr(summary, name, int(value) if fields[name] in ("int", "int | None") else float(value))
+    span = (min(firsts) if firsts else None, max(lasts) if lasts else None)
+    return [summaries[k] for k in sorted(summaries)], span

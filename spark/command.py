@@ -1,78 +1,12 @@
-"""`delay-sidecar audit`: the settings of the audit job, as flags and DELAY_SIDECAR_* variables.
+"""`delay-sidecar audit`: the audit job as a subcommand of the sidecar's command line.
 
 This module imports no Spark: sidecar/cli.py can mount AuditCommand without making PySpark a
 dependency of the other commands. cli_cmd() imports the job only when the audit runs.
 """
 
 import sys
-from pathlib import Path
-from typing import Literal
 
-from pydantic import Field
-from pydantic_settings import SettingsConfigDict
-
-from sidecar.settings import ENV_PREFIX, KafkaSettings
-
-
-class AuditSettings(KafkaSettings):
-    """Audit every inbound record's fate: delivered to each subscription on time, exactly once, or dead-lettered."""
-
-    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, cli_kebab_case=True, extra="ignore")
-
-    policies: Path | None = Field(
-        None,
-        description="Policy YAML file or directory: the inbound topics, their subscriptions' outbound topics, "
-        "dead-letter topics and delay policies. Without it, give --topics and --subscriptions.",
-    )
-    topics: list[str] = Field(
-        [], description="Inbound topics to audit (default with --policies: every topic of the policies)"
-    )
-    subscriptions: list[str] = Field(
-        [], description="Without --policies: the subscriptions of every topic (outbound '{topic}.{subscription}')"
-    )
-    routes: list[str] = Field(
-        [], description="Without --policies: outbound topics other than the default, as TOPIC/SUBSCRIPTION=OUTBOUND"
-    )
-    dead_letter_topics: list[str] = Field(
-        [], description="Without --policies: dead-letter topics other than '{topic}.dlt', as TOPIC=DLT"
-    )
-    control_topic: str = Field("delay-sidecar.control", description="Topic of nack commands ('' to skip nacks)")
-    control_dead_letter_topic: str = Field("delay-sidecar.control.dlt", description="Dead-letter topic of commands")
-    starting_offsets: str = Field(
-        "earliest",
-        description='Inbound range start: earliest, or JSON per partition {"topic":{"0":23}} (-2 earliest)',
-    )
-    ending_offsets: str = Field(
-        "latest", description='Inbound range end: latest, or JSON per partition {"topic":{"0":50}} (-1 latest)'
-    )
-    from_time: str | None = Field(
-        None, description="Audit inbound records published at or after this time (epoch ms or RFC 3339)"
-    )
-    to_time: str | None = Field(None, description="Audit inbound records published before this time")
-    grace_ms: int = Field(
-        30_000, ge=0, description="How long after its deliver-at a record may still arrive before it is missing"
-    )
-    max_missing: int = Field(0, description="Most missing records (and nacks without redelivery) that still pass")
-    max_duplicates: int = Field(0, description="Most duplicates (and dead-lettered-and-delivered) that still pass")
-    max_early: int = Field(0, description="Most early deliveries that still pass")
-    max_late: int = Field(-1, description="Most deliveries later than deliver-at + grace that pass (-1: no limit)")
-    output_dir: Path = Field(
-        Path("audit-report"), description="Where report.json, anomalies/, rejections/ and lateness.png go"
-    )
-    source: Literal["auto", "kafka", "python"] = Field(
-        "auto",
-        description="Kafka reader: kafka (Spark's built-in, needs --packages spark-sql-kafka-0-10), "
-        "python (embedded confluent-kafka data source), auto (built-in when on the classpath)",
-    )
-    master: str | None = Field(None, description="Spark master (default local[*], or spark-submit's --master)")
-    driver_memory: str | None = Field(None, description="Spark driver memory, e.g. 4g (local mode: all memory)")
-    shuffle_partitions: int | None = Field(
-        None, ge=1, description="spark.sql.shuffle.partitions (default: Spark's 200; ~2-4x the cores is plenty)"
-    )
-    min_partitions: int | None = Field(
-        None, ge=1, description="Split the Kafka read into at least this many Spark tasks (minPartitions)"
-    )
-    show_anomalies: int = Field(20, ge=0, description="How many anomalies to print (all are in the Parquet files)")
+from spark.settings import AuditSettings
 
 
 class AuditCommand(AuditSettings):

@@ -17,17 +17,26 @@ Options honoured, with the built-in source's names and meanings:
   `endingOffsets`: `latest` (default) or JSON `{"topic":{"0":50,"1":-1}}` (-1 latest);
 * `startingTimestamp` / `endingTimestamp` (epoch ms, all partitions) and `startingOffsetsByTimestamp` /
   `endingOffsetsByTimestamp` (JSON `{"topic":{"0":1700000000000}}`), which win over the offset options;
-* `includeHeaders` (default false), `failOnDataLoss` (default true), `minPartitions` (split large
-  ranges), `kafkaConsumer.pollTimeoutMs` (default 120000).
+* `includeHeaders` (default false), `failOnDataLoss` (default true), `minPartitions` and
+  `maxRecordsPerPartition` (split large ranges, as Spark 4's KafkaOffsetRangeCalculator does),
+  `kafkaConsumer.pollTimeoutMs` (default 120000).
 
-One Spark partition (InputPartition) per Kafka topic-partition offset range, as the built-in source
-plans it, so the read runs in parallel on a cluster. Records are handed to Spark as Arrow batches.
+One Spark partition (InputPartition) per Kafka topic-partition offset range, or per piece of a
+large range, as the built-in source plans it, so the read runs in parallel on a cluster.
+
+Records reach Spark as Arrow record batches (pyarrow.RecordBatch from read(), which every PySpark
+with Python data sources, 4.0 and later, accepts): Spark takes them column by column, with no
+Python object per row on its side. What stays per record in Python is confluent-kafka's own
+Message accessors; they are called in list comprehensions, and everything constant per range or
+computable per column (topic, partition, timestamp units and types) is built by pyarrow.
 
 This module imports nothing of the sidecar: executors need only pyspark, pyarrow and confluent-kafka.
 """
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import json
 import time
 import uuid
@@ -35,6 +44,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 from confluent_kafka import TIMESTAMP_CREATE_TIME, TIMESTAMP_LOG_APPEND_TIME, Consumer, KafkaError, TopicPartition
 from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
@@ -209,7 +219,8 @@ def plan_ranges(options: Mapping[str, str], keep_empty: bool = False) -> list[Ka
     starting = _bounds(options, "starting", EARLIEST)
     ending = _bounds(options, "ending", LATEST)
     fail_on_data_loss = _flag(options, "failOnDataLoss", True)
-    min_partitions = int(_option(options, "minPartitions") or "0")
+    min_partitions = _positive(options, "minPartitions")
+    max_records = _positive(options, "maxRecordsPerPartition")
     consumer = Consumer({**config, "group.id": f"spark-kafka-plan-{uuid.uuid4().hex[:8]}", "enable.auto.commit": False})
     try:
         metadata = consumer.list_topics(timeout=30)
@@ -262,26 +273,48 @@ def plan_ranges(options: Mapping[str, str], keep_empty: bool = False) -> list[Ka
                 ranges.append(KafkaRange(tp[0], tp[1], start, end))
     finally:
         consumer.close()
-    return ranges if keep_empty else split_ranges(ranges, min_partitions)
+    return ranges if keep_empty else split_ranges(ranges, min_partitions, max_records)
 
 
-def split_ranges(ranges: Sequence[KafkaRange], min_partitions: int) -> list[KafkaRange]:
-    """Split the larger ranges so there are at least `min_partitions` tasks (like the built-in source)."""
+def _positive(options: Mapping[str, str], name: str) -> int:
+    text = _option(options, name)
+    if text is None or not text.strip():
+        return 0
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise KafkaSourceError(f"option {name} must be a positive integer, got {text!r}")
+    return value
+
+
+def split_ranges(ranges: Sequence[KafkaRange], min_partitions: int = 0, max_records: int = 0) -> list[KafkaRange]:
+    """Split large ranges into pieces, as Spark 4's KafkaOffsetRangeCalculator does.
+
+    `max_records`: no piece holds more records (a cluster plans a billion records as tasks of a
+    bounded size, whatever the Kafka partitioning). `min_partitions`: at least about that many
+    pieces in all, each range split in proportion to its size. With both, the larger count wins.
+    """
     total = sum(r.end - r.start for r in ranges)
-    if min_partitions <= len(ranges) or total == 0:
+    if total == 0:
         return list(ranges)
     out: list[KafkaRange] = []
     for r in ranges:
         size = r.end - r.start
-        parts = max(1, round(size * min_partitions / total))
-        step = -(-size // parts)
-        out.extend(KafkaRange(r.topic, r.partition, s, min(s + step, r.end)) for s in range(r.start, r.end, step))
+        parts = 1
+        if max_records:
+            parts = max(parts, -(-size // max_records))
+        if min_partitions > len(ranges):
+            parts = max(parts, round(size * min_partitions / total))
+        parts = max(1, min(parts, size))
+        bounds = [r.start + size * i // parts for i in range(parts)] + [r.end]
+        out.extend(KafkaRange(r.topic, r.partition, a, b) for a, b in itertools.pairwise(bounds))
     return out
 
 
-def read_range(options: Mapping[str, str], part: KafkaRange, include_headers: bool) -> Iterator[Any]:
-    """The records of one range as pyarrow RecordBatches of the built-in schema (executor side)."""
-    header_type = pa.list_(pa.struct([("key", pa.string()), ("value", pa.binary())]))
+def arrow_schema(include_headers: bool) -> pa.Schema:
+    """kafka_schema() in Arrow types, as Spark converts them (timestamps in microseconds, UTC)."""
     fields = [
         ("key", pa.binary()),
         ("value", pa.binary()),
@@ -292,10 +325,40 @@ def read_range(options: Mapping[str, str], part: KafkaRange, include_headers: bo
         ("timestampType", pa.int32()),
     ]
     if include_headers:
-        fields.append(("headers", header_type))
-    schema = pa.schema(fields)
-    # Java's TimestampType ids (CREATE_TIME 0, LOG_APPEND_TIME 1, NO_TIMESTAMP_TYPE -1), as the built-in reports.
-    ts_types = {TIMESTAMP_CREATE_TIME: 0, TIMESTAMP_LOG_APPEND_TIME: 1}
+        fields.append(("headers", pa.list_(pa.struct([("key", pa.string()), ("value", pa.binary())]))))
+    return pa.schema(fields)
+
+
+# Java's TimestampType ids (NO_TIMESTAMP_TYPE -1, CREATE_TIME 0, LOG_APPEND_TIME 1) by librdkafka's.
+_TS_TYPES = np.full(max(TIMESTAMP_CREATE_TIME, TIMESTAMP_LOG_APPEND_TIME) + 1, -1, dtype=np.int32)
+_TS_TYPES[TIMESTAMP_CREATE_TIME] = 0
+_TS_TYPES[TIMESTAMP_LOG_APPEND_TIME] = 1
+
+
+def to_batch(part: KafkaRange, messages: Sequence[Any], schema: pa.Schema) -> pa.RecordBatch:
+    """Records of one range (no error messages) as a RecordBatch of the built-in source's schema."""
+    n = len(messages)
+    stamps = np.array([m.timestamp() for m in messages], dtype=np.int64).reshape(n, 2)
+    types = stamps[:, 0]
+    columns = [
+        pa.array([m.key() for m in messages], pa.binary()),
+        pa.array([m.value() for m in messages], pa.binary()),
+        pa.repeat(pa.scalar(part.topic, pa.string()), n),
+        pa.repeat(pa.scalar(part.partition, pa.int32()), n),
+        pa.array([m.offset() for m in messages], pa.int64()),
+        # -1 (no timestamp) becomes 1969-12-31T23:59:59.999, as in Java.
+        pa.array(stamps[:, 1] * 1000, pa.int64()).cast(pa.timestamp("us", tz="UTC")),
+        pa.array(_TS_TYPES[np.clip(types, 0, len(_TS_TYPES) - 1)] if n else np.zeros(0, np.int32), pa.int32()),
+    ]
+    if len(schema) > len(columns):
+        # The built-in source gives null, not [], for a record without headers.
+        columns.append(pa.array([m.headers() or None for m in messages], schema.field("headers").type))
+    return pa.RecordBatch.from_arrays(columns, schema=schema)
+
+
+def read_range(options: Mapping[str, str], part: KafkaRange, include_headers: bool) -> Iterator[pa.RecordBatch]:
+    """The records of one range as pyarrow RecordBatches of the built-in schema (executor side)."""
+    schema = arrow_schema(include_headers)
     poll_timeout_s = int(_option(options, "kafkaConsumer.pollTimeoutMs") or "120000") / 1000
     config = client_config(options)
     config.setdefault("isolation.level", "read_uncommitted")  # the Java client's default, as the built-in
@@ -310,9 +373,7 @@ def read_range(options: Mapping[str, str], part: KafkaRange, include_headers: bo
     )
     try:
         consumer.assign([TopicPartition(part.topic, part.partition, part.start)])
-        columns: list[list[Any]] = [[] for _ in fields]
-        keys, values, topics, partitions, offsets, stamps, stamp_types = columns[:7]
-        headers_col = columns[7] if include_headers else None
+        pending: list[Any] = []
         last_progress = time.monotonic()
         done = False
         while not done:
@@ -325,37 +386,23 @@ def read_range(options: Mapping[str, str], part: KafkaRange, include_headers: bo
                     )
                 continue
             last_progress = time.monotonic()
-            for m in messages:
-                error = m.error()
-                if error is not None:
-                    if error.code() == KafkaError._PARTITION_EOF:
-                        done = True  # the end of what is readable (compaction or aborted transactions at the end)
-                        break
+            errors = [i for i, m in enumerate(messages) if m.error() is not None]
+            if errors:
+                error = messages[errors[0]].error()
+                if error.code() != KafkaError._PARTITION_EOF:
                     raise KafkaSourceError(f"reading {part.topic}/{part.partition}: {error}")
-                offset = m.offset()
-                if offset >= part.end:
-                    done = True
-                    break
-                ts_type, ts = m.timestamp()
-                keys.append(m.key())
-                values.append(m.value())
-                topics.append(part.topic)
-                partitions.append(part.partition)
-                offsets.append(offset)
-                stamps.append(ts * 1000)  # -1 (no timestamp) becomes 1969-12-31T23:59:59.999, as in Java
-                stamp_types.append(ts_types.get(ts_type, -1))
-                if headers_col is not None:
-                    raw = m.headers()
-                    headers_col.append(raw or None)  # the built-in gives null, not [], for no headers
-                if offset == part.end - 1:
-                    done = True
-                    break
-            if len(offsets) >= BATCH_ROWS or (done and offsets):
-                yield pa.RecordBatch.from_arrays(
-                    [pa.array(col, type=f[1]) for col, f in zip(columns, fields, strict=True)], schema=schema
-                )
-                for col in columns:
-                    col.clear()
+                # The end of what is readable (compaction or aborted transactions at the end).
+                messages = messages[: errors[0]]
+                done = True
+            # One partition's messages come in offset order: cut at the range's end.
+            cut = bisect.bisect_left(messages, part.end, key=lambda m: m.offset())
+            if cut < len(messages) or (cut and messages[cut - 1].offset() == part.end - 1):
+                messages = messages[:cut]
+                done = True
+            pending.extend(messages)
+            if len(pending) >= BATCH_ROWS or (done and pending):
+                yield to_batch(part, pending, schema)
+                pending = []
     finally:
         consumer.close()
 

@@ -1,8 +1,15 @@
-"""What the audit shows a person: the summary table, the thresholds verdict and the lateness chart."""
+"""What the audit shows a person: the summary table, the thresholds verdict, the chart and an HTML page.
+
+The chart answers "when": lateness per subscription and anomalies per kind, over the inbound
+records' publish time, so a bad hour stands out from a bad day.
+"""
 
 from __future__ import annotations
 
+import base64
+import html
 import math
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
@@ -13,7 +20,20 @@ import matplotlib.pyplot as plt
 
 if TYPE_CHECKING:
     from spark.audit import AuditResult
-    from spark.command import AuditSettings
+    from spark.settings import AuditSettings
+
+ANOMALY_FIELDS = [
+    "kind",
+    "topic",
+    "partition",
+    "offset",
+    "subscription",
+    "redelivery_count",
+    "outbound_topic",
+    "outbound_partition",
+    "outbound_offset",
+    "detail",
+]
 
 COLUMNS = [
     ("topic", "topic"),
@@ -76,7 +96,15 @@ def thresholds_report(result: AuditResult, settings: AuditSettings) -> tuple[dic
     return report, not any(v["exceeded"] for v in report.values())
 
 
-def print_summary(result: AuditResult, report: dict[str, Any], show: int, out: TextIO) -> None:
+def anomaly_rows(result: AuditResult, show: int) -> list[dict[str, Any]]:
+    """The first `show` anomalies in a stable order, for the summary and the HTML page."""
+    if not show or not sum(result.anomaly_counts.values()):
+        return []
+    ordered = result.anomalies.orderBy("kind", "topic", "partition", "offset", "subscription", "outbound_offset")
+    return [r.asDict() for r in ordered.limit(show).collect()]
+
+
+def print_summary(result: AuditResult, report: dict[str, Any], shown: list[dict[str, Any]], out: TextIO) -> None:
     rows = [[_cell(getattr(s, name)) for name, _ in COLUMNS] for s in result.subscriptions]
     out.write("Delivery audit per topic and subscription (lateness of first deliveries)\n")
     out.write(table(rows, [title for _, title in COLUMNS]) + "\n\n")
@@ -90,28 +118,39 @@ def print_summary(result: AuditResult, report: dict[str, Any], show: int, out: T
         out.write("Refused nack commands (control dead-letter topic)\n")
         out.write(table([[r["code"], str(r["count"])] for r in result.control_rejections], ["code", "count"]) + "\n\n")
     total = sum(result.anomaly_counts.values())
-    if total and show:
-        out.write(f"Anomalies (first {min(show, total)} of {total}; all in {report['outputs']['anomalies']})\n")
-        fields = ["kind", "topic", "partition", "offset", "subscription", "redelivery_count", "outbound_topic"]
-        fields += ["outbound_partition", "outbound_offset", "detail"]
-        rows = [
-            [_cell(r[f]) for f in fields]
-            for r in result.anomalies.orderBy("kind", "topic", "partition", "offset", "subscription")
-            .limit(show)
-            .collect()
-        ]
-        out.write(table(rows, fields) + "\n\n")
-    verdict = []
-    for name, t in report["thresholds"].items():
-        limit = "no limit" if t["limit"] < 0 else f"max {t['limit']}"
-        verdict.append(f"{name} {t['actual']} ({limit}{', EXCEEDED' if t['exceeded'] else ''})")
-    out.write(("PASS: " if report["passed"] else "FAIL: ") + "; ".join(verdict) + "\n")
-    out.write(f"Report: {report['outputs']['chart'].rsplit('/', 1)[0]}/report.json\n")
+    if shown:
+        out.write(f"Anomalies (first {len(shown)} of {total}; all in {report['outputs']['anomalies']})\n")
+        out.write(table([[_cell(r[f]) for f in ANOMALY_FIELDS] for r in shown], ANOMALY_FIELDS) + "\n\n")
+    out.write(("PASS: " if report["passed"] else "FAIL: ") + verdict(report) + "\n")
+    out.write(f"Report: {report['outputs']['report']} and {report['outputs']['html']}\n")
     out.flush()
 
 
+def verdict(report: dict[str, Any]) -> str:
+    parts = []
+    for name, t in report["thresholds"].items():
+        limit = "no limit" if t["limit"] < 0 else f"max {t['limit']}"
+        parts.append(f"{name} {t['actual']} ({limit}{', EXCEEDED' if t['exceeded'] else ''})")
+    return "; ".join(parts)
+
+
+KIND_COLOURS = {
+    "missing": "tab:red",
+    "nack_missing": "tab:purple",
+    "duplicate": "tab:orange",
+    "rejected_and_delivered": "tab:brown",
+    "early": "tab:pink",
+    "late": "tab:olive",
+}
+
+
+def _when(ms: int) -> datetime:
+    return datetime.fromtimestamp(ms / 1000, tz=UTC)
+
+
 def write_chart(result: AuditResult, path: Path) -> None:
-    """Lateness percentiles of first deliveries per subscription (and of nack redeliveries), a PNG."""
+    """Three panels, a PNG: lateness percentiles per subscription; lateness p99 per subscription over
+    time; anomalies per kind over time (both by the inbound records' publish time)."""
     subs = [s for s in result.subscriptions if s.delivered or s.redelivered]
     labels = [f"{s.topic}\n{s.subscription}" for s in subs]
     series: list[tuple[str, list[float | int | None]]] = [
@@ -121,17 +160,99 @@ def write_chart(result: AuditResult, path: Path) -> None:
         ("max", [s.lateness_max_ms for s in subs]),
         ("redelivery p99", [s.redelivery_lateness_p99_ms for s in subs]),
     ]
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.4 * len(subs) + 2), 4.5))
+    fig, (bars, over_time, kinds) = plt.subplots(3, 1, figsize=(max(8.0, 1.4 * len(subs) + 2), 12))
     width = 0.8 / len(series)
     for i, (name, values) in enumerate(series):
         xs = [j + (i - len(series) / 2 + 0.5) * width for j in range(len(subs))]
-        ax.bar(xs, [max(float(v), 0.0) if v is not None else 0.0 for v in values], width, label=name)
-    ax.set_xticks(range(len(subs)), labels, fontsize=8)
-    ax.set_yscale("symlog", linthresh=10)
-    ax.set_ylabel("lateness (ms after deliver-at)")
-    ax.set_title("Delivery lateness per subscription" if subs else "Delivery lateness: nothing delivered")
-    ax.legend(fontsize=8)
-    ax.grid(axis="y", alpha=0.3)
+        bars.bar(xs, [max(float(v), 0.0) if v is not None else 0.0 for v in values], width, label=name)
+    bars.set_xticks(range(len(subs)), labels, fontsize=8)
+    bars.set_yscale("symlog", linthresh=10)
+    bars.set_ylabel("lateness (ms after deliver-at)")
+    bars.set_title("Delivery lateness per subscription" if subs else "Delivery lateness: nothing delivered")
+    bars.legend(fontsize=8)
+    bars.grid(axis="y", alpha=0.3)
+
+    timeline = result.timeline
+    by_sub: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for row in timeline.lateness if timeline else []:
+        by_sub.setdefault((row["topic"], row["subscription"]), []).append(row)
+    for (topic, sub), rows in sorted(by_sub.items()):
+        over_time.plot(
+            [_when(r["bucket_ms"]) for r in rows], [max(r["p99_ms"], 0.0) for r in rows], label=f"{topic}/{sub}"
+        )
+    over_time.set_yscale("symlog", linthresh=10)
+    over_time.set_ylabel("lateness p99 (ms)")
+    bucket = f"{timeline.bucket_ms // 1000} s buckets" if timeline else ""
+    over_time.set_title(f"Lateness p99 per subscription over publish time ({bucket})")
+    if by_sub:
+        over_time.legend(fontsize=7, ncol=2)
+    over_time.grid(alpha=0.3)
+
+    by_kind: dict[str, list[dict[str, Any]]] = {}
+    for row in timeline.anomalies if timeline else []:
+        by_kind.setdefault(row["kind"], []).append(row)
+    bar_days = (timeline.bucket_ms if timeline else 1000) / 86_400_000 * 0.9
+    bottoms: dict[int, int] = {}
+    for kind, rows in sorted(by_kind.items()):
+        base = [bottoms.get(r["bucket_ms"], 0) for r in rows]
+        kinds.bar(
+            [_when(r["bucket_ms"]) for r in rows],
+            [r["count"] for r in rows],
+            bar_days,
+            bottom=base,
+            label=kind,
+            color=KIND_COLOURS.get(kind),
+            align="edge",
+        )
+        for r in rows:
+            bottoms[r["bucket_ms"]] = bottoms.get(r["bucket_ms"], 0) + r["count"]
+    kinds.set_ylabel("anomalies")
+    kinds.set_title("Anomalies per kind over publish time" if by_kind else "Anomalies over time: none")
+    if by_kind:
+        kinds.legend(fontsize=8)
+    kinds.grid(axis="y", alpha=0.3)
+    fig.autofmt_xdate()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def write_html(result: AuditResult, report: dict[str, Any], shown: list[dict[str, Any]], path: Path) -> None:
+    """One self-contained page (the chart inlined) to attach to a ticket or open from CI artifacts."""
+
+    def rows_html(header: list[str], rows: list[list[str]]) -> str:
+        head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
+        body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in rows)
+        return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+    chart = Path(report["outputs"]["chart"])
+    image = ""
+    if chart.is_file():
+        encoded = base64.b64encode(chart.read_bytes()).decode()
+        image = f'<img alt="lateness and anomalies over time" src="data:image/png;base64,{encoded}">'
+    summary = rows_html(
+        [title for _, title in COLUMNS],
+        [[_cell(getattr(s, name)) for name, _ in COLUMNS] for s in result.subscriptions],
+    )
+    anomalies = rows_html(ANOMALY_FIELDS, [[_cell(r[f]) for f in ANOMALY_FIELDS] for r in shown]) if shown else ""
+    status = "PASS" if report["passed"] else "FAIL"
+    page = f"""<!doctype html>
+<html><head><meta charset="utf-8"><title>delay-sidecar audit: {status}</title>
+<style>body{{font-family:sans-serif;margin:1.5em}}table{{border-collapse:collapse;font-size:13px}}
+td,th{{border:1px solid #ccc;padding:2px 6px;text-align:right}}th{{background:#eee}}
+.FAIL{{color:#b00}}.PASS{{color:#070}}</style></head><body>
+<h1 class="{status}">{status}</h1><p>{html.escape(verdict(report))}</p>
+<p>Source: {html.escape(str(report["source"]))}; wall time {report["wall_time_s"]} s;
+records read: {html.escape(json_line(result.records_read))}</p>
+<h2>Per topic and subscription</h2>{summary}
+<h2>Over time</h2>{image}
+<h2>Anomalies (first {len(shown)} of {sum(result.anomaly_counts.values())})</h2>{anomalies}
+<p>Every anomaly is in {html.escape(report["outputs"]["anomalies"])} (Parquet); the numbers in
+{html.escape(report["outputs"]["report"])}.</p>
+</body></html>
+"""
+    path.write_text(page)
+
+
+def json_line(values: dict[str, int]) -> str:
+    return ", ".join(f"{k} {v:,}" for k, v in values.items())

@@ -2,24 +2,41 @@
 
 `--source kafka` is Spark's built-in source (the spark-sql-kafka-0-10 connector, from `--packages`);
 `--source python` is spark.kafka_source (confluent-kafka, no connector); `auto` takes the built-in
-one when the connector is on the classpath. The audit logic never knows which.
+one when a connector built for this Spark is on the classpath. The audit logic never knows which.
+
+A connector built for another Spark version loads, then fails inside a task with errors such as
+`NoClassDefFoundError: org/apache/spark/internal/LogKeys$TOPIC_PARTITIONS` (Spark's internals
+change between releases). So the connector's version is read from its jar before anything runs
+and compared with Spark's own.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import re
 import sys
-from collections.abc import Mapping
+import zipfile
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
+from urllib.parse import unquote, urlparse
 
 from pyspark.sql import SparkSession
 
 from sidecar.errors import ConfigError
 from spark.kafka_source import SOURCE_NAME, KafkaPythonSource
 
+logger = logging.getLogger(__name__)
+
 SourceChoice = Literal["kafka", "python", "auto"]
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
+
+CONNECTOR_CLASS = "org/apache/spark/sql/kafka010/KafkaSourceProvider.class"
+"""A resource every spark-sql-kafka-0-10 jar (or an assembly that shades it in) contains."""
+CONNECTOR_ARTIFACT = re.compile(r"spark-sql-kafka-0-10_(?P<scala>\d+\.\d+)")
+CONNECTOR_JAR_NAME = re.compile(r"spark-sql-kafka-0-10_(?P<scala>\d+\.\d+)-(?P<version>\d[\w.\-]*?)\.jar$")
 
 
 def build_session(
@@ -29,7 +46,12 @@ def build_session(
     shuffle_partitions: int | None = None,
     conf: Mapping[str, str] | None = None,
 ) -> SparkSession:
-    """A session with the Python Kafka source registered; `master` None keeps spark-submit's choice."""
+    """A session with the Python Kafka source registered; `master` None keeps spark-submit's choice.
+
+    `conf` is applied last, so `--conf` wins over the audit's own defaults. spark.jars.packages and
+    spark.jars only take effect when this call starts the JVM (not under spark-submit, where they
+    are spark-submit's own --packages and --jars).
+    """
     # Python workers must run the interpreter that has pyarrow, pandas and confluent-kafka.
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
@@ -52,32 +74,154 @@ def build_session(
     return spark
 
 
-def builtin_kafka_available(spark: SparkSession) -> bool:
-    """True when Spark's own `kafka` format resolves (the connector is on the classpath).
+@dataclass(frozen=True)
+class Connector:
+    """A spark-sql-kafka-0-10 jar found on the driver's classpath."""
 
-    Loading a batch Kafka relation only validates options; it does not contact a broker.
+    location: str
+    version: str | None
+    """Its Spark version (pom.properties, else the manifest's Implementation-Version, else the file name)."""
+    scala: str | None
+    """Its Scala binary version (2.13), from the artifact id."""
+
+
+def connector_in_jar(path: Path) -> Connector:
+    """What a connector jar says about itself: Maven's pom.properties, the manifest, or its file name."""
+    version: str | None = None
+    scala: str | None = None
+    try:
+        with zipfile.ZipFile(path) as jar:
+            for name in jar.namelist():
+                found = CONNECTOR_ARTIFACT.search(name)
+                if name.startswith("META-INF/maven/org.apache.spark/") and name.endswith("/pom.properties") and found:
+                    props = _properties(jar.read(name).decode("utf-8", "replace"))
+                    version, scala = props.get("version"), found.group("scala")
+                    break
+            if version is None and "META-INF/MANIFEST.MF" in jar.namelist():
+                manifest = _properties(jar.read("META-INF/MANIFEST.MF").decode("utf-8", "replace"), sep=":")
+                version = manifest.get("Implementation-Version")
+    except (OSError, zipfile.BadZipFile):
+        pass
+    named = CONNECTOR_JAR_NAME.search(path.name)
+    if named:
+        version = version or named.group("version")
+        scala = scala or named.group("scala")
+    return Connector(str(path), version, scala)
+
+
+def _properties(text: str, sep: str = "=") -> dict[str, str]:
+    out: dict[str, str] = {}
+    for line in text.splitlines():
+        key, found, value = line.partition(sep)
+        if found and not key.strip().startswith("#"):
+            out[key.strip()] = value.strip()
+    return out
+
+
+def find_connectors(spark: SparkSession, loader: Any = None) -> list[Connector]:
+    """Every jar on the driver's classpath that holds the Kafka connector (several: a conflict).
+
+    `loader` is a JVM ClassLoader (default: the one Spark resolves data sources with).
+    """
+    jvm = spark.sparkContext._jvm
+    assert jvm is not None
+    if loader is None:
+        loader = jvm.org.apache.spark.util.Utils.getContextOrSparkClassLoader()
+    urls = loader.getResources(CONNECTOR_CLASS)
+    found: list[Connector] = []
+    while urls.hasMoreElements():
+        url = str(urls.nextElement().toString())
+        # jar:file:/path/spark-sql-kafka-0-10_2.13-4.0.0.jar!/org/apache/...
+        inner = url[len("jar:") :].split("!/", 1)[0] if url.startswith("jar:") else url
+        parsed = urlparse(inner)
+        if parsed.scheme == "file":
+            found.append(connector_in_jar(Path(unquote(parsed.path))))
+        else:
+            found.append(Connector(inner, None, None))
+    return found
+
+
+def spark_versions(spark: SparkSession) -> tuple[str, str]:
+    """(Spark version, Scala binary version) of the running JVM, e.g. ("4.3.0", "2.13")."""
+    jvm = spark.sparkContext._jvm
+    assert jvm is not None
+    scala = str(jvm.scala.util.Properties.versionNumberString())
+    return spark.version, ".".join(scala.split(".")[:2])
+
+
+def connector_coordinate(spark_version: str, scala: str) -> str:
+    return f"org.apache.spark:spark-sql-kafka-0-10_{scala}:{spark_version}"
+
+
+def connector_problem(connectors: Sequence[Connector], spark_version: str, scala: str) -> str | None:
+    """Why the connector(s) found cannot run on this Spark, or None when one matches exactly."""
+    coordinate = connector_coordinate(spark_version, scala)
+    if not connectors:
+        return (
+            f"Spark's Kafka connector is not on the classpath: run with --packages {coordinate} "
+            "(or --jars with that jar and kafka-clients), or use --source python"
+        )
+    wrong = [c for c in connectors if c.version != spark_version or (c.scala is not None and c.scala != scala)]
+    if not wrong:
+        return None
+    shown = ", ".join(
+        f"{c.location} (version {c.version or 'unknown'}{f', Scala {c.scala}' if c.scala else ''})" for c in wrong
+    )
+    return (
+        f"Spark's Kafka connector on the classpath was built for another Spark: {shown}; this is Spark "
+        f"{spark_version} with Scala {scala}, and a connector of another version fails inside the job "
+        f"(e.g. NoClassDefFoundError). Remove that jar and run with --packages {coordinate}, or use --source python"
+    )
+
+
+def builtin_kafka_loads(spark: SparkSession) -> str | None:
+    """None when Spark's own `kafka` format resolves and plans a read; else the error.
+
+    Loading a batch Kafka relation only validates options; it does not contact a broker. It fails
+    when the connector is there without its kafka-clients dependency (given with --jars alone).
     """
     try:
         spark.read.format("kafka").option("kafka.bootstrap.servers", "localhost:1").option("subscribe", "probe").load()
     except Exception as e:
-        text = str(e)
-        if any(
-            marker in text
-            for marker in ("KAFKA_DATA_SOURCE_NOT_ENABLED", "DATA_SOURCE_NOT_FOUND", "Failed to find data source")
-        ):
-            return False
-        raise
-    return True
+        return str(e).splitlines()[0][:500]
+    return None
 
 
-def resolve_source(spark: SparkSession, choice: SourceChoice) -> str:
-    """The format name to read Kafka with: "kafka" (built-in) or the Python source's name."""
+@dataclass(frozen=True)
+class SourceDecision:
+    """Which Kafka source the audit reads with, and what was found on the way (for the report)."""
+
+    format: str
+    spark_version: str
+    scala: str
+    connectors: tuple[Connector, ...]
+    fallback_reason: str | None = None
+
+
+def resolve_source(spark: SparkSession, choice: SourceChoice, loader: Any = None) -> SourceDecision:
+    """The format to read Kafka with: "kafka" (built-in) or the Python source's name.
+
+    `kafka` fails with the reason (a ConfigError, exit 2) when the connector is missing or of
+    another version; `auto` then falls back to the Python source with a warning. `loader`: where
+    to look for the connector, as in find_connectors().
+    """
+    spark_version, scala = spark_versions(spark)
+    connectors = tuple(find_connectors(spark, loader))
     if choice == "python":
-        return SOURCE_NAME
-    available = builtin_kafka_available(spark)
-    if choice == "kafka" and not available:
-        raise ConfigError(
-            "Spark's built-in Kafka source is not on the classpath: run with "
-            "--packages org.apache.spark:spark-sql-kafka-0-10_2.13:<your Spark version>, or use --source python"
-        )
-    return "kafka" if available else SOURCE_NAME
+        return SourceDecision(SOURCE_NAME, spark_version, scala, connectors)
+    problem = connector_problem(connectors, spark_version, scala)
+    if problem is None:
+        load_error = builtin_kafka_loads(spark)
+        if load_error is not None:
+            problem = (
+                f"Spark's Kafka connector {connectors[0].location} is on the classpath but does not load "
+                f"({load_error}): run with --packages {connector_coordinate(spark_version, scala)}, "
+                "which brings kafka-clients too, or use --source python"
+            )
+    if problem is None:
+        return SourceDecision("kafka", spark_version, scala, connectors)
+    if choice == "kafka":
+        raise ConfigError(problem)
+    if connectors:  # with no connector at all, the Python source is simply the way to read
+        logger.warning("kafka connector unusable, reading with the python source instead reason=%r", problem)
+    return SourceDecision(SOURCE_NAME, spark_version, scala, connectors, fallback_reason=problem)

@@ -16,7 +16,8 @@ from pyspark.sql import SparkSession
 from sidecar.client import Nacker
 from sidecar.outbound.records import dead_letter_headers, outbound_headers
 from spark.audit_job import EXIT_ANOMALIES, EXIT_OK, EXIT_USAGE, audit, run_job
-from spark.command import AuditCommand, AuditSettings
+from spark.command import AuditCommand
+from spark.settings import AuditSettings
 from tests.control.test_nack_flow import RecordView
 from tests.kafka_helpers import KafkaHelper, ThreadedSidecar, settings_for
 
@@ -95,7 +96,7 @@ topics:
     ranges = report["snapshot"]["inbound"][topic]
     assert set(ranges) == {"0", "1"} and all(start == 0 for start, _ in ranges.values())
     assert sum(end for _, end in ranges.values()) == 12  # the partitioner decides the split
-    assert (tmp_path / "report" / "lateness.png").stat().st_size > 1000
+    assert (tmp_path / "report" / "report.png").stat().st_size > 1000
     assert parquet_rows(tmp_path / "report" / "anomalies") == []
     assert {(r["code"], r["topic"]) for r in parquet_rows(tmp_path / "report" / "rejections")} == {
         ("INVALID_DELAY_HEADER", topic),
@@ -135,6 +136,14 @@ def test_injected_faults_are_reported_with_their_origin_and_fail_the_audit(
     dlt_headers = dead_letter_headers([], topic, 1, 1, "INVALID_DELAY_HEADER", "not a duration")
     kafka_helper.produce(f"{topic}.dlt", b"v", headers=dlt_headers, timestamp=t0)
     kafka_helper.flush()
+    # A sidecar's aborted transaction wrote a second copy of 0/0 on b: never delivered, not a duplicate.
+    aborted = Producer({"bootstrap.servers": kafka, "transactional.id": f"audit-{uuid.uuid4().hex[:8]}"})
+    aborted.init_transactions(30)
+    aborted.begin_transaction()
+    headers = outbound_headers([("deliver-after", b"1s")], topic, 0, 0, t0 + 1000)
+    aborted.produce(f"{topic}.b", b"v", headers=headers, timestamp=t0 + 1060)
+    aborted.flush()
+    aborted.abort_transaction(30)
 
     out = tmp_path / "report"
     args = ["--bootstrap-servers", kafka, "--policies", str(policies), "--output-dir", str(out), "--grace-ms", "5000"]
@@ -160,6 +169,14 @@ def test_injected_faults_are_reported_with_their_origin_and_fail_the_audit(
     )
     report = json.loads((out / "report.json").read_text())
     assert report["passed"] is False
+    assert report["spark"]["isolation_level"] == "read_committed"
+    read = report["records_read"]
+    assert (read["inbound"], read["outbound"], read["dead_letter"]) == (5, 9, 1)  # the aborted copy is not read
+    # The wall time covers writing the anomalies (the write phase), not just judging.
+    phases = report["timings_s"]
+    assert set(phases) == {"snapshot", "spark_start", "read", "analysis", "write"}
+    assert report["wall_time_s"] >= sum(phases.values())
+    assert (out / "report.html").read_text().count("<tr>") >= 1 + 4  # the summary and the anomalies
     assert report["thresholds"]["missing"] == {"limit": 0, "actual": 1, "exceeded": True}
     assert report["thresholds"]["duplicates"]["actual"] == 2 and report["thresholds"]["early"]["actual"] == 1
     printed = capsys.readouterr().out

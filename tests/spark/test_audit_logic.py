@@ -50,6 +50,13 @@ def nack(offset: int, ts_ms: int, topic: str, origin_offset: int, delay_ms: int)
     return record(CONTROL, offset, ts_ms, value=json.dumps(body).encode())
 
 
+def accepted(offset: int, ts_ms: int, topic: str, origin_offset: int, redelivery_count: int) -> Row:
+    body = {"type": "accepted", "subscription": "billing", "topic": topic, "partition": 0, "offset": origin_offset}
+    body |= {"deliver_at": ts_ms + 30_000, "redelivery_count": redelivery_count}
+    body |= {"command_partition": 0, "command_offset": offset - 7}
+    return record(CONTROL, offset, ts_ms, value=json.dumps(body).encode())
+
+
 class World:
     def __init__(self) -> None:
         self.inbound: list[Row] = []
@@ -135,6 +142,9 @@ def build_world() -> World:
         nack(2, T0, "nack", 2, 86_400_000),
         nack(3, T0, "nack", 3, 30_000),
         record(CONTROL, 4, T0, value=b"not json"),
+        # The sidecar's own record of an accepted nack shares the topic: it is not a consumer's command.
+        accepted(7, T0, "nack", 0, 1),
+        accepted(8, T0, "nack", 2, 1),
     ]
     w.control_dead += [
         dead_lettered(f"{CONTROL}.dlt", 0, T0, (CONTROL, 0, 3), "EXCEEDS_MAX_DELAY"),
@@ -218,6 +228,7 @@ def test_duplicate_delivery_is_one_anomaly_per_extra_copy_with_its_outbound_offs
         ("duplicate", "billing", 1, 0, 8),
     ]
     assert (summary(result, "dup").duplicates, summary(result, "dup").delivered) == (2, 1)
+    assert {d["publish_ms"] for d in dups} == {T0}  # the origin's publish time, to find it by time
 
 
 def test_early_delivery_is_reported_with_how_early(result: AuditResult, all_anomalies: list[dict[str, Any]]) -> None:
@@ -229,6 +240,7 @@ def test_early_delivery_is_reported_with_how_early(result: AuditResult, all_anom
         -1000,
     )
     assert early["detail"] == "delivered 1000 ms early"
+    assert (early["publish_ms"], early["deliver_at_ms"], early["delivered_ms"]) == (T0, T0 + 10_000, T0 + 9_000)
     assert summary(result, "early", "shipping").early == 1
 
 
@@ -310,6 +322,40 @@ def test_nack_redeliveries_are_counted_with_their_lateness_and_missing_ones_repo
 def test_a_redelivery_before_the_latest_nack_does_not_honour_it(result: AuditResult) -> None:
     s = summary(result, "renack")
     assert (s.nacks, s.nacks_missing, s.redelivered) == (2, 1, 1)
+
+
+def test_every_anomaly_has_the_publish_time_of_its_origin(all_anomalies: list[dict[str, Any]]) -> None:
+    assert [a for a in all_anomalies if a["publish_ms"] is None] == []
+
+
+def test_the_timeline_has_lateness_per_subscription_and_anomalies_per_kind_by_publish_time(
+    result: AuditResult, all_anomalies: list[dict[str, Any]]
+) -> None:
+    timeline = result.timeline
+    assert timeline is not None and timeline.bucket_ms == 60_000  # an hour of publish times in minutes
+    ok = [r for r in timeline.lateness if (r["topic"], r["subscription"]) == ("ok", "billing")]
+    assert ok == [
+        {
+            "topic": "ok",
+            "subscription": "billing",
+            "bucket_ms": T0 - T0 % 60_000,
+            "delivered": 10,
+            "p50_ms": 45.0,
+            "p99_ms": pytest.approx(89.1),
+            "max_ms": 90,
+        }
+    ]
+    per_kind: dict[str, int] = {}
+    for row in timeline.anomalies:
+        per_kind[row["kind"]] = per_kind.get(row["kind"], 0) + row["count"]
+    assert per_kind == {k: n for k, n in result.anomaly_counts.items() if n}
+    assert len(all_anomalies) == sum(per_kind.values())
+
+
+def test_no_python_runs_per_row_in_the_audit_plan(result: AuditResult) -> None:
+    plan = result.anomalies._jdf.queryExecution().executedPlan().toString()
+    assert "InMemoryTableScan" in plan  # the cached inputs
+    assert not any(node in plan for node in ("BatchEvalPython", "ArrowEvalPython", "PythonUDF", "MapInPandas"))
 
 
 def test_anomaly_counts_add_up_over_the_world(result: AuditResult, all_anomalies: list[dict[str, Any]]) -> None:

@@ -1,0 +1,98 @@
+"""The settings of the audit job, as flags and DELAY_SIDECAR_* variables.
+
+A module of its own, importing no Spark, so that the command (sidecar/cli.py mounts it), the job and
+the report all depend on it and none of them on each other.
+"""
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+from pydantic_settings import SettingsConfigDict
+
+from sidecar.settings import ENV_PREFIX, KafkaSettings
+
+
+class AuditSettings(KafkaSettings):
+    """Audit every inbound record's fate: delivered to each subscription on time, exactly once, or dead-lettered."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, cli_kebab_case=True, extra="ignore")
+
+    policies: Path | None = Field(
+        None,
+        description="Policy YAML file or directory: the inbound topics, their subscriptions' outbound topics, "
+        "dead-letter topics and delay policies. Without it, give --topics and --subscriptions.",
+    )
+    topics: list[str] = Field(
+        [], description="Inbound topics to audit (default with --policies: every topic of the policies)"
+    )
+    subscriptions: list[str] = Field(
+        [], description="Without --policies: the subscriptions of every topic (outbound '{topic}.{subscription}')"
+    )
+    routes: list[str] = Field(
+        [], description="Without --policies: outbound topics other than the default, as TOPIC/SUBSCRIPTION=OUTBOUND"
+    )
+    dead_letter_topics: list[str] = Field(
+        [], description="Without --policies: dead-letter topics other than '{topic}.dlt', as TOPIC=DLT"
+    )
+    control_topic: str = Field("delay-sidecar.control", description="Topic of nack commands ('' to skip nacks)")
+    control_dead_letter_topic: str = Field("delay-sidecar.control.dlt", description="Dead-letter topic of commands")
+    starting_offsets: str = Field(
+        "earliest",
+        description='Inbound range start: earliest, or JSON per partition {"topic":{"0":23}} (-2 earliest)',
+    )
+    ending_offsets: str = Field(
+        "latest", description='Inbound range end: latest, or JSON per partition {"topic":{"0":50}} (-1 latest)'
+    )
+    from_time: str | None = Field(
+        None, description="Audit inbound records published at or after this time (epoch ms or RFC 3339)"
+    )
+    to_time: str | None = Field(None, description="Audit inbound records published before this time")
+    grace_ms: int = Field(
+        30_000, ge=0, description="How long after its deliver-at a record may still arrive before it is missing"
+    )
+    max_missing: int = Field(0, description="Most missing records (and nacks without redelivery) that still pass")
+    max_duplicates: int = Field(0, description="Most duplicates (and dead-lettered-and-delivered) that still pass")
+    max_early: int = Field(0, description="Most early deliveries that still pass")
+    max_late: int = Field(-1, description="Most deliveries later than deliver-at + grace that pass (-1: no limit)")
+    output_dir: Path = Field(
+        Path("audit-report"),
+        description="Where report.json, report.html, report.png, anomalies/ and rejections/ go",
+    )
+    source: Literal["auto", "kafka", "python"] = Field(
+        "auto",
+        description="Kafka reader: kafka (Spark's built-in, needs --packages spark-sql-kafka-0-10 of this Spark's "
+        "version), python (embedded confluent-kafka data source), auto (built-in when a connector of this "
+        "Spark's version is on the classpath, else python with a warning)",
+    )
+    max_records_per_partition: int = Field(
+        1_000_000,
+        ge=1,
+        description="Most records one Spark task reads: larger Kafka partitions are split into offset ranges "
+        "(maxRecordsPerPartition), so a billion records need no task per Kafka partition",
+    )
+    isolation_level: Literal["read_committed", "read_uncommitted"] = Field(
+        "read_committed",
+        description="kafka.isolation.level of the reads: read_committed leaves out aborted transactions",
+    )
+    master: str | None = Field(None, description="Spark master, e.g. local[4] or yarn (default local[*])")
+    packages: str | None = Field(
+        None,
+        description="Maven coordinates for Spark, comma-separated, as spark-submit --packages: "
+        "org.apache.spark:spark-sql-kafka-0-10_2.13:<pyspark version> for Spark's own Kafka source",
+    )
+    jars: str | None = Field(None, description="Jars for Spark's classpath, comma-separated, as spark-submit --jars")
+    conf: list[str] = Field(
+        [], description="Spark setting KEY=VALUE, as spark-submit --conf; repeat the flag for more than one"
+    )
+    driver_memory: str | None = Field(None, description="Spark driver memory, e.g. 4g (local mode: all memory)")
+    shuffle_partitions: int | None = Field(
+        None,
+        ge=1,
+        description="spark.sql.shuffle.partitions (default: sized to the input, one per 500k records, "
+        "at least the cores)",
+    )
+    min_partitions: int | None = Field(
+        None, ge=1, description="Split the Kafka read into at least this many Spark tasks (minPartitions)"
+    )
+    show_anomalies: int = Field(20, ge=0, description="How many anomalies to print (all are in the Parquet files)")
