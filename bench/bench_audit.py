@@ -145,10 +145,10 @@ def main() -> None:
                 shuffle_partitions=args.shuffle_partitions,
             )
             # The cached inputs' size, sampled while the analysis runs (they are dropped at the end).
-            import spark.audit as audit_module  # noqa: PLC0415
+            import spark.analysis as analysis_module  # noqa: PLC0415
 
             peak_cache = [0.0]
-            analyse = audit_module.analyse
+            analyse = analysis_module.analyse
 
             def measured(*a: Any, **k: Any) -> Any:
                 peak_cache[0] = cached_mb(spark)

@@ -21,7 +21,7 @@ import time
 import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any, TextIO
@@ -62,23 +62,23 @@ if __package__ in (None, ""):  # `spark-submit spark/audit_job.py`: make the pro
     _reexec_in_project_venv()
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from confluent_kafka.admin import AdminClient
 from pydantic import ValidationError
 from pydantic_settings import CliApp
-from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import SparkSession
 
 from sidecar.errors import ConfigError, SidecarError
 from sidecar.logs import setup_logging
 from sidecar.policy import load_policies
-from spark.audit import AuditInputs, AuditParams, AuditResult, AuditRoute, analyse, prepare
-from spark.kafka_source import KafkaSourceError, kafka_schema, plan_ranges
+from spark.analysis import analyse
+from spark.kafka_source import KafkaSourceError
+from spark.model import AuditInputs, AuditParams, AuditResult, AuditRoute
+from spark.prepare import prepare
 from spark.report import anomaly_rows, print_summary, thresholds_report, write_chart, write_html
 from spark.session import SourceDecision, build_session, resolve_source
 from spark.settings import AuditSettings
+from spark.snapshot import read_topics, source_options, take_snapshot
 
 logger = logging.getLogger(__name__)
-
-Ranges = dict[str, dict[int, tuple[int, int]]]
 
 
 def parse_time(text: str, flag: str) -> int:
@@ -132,134 +132,6 @@ def audit_routes(settings: AuditSettings) -> list[AuditRoute]:
             raise ConfigError(f"--dead-letter-topics: expected TOPIC=DLT, got {item!r}")
         dead[topic] = dlt
     return [AuditRoute(t, s, o, dead.get(t, f"{t}.dlt")) for (t, s), o in sorted(outbound.items())]
-
-
-@dataclass
-class Snapshot:
-    """The offset ranges read, resolved once so every Spark job sees the same records."""
-
-    inbound: Ranges
-    outbound: Ranges
-    dead_letter: Ranges
-    control: Ranges
-    control_dead_letter: Ranges
-    as_of_ms: int
-    absent: list[str] = field(default_factory=list)
-
-    def as_json(self) -> dict[str, Any]:
-        def show(r: Ranges) -> dict[str, dict[str, list[int]]]:
-            return {t: {str(p): [s, e] for p, (s, e) in sorted(parts.items())} for t, parts in sorted(r.items())}
-
-        return {
-            "as_of_ms": self.as_of_ms,
-            "inbound": show(self.inbound),
-            "outbound": show(self.outbound),
-            "dead_letter": show(self.dead_letter),
-            "control": show(self.control),
-            "control_dead_letter": show(self.control_dead_letter),
-            "absent_topics": self.absent,
-        }
-
-
-CONSUMER_ONLY = ("isolation.level",)
-"""Consumer properties among the read options; an AdminClient given them logs that it ignores them."""
-
-
-def existing_topics(kafka_options: dict[str, str]) -> set[str]:
-    config = {
-        k[len("kafka.") :]: v
-        for k, v in kafka_options.items()
-        if k.startswith("kafka.") and k[len("kafka.") :] not in CONSUMER_ONLY
-    }
-    try:
-        metadata = AdminClient(config).list_topics(timeout=20)
-    except Exception as e:
-        raise SidecarError(f"cannot reach Kafka at {config.get('bootstrap.servers')}: {e}") from e
-    return {t for t, m in metadata.topics.items() if m.error is None}
-
-
-def resolve(kafka_options: dict[str, str], topics: list[str], extra: dict[str, str]) -> Ranges:
-    if not topics:
-        return {}
-    try:
-        ranges = plan_ranges({**kafka_options, "subscribe": ",".join(topics), **extra}, keep_empty=True)
-    except KafkaSourceError as e:
-        raise ConfigError(str(e)) from None
-    out: Ranges = {}
-    for r in ranges:
-        out.setdefault(r.topic, {})[r.partition] = (r.start, r.end)
-    return out
-
-
-def take_snapshot(
-    settings: AuditSettings, routes: list[AuditRoute], kafka_options: dict[str, str], from_ms: int | None
-) -> Snapshot:
-    exists = existing_topics(kafka_options)
-    inbound = sorted({r.topic for r in routes})
-    missing_inbound = [t for t in inbound if t not in exists]
-    if missing_inbound:
-        raise ConfigError(f"inbound topic(s) {', '.join(missing_inbound)} do not exist on the cluster")
-    wanted = {
-        "outbound": sorted({r.outbound for r in routes}),
-        "dead_letter": sorted({r.dead_letter_topic for r in routes}),
-        "control": [settings.control_topic] if settings.control_topic else [],
-        "control_dead_letter": [settings.control_dead_letter_topic] if settings.control_topic else [],
-    }
-    absent = sorted(t for topics in wanted.values() for t in topics if t not in exists)
-    inbound_options = {"startingOffsets": settings.starting_offsets, "endingOffsets": settings.ending_offsets}
-    if from_ms is not None and settings.starting_offsets == "earliest":
-        inbound_options["startingTimestamp"] = str(from_ms)
-    inbound_ranges = resolve(kafka_options, inbound, inbound_options)
-    # Records due up to now must be on the outbound topics read after this instant.
-    as_of_ms = int(time.time() * 1000)
-    later: dict[str, str] = {}
-    if from_ms is not None:
-        later["startingTimestamp"] = str(max(from_ms - settings.grace_ms, 0))
-    ranges = {
-        name: resolve(kafka_options, [t for t in topics if t in exists], later) for name, topics in wanted.items()
-    }
-    return Snapshot(
-        inbound_ranges,
-        ranges["outbound"],
-        ranges["dead_letter"],
-        ranges["control"],
-        ranges["control_dead_letter"],
-        as_of_ms,
-        absent,
-    )
-
-
-def read_topics(spark: SparkSession, fmt: str, kafka_options: dict[str, str], ranges: Ranges) -> DataFrame:
-    """The records in `ranges` with the Kafka source schema (headers included), from either source."""
-    if not ranges:
-        return spark.createDataFrame([], kafka_schema(include_headers=True))
-    reader = spark.read.format(fmt)
-    for key, value in kafka_options.items():
-        reader = reader.option(key, value)
-    return (
-        reader.option("subscribe", ",".join(sorted(ranges)))
-        .option(
-            "startingOffsets",
-            json.dumps({t: {str(p): s for p, (s, _) in parts.items()} for t, parts in ranges.items()}),
-        )
-        .option(
-            "endingOffsets", json.dumps({t: {str(p): e for p, (_, e) in parts.items()} for t, parts in ranges.items()})
-        )
-        .option("includeHeaders", "true")
-        .load()
-    )
-
-
-def source_options(settings: AuditSettings) -> dict[str, str]:
-    if not settings.bootstrap_servers:
-        raise ConfigError(
-            "--bootstrap-servers HOST:PORT (or DELAY_SIDECAR_BOOTSTRAP_SERVERS) is required: the audit reads an "
-            "existing cluster and starts no broker (`delay-sidecar broker` runs one locally)"
-        )
-    options = {f"kafka.{k}": str(v) for k, v in settings.client_config(settings.bootstrap_servers).items()}
-    # By default only committed records count: an aborted write of the sidecar was never delivered.
-    options["kafka.isolation.level"] = settings.isolation_level
-    return options
 
 
 CONF_KEY = re.compile(r"^[A-Za-z_][\w.\-]*$")

@@ -19,7 +19,7 @@ matplotlib.use("Agg")  # no display: the chart is a file
 import matplotlib.pyplot as plt
 
 if TYPE_CHECKING:
-    from spark.audit import AuditResult
+    from spark.model import AuditResult
     from spark.settings import AuditSettings
 
 ANOMALY_FIELDS = [

@@ -12,15 +12,9 @@ import pytest
 from pyspark.sql import SparkSession
 from pyspark.sql import functions as F  # noqa: N812
 
-from spark.audit import (
-    AuditInputs,
-    AuditParams,
-    AuditResult,
-    AuditRoute,
-    SubscriptionSummary,
-    run_audit,
-    with_requested_deliver_at,
-)
+from spark.audit import run_audit
+from spark.columns import with_requested_deliver_at
+from spark.model import AuditInputs, AuditParams, AuditResult, AuditRoute, SubscriptionSummary
 from tests.spark.records import Row, dead_lettered, delivered, frame, record
 
 T0 = 1_700_000_000_000

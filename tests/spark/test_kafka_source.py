@@ -21,7 +21,6 @@ from pyspark.sql.types import (
     TimestampType,
 )
 
-from spark.audit_job import existing_topics
 from spark.kafka_source import (
     SOURCE_NAME,
     KafkaRange,
@@ -31,6 +30,7 @@ from spark.kafka_source import (
     plan_ranges,
     split_ranges,
 )
+from spark.snapshot import existing_topics
 from tests.kafka_helpers import KafkaHelper
 
 # Spark's KafkaRecordToRowConverter.kafkaSchema (+ headersType with includeHeaders=true), written out.

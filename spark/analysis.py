@@ -1,0 +1,419 @@
+"""The judgement: each audited record's fate, the anomalies, the summaries per subscription, the nack fates.
+
+It sees only the Prepared frames (spark.prepare), never headers or payloads, so the rules of the
+contract read here without the cost of parsing. The one large shuffle is _fates; every other side
+is small and joins by broadcast.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from pyspark.sql import Column, DataFrame, SparkSession, Window
+from pyspark.sql import functions as F  # noqa: N812
+from pyspark.sql.types import IntegerType, LongType, StringType, StructField, StructType
+
+from spark.model import (
+    ANOMALY_SCHEMA,
+    DEAD_LETTER_SUBSCRIPTION,
+    KEYS,
+    AuditParams,
+    AuditResult,
+    AuditRoute,
+    Prepared,
+    SubscriptionSummary,
+    routes_frame,
+)
+from spark.timeline import build_timeline
+
+
+def _anomaly(frame: DataFrame, kind: str, **columns: Column) -> DataFrame:
+    """Project `frame` onto ANOMALY_SCHEMA; columns not given come from `frame` when it has them."""
+    have = set(frame.columns)
+    projected = []
+    for f in ANOMALY_SCHEMA.fields:
+        if f.name == "kind":
+            value = F.lit(kind)
+        elif f.name in columns:
+            value = columns[f.name]
+        elif f.name in have:
+            value = F.col(f.name)
+        else:
+            value = F.lit(None)
+        projected.append(value.cast(f.dataType).alias(f.name))
+    return frame.select(*projected)
+
+
+def _percentiles(column: str, prefix: str) -> list[Column]:
+    p = F.percentile(F.col(column), F.array(F.lit(0.5), F.lit(0.95), F.lit(0.99)))
+    return [
+        p[0].alias(f"{prefix}_p50_ms"),
+        p[1].alias(f"{prefix}_p95_ms"),
+        p[2].alias(f"{prefix}_p99_ms"),
+        F.max(column).alias(f"{prefix}_max_ms"),
+    ]
+
+
+_FIRST_TYPE = StructType(
+    [
+        StructField("outbound_partition", IntegerType()),
+        StructField("outbound_offset", LongType()),
+        StructField("delivered_ms", LongType()),
+        StructField("deliver_at_ms", LongType()),
+        StructField("outbound_topic", StringType()),
+    ]
+)
+
+
+FIRST_FIELDS = ["outbound_partition", "outbound_offset", "delivered_ms", "deliver_at_ms", "outbound_topic"]
+"""A delivery's position first: the minimum of these structs is the first copy written."""
+
+
+def _first_copy() -> Column:
+    return F.struct(*FIRST_FIELDS)
+
+
+def _fates(prepared: Prepared, routes: DataFrame, params: AuditParams) -> DataFrame:
+    """One row per (record, subscription) with anything on it: the single large shuffle of the audit.
+
+    The inbound row (expanded per subscription), every first-time delivery (redelivery count 0) and
+    every dead-letter row are unioned and grouped, rather than joined, so the records cross the
+    cluster once and no side is sorted. Rows without an inbound record are orphans.
+    """
+    expected_due = (
+        F.when(F.col("ordered") | ~F.col("delays_enabled"), F.col("publish_ms"))
+        .when(F.col("fixed_delay_ms") > 0, F.col("publish_ms") + F.col("fixed_delay_ms"))
+        .otherwise(F.greatest(F.coalesce(F.col("requested_ms"), F.col("publish_ms")), F.col("publish_ms")))
+    )
+    null_long, null_str = F.lit(None).cast("long"), F.lit(None).cast("string")
+    route_cols = routes.select("topic", "subscription", "ordered", "delays_enabled", "fixed_delay_ms")
+    inbound_rows = prepared.inbound.join(route_cols, "topic").select(
+        *KEYS,
+        "subscription",
+        F.lit(0).alias("src"),
+        "publish_ms",
+        expected_due.alias("due_ms"),
+        F.lit(None).cast(_FIRST_TYPE).alias("copy"),
+        null_str.alias("code"),
+        null_long.alias("dlt_offset"),
+    )
+    outbound_rows = prepared.outbound.where(
+        F.col("subscription").isNotNull() & (F.col("redelivery_count") == 0)
+    ).select(
+        *KEYS,
+        "subscription",
+        F.lit(1).alias("src"),
+        null_long.alias("publish_ms"),
+        null_long.alias("due_ms"),
+        _first_copy().alias("copy"),
+        null_str.alias("code"),
+        null_long.alias("dlt_offset"),
+    )
+    dead_rows = prepared.dead_letter.join(route_cols.select("topic", "subscription"), "topic").select(
+        *KEYS,
+        "subscription",
+        F.lit(2).alias("src"),
+        null_long.alias("publish_ms"),
+        null_long.alias("due_ms"),
+        F.lit(None).cast(_FIRST_TYPE).alias("copy"),
+        "code",
+        "dlt_offset",
+    )
+    src = F.col("src")
+    grouped = (
+        inbound_rows.unionAll(outbound_rows)
+        .unionAll(dead_rows)
+        .groupBy(*KEYS, "subscription")
+        .agg(
+            (F.count_if(src == 0) > 0).alias("has_inbound"),
+            F.max("publish_ms").alias("publish_ms"),
+            F.max("due_ms").alias("due_ms"),
+            F.count_if(src == 1).alias("copies"),
+            F.min("copy").alias("first"),
+            F.min_by("code", "dlt_offset").alias("code"),
+        )
+    )
+    grace = F.lit(params.grace_ms)
+    return (
+        grouped.select(*KEYS, "subscription", "has_inbound", "publish_ms", "due_ms", "copies", "code", "first.*")
+        .withColumn("is_rejected", F.col("code").isNotNull())
+        .withColumn("is_delivered", F.col("copies") > 0)
+        .withColumn(
+            "lateness_ms",
+            F.col("delivered_ms")
+            - F.greatest(F.coalesce(F.col("deliver_at_ms"), F.col("due_ms")), F.col("publish_ms")),
+        )
+        .withColumn(
+            "status",
+            F.when(~F.col("has_inbound"), "orphan")
+            .when(F.col("is_rejected") & F.col("is_delivered"), "rejected_and_delivered")
+            .when(F.col("is_rejected"), "rejected")
+            .when(F.col("is_delivered"), "delivered")
+            .when(F.col("due_ms") + grace > F.lit(params.as_of_ms), "pending")
+            .otherwise("missing"),
+        )
+    )
+
+
+def analyse(spark: SparkSession, prepared: Prepared, routes: Sequence[AuditRoute], params: AuditParams) -> AuditResult:
+    """Judge every audited record from the prepared (ideally cached) inputs."""
+    routes_df = F.broadcast(routes_frame(spark, routes))
+    grace = F.lit(params.grace_ms)
+    inb = prepared.inbound
+    published = inb.select(*KEYS, "publish_ms")
+    out = prepared.outbound
+
+    fates = _fates(prepared, routes_df, params).persist()
+    audited = fates.where(F.col("has_inbound"))
+
+    # Small sides, joined to the audited records by broadcast (the inbound side is never shuffled again).
+    dlt = prepared.dead_letter.hint("broadcast").join(published, KEYS)
+    redelivery_groups = (
+        out.where(F.col("subscription").isNotNull() & (F.col("redelivery_count") > 0))
+        .groupBy(*KEYS, "subscription", "redelivery_count")
+        .agg(F.count(F.lit(1)).alias("copies"), F.min(_first_copy()).alias("first"))
+        .select(*KEYS, "subscription", "redelivery_count", "copies", "first.*")
+    )
+    redeliveries = (
+        redelivery_groups.hint("broadcast")
+        .join(published, KEYS)
+        .withColumn("lateness_ms", F.col("delivered_ms") - F.greatest(F.col("deliver_at_ms"), F.col("publish_ms")))
+        .persist()
+    )
+    duplicated = audited.where(F.col("copies") > 1).select(
+        *KEYS, "subscription", F.lit(0).alias("redelivery_count"), "publish_ms", "outbound_partition", "outbound_offset"
+    )
+    duplicated = duplicated.unionByName(
+        redeliveries.where(F.col("copies") > 1).select(
+            *KEYS, "subscription", "redelivery_count", "publish_ms", "outbound_partition", "outbound_offset"
+        )
+    ).withColumnsRenamed({"outbound_partition": "first_partition", "outbound_offset": "first_offset"})
+    extra_copies = (
+        out.join(F.broadcast(duplicated), [*KEYS, "subscription", "redelivery_count"])
+        .where(
+            (F.col("outbound_partition") != F.col("first_partition"))
+            | (F.col("outbound_offset") != F.col("first_offset"))
+        )
+        .withColumn(
+            "copy",
+            F.row_number().over(
+                Window.partitionBy(*KEYS, "subscription", "redelivery_count").orderBy(
+                    "outbound_partition", "outbound_offset"
+                )
+            )
+            + 1,
+        )
+    )
+    early = (
+        out.where(F.col("subscription").isNotNull() & (F.col("delivered_ms") < F.col("deliver_at_ms")))
+        .hint("broadcast")
+        .join(published, KEYS)
+    )
+    nack_fates = _nack_fates(prepared.commands, published, redeliveries, params)
+
+    dlt_copy = Window.partitionBy(*KEYS).orderBy("dlt_partition", "dlt_offset")
+    anomaly_parts = [
+        _anomaly(audited.where(F.col("status") == "missing"), "missing", deliver_at_ms=F.col("due_ms")),
+        _anomaly(
+            audited.where(F.col("status") == "rejected_and_delivered"),
+            "rejected_and_delivered",
+            redelivery_count=F.lit(0),
+            detail=F.concat(F.lit("dead-lettered with "), F.col("code"), F.lit(" and delivered")),
+        ),
+        _anomaly(
+            audited.where((F.col("status") == "delivered") & (F.col("lateness_ms") > grace)),
+            "late",
+            redelivery_count=F.lit(0),
+            detail=F.concat(F.lit("later than the grace period of "), grace.cast("string"), F.lit(" ms")),
+        ),
+        _anomaly(extra_copies, "duplicate", detail=F.concat(F.lit("copy "), F.col("copy").cast("string"))),
+        _anomaly(
+            dlt.withColumn("copy", F.row_number().over(dlt_copy)).where(F.col("copy") > 1),
+            "duplicate",
+            subscription=F.lit(DEAD_LETTER_SUBSCRIPTION),
+            outbound_topic=F.col("dlt_topic"),
+            outbound_partition=F.col("dlt_partition"),
+            outbound_offset=F.col("dlt_offset"),
+            detail=F.concat(F.lit("dead-lettered again with "), F.coalesce(F.col("code"), F.lit("no code"))),
+        ),
+        _anomaly(
+            early,
+            "early",
+            lateness_ms=F.col("delivered_ms") - F.col("deliver_at_ms"),
+            detail=F.concat(
+                F.lit("delivered "), (F.col("deliver_at_ms") - F.col("delivered_ms")).cast("string"), F.lit(" ms early")
+            ),
+        ),
+    ]
+    if nack_fates is not None:
+        anomaly_parts.append(
+            _anomaly(
+                nack_fates.where(F.col("status") == "missing"),
+                "nack_missing",
+                deliver_at_ms=F.col("due_ms"),
+                detail=F.concat(
+                    F.lit("nack at control offset "),
+                    F.col("control_partition").cast("string"),
+                    F.lit("/"),
+                    F.col("control_offset").cast("string"),
+                    F.lit(" got no redelivery"),
+                ),
+            )
+        )
+    anomalies = anomaly_parts[0]
+    for part in anomaly_parts[1:]:
+        anomalies = anomalies.unionByName(part)
+    anomalies = anomalies.persist()
+
+    summaries, span = _summaries(fates, anomalies, redeliveries, nack_fates, routes)
+    counts = {
+        "missing": sum(s.missing for s in summaries),
+        "nack_missing": sum(s.nacks_missing for s in summaries),
+        "duplicate": sum(s.duplicates for s in summaries),
+        "rejected_and_delivered": sum(s.rejected_and_delivered for s in summaries),
+        "early": sum(s.early for s in summaries),
+        "late": sum(s.late for s in summaries),
+    }
+    # The small tables of the report in one Spark job: (section, name, code, count).
+    info = [
+        dlt.groupBy("topic", "code").agg(F.count(F.lit(1)).alias("n")).select(F.lit("rejection"), "topic", "code", "n"),
+        out.where(F.col("subscription").isNull())
+        .groupBy("outbound_topic")
+        .agg(F.count(F.lit(1)).alias("n"))
+        .select(F.lit("orphan"), "outbound_topic", F.lit(None).cast("string"), "n"),
+        fates.where(~F.col("has_inbound"))
+        .groupBy("outbound_topic")
+        .agg(F.sum("copies").alias("n"))
+        .select(F.lit("orphan"), "outbound_topic", F.lit(None).cast("string"), "n"),
+        redelivery_groups.hint("broadcast")
+        .join(published, KEYS, "left_anti")
+        .groupBy("outbound_topic")
+        .agg(F.sum("copies").alias("n"))
+        .select(F.lit("orphan"), "outbound_topic", F.lit(None).cast("string"), "n"),
+    ]
+    if prepared.control_rejections is not None:
+        info.append(
+            prepared.control_rejections.groupBy("code")
+            .agg(F.count(F.lit(1)).alias("n"))
+            .select(F.lit("control_rejection"), F.lit(None).cast("string"), "code", "n")
+        )
+    info_df = info[0]
+    for part in info[1:]:
+        info_df = info_df.union(part)
+    rows = sorted(
+        ((r[0], r[1] or "", r[2] or "", int(r[3])) for r in info_df.toDF("section", "name", "code", "n").collect()),
+    )
+    rejections = [{"topic": n, "code": c, "count": k} for sec, n, c, k in rows if sec == "rejection"]
+    control_rejections = [{"code": c, "count": k} for sec, _, c, k in rows if sec == "control_rejection"]
+    orphans: dict[str, int] = {}
+    for sec, name, _, k in rows:
+        if sec == "orphan":
+            orphans[name] = orphans.get(name, 0) + k
+    rejected_records = dlt.select(*KEYS, "code", "message", "dlt_topic", "dlt_partition", "dlt_offset")
+    timeline = build_timeline(audited, anomalies, span)
+    return AuditResult(
+        summaries, rejections, control_rejections, counts, anomalies, rejected_records, orphans, timeline=timeline
+    )
+
+
+def _nack_fates(
+    commands: DataFrame | None, published: DataFrame, redeliveries: DataFrame, params: AuditParams
+) -> DataFrame | None:
+    """Each (record, subscription) with valid nack commands: its latest command and whether it was honoured."""
+    if commands is None:
+        return None
+    audited = commands.hint("broadcast").join(published, KEYS)
+    latest = audited.groupBy(*KEYS, "subscription", "publish_ms").agg(
+        F.count("*").alias("commands"),
+        F.max_by(
+            F.struct("due_ms", "command_ms", "control_partition", "control_offset"),
+            F.struct("command_ms", "control_offset"),
+        ).alias("last"),
+    )
+    latest = latest.select(*KEYS, "subscription", "publish_ms", "commands", "last.*")
+    honoured = (
+        latest.alias("l")
+        .join(
+            redeliveries.select(*KEYS, "subscription", F.col("delivered_ms").alias("redelivered_ms")).alias("r"),
+            [*KEYS, "subscription"],
+        )
+        .where(F.col("redelivered_ms") >= F.col("command_ms"))
+        .select(*KEYS, "subscription")
+        .distinct()
+        .withColumn("honoured", F.lit(True))
+    )
+    return (
+        latest.join(honoured, [*KEYS, "subscription"], "left")
+        .withColumn(
+            "status",
+            F.when(F.col("honoured"), "redelivered")
+            .when(F.col("due_ms") + F.lit(params.grace_ms) > F.lit(params.as_of_ms), "pending")
+            .otherwise("missing"),
+        )
+        .persist()
+    )
+
+
+def _summaries(
+    fates: DataFrame,
+    anomalies: DataFrame,
+    redeliveries: DataFrame,
+    nack_fates: DataFrame | None,
+    routes: Sequence[AuditRoute],
+) -> tuple[list[SubscriptionSummary], tuple[int | None, int | None]]:
+    """The summary per (topic, subscription), and the earliest and latest publish time audited."""
+    status = F.col("status")
+    main = (
+        fates.where(F.col("has_inbound"))
+        .groupBy("topic", "subscription")
+        .agg(
+            F.count("*").alias("inbound"),
+            F.count_if(F.col("is_rejected")).alias("rejected"),
+            F.count_if(~F.col("is_rejected")).alias("accepted"),
+            F.count_if(status == "delivered").alias("delivered"),
+            F.count_if(status == "pending").alias("pending"),
+            F.count_if(status == "missing").alias("missing"),
+            F.count_if(status == "rejected_and_delivered").alias("rejected_and_delivered"),
+            *_percentiles("lateness_ms", "lateness"),
+            F.min("publish_ms").alias("_first_publish_ms"),
+            F.max("publish_ms").alias("_last_publish_ms"),
+        )
+    )
+    by_kind = (
+        anomalies.where(F.col("kind").isin("duplicate", "early", "late"))
+        .groupBy("topic", "subscription")
+        .pivot("kind", ["duplicate", "early", "late"])
+        .agg(F.count(F.lit(1)))
+        .withColumnsRenamed({"duplicate": "duplicates"})
+    )
+    redelivered = redeliveries.groupBy("topic", "subscription").agg(
+        F.count(F.lit(1)).alias("redelivered"), *_percentiles("lateness_ms", "redelivery_lateness")
+    )
+    # One Spark job: every per-subscription number joined on (topic, subscription).
+    joined = main.join(by_kind, ["topic", "subscription"], "full").join(redelivered, ["topic", "subscription"], "full")
+    if nack_fates is not None:
+        nacks = nack_fates.groupBy("topic", "subscription").agg(
+            F.sum("commands").alias("nacks"),
+            F.count_if(F.col("status") == "pending").alias("nacks_pending"),
+            F.count_if(F.col("status") == "missing").alias("nacks_missing"),
+        )
+        joined = joined.join(nacks, ["topic", "subscription"], "full")
+    summaries: dict[tuple[str, str], SubscriptionSummary] = {
+        (r.topic, r.subscription): SubscriptionSummary(r.topic, r.subscription) for r in routes
+    }
+    fields = {f.name: f.type for f in dataclasses.fields(SubscriptionSummary)}
+    firsts: list[int] = []
+    lasts: list[int] = []
+    for row in joined.collect():
+        key = (row["topic"], row["subscription"])
+        summary = summaries.setdefault(key, SubscriptionSummary(*key))
+        for name, value in row.asDict().items():
+            if name == "_first_publish_ms" and value is not None:
+                firsts.append(int(value))
+            elif name == "_last_publish_ms" and value is not None:
+                lasts.append(int(value))
+            elif name not in ("topic", "subscription", "_first_publish_ms", "_last_publish_ms") and value is not None:
+                setattr(summary, name, int(value) if fields[name] in ("int", "int | None") else float(value))
+    span = (min(firsts) if firsts else None, max(lasts) if lasts else None)
+    return [summaries[k] for k in sorted(summaries)], span

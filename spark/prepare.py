@@ -1,0 +1,111 @@
+"""The read phase: each input reduced to the few columns the audit needs, before anything is judged.
+
+The only place that knows the Kafka source's schema, the header names and the nack command's JSON:
+what comes after works on the Prepared frames, which are cached once and read many times.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pyspark.sql import Column, DataFrame, SparkSession
+from pyspark.sql import functions as F  # noqa: N812
+
+from sidecar.outbound.records import (
+    DELIVER_AT,
+    ERROR_CODE,
+    ERROR_MESSAGE,
+    ORIGIN_OFFSET,
+    ORIGIN_PARTITION,
+    ORIGIN_TOPIC,
+    REDELIVERY_COUNT,
+)
+from spark.columns import header_long, header_text, with_requested_deliver_at
+from spark.model import NACK_SCHEMA, AuditInputs, AuditParams, AuditRoute, Prepared, routes_frame
+
+
+def _origin() -> list[Column]:
+    return [
+        header_text(ORIGIN_TOPIC).alias("topic"),
+        header_long(ORIGIN_PARTITION).cast("int").alias("partition"),
+        header_long(ORIGIN_OFFSET).alias("offset"),
+    ]
+
+
+def prepare(spark: SparkSession, inputs: AuditInputs, routes: Sequence[AuditRoute], params: AuditParams) -> Prepared:
+    """Each input reduced to the audit's columns (lazy: persist() and materialise() read them)."""
+    routes_df = F.broadcast(routes_frame(spark, routes))
+    topics = routes_df.select("topic").distinct()
+    inbound = inputs.inbound.join(topics, "topic", "left_semi")
+    inb = with_requested_deliver_at(
+        inbound.select("topic", "partition", "offset", F.unix_millis(F.col("timestamp")).alias("publish_ms"), "headers")
+    ).drop("headers")
+    if params.from_ms is not None:
+        inb = inb.where(F.col("publish_ms") >= F.lit(params.from_ms))
+    if params.to_ms is not None:
+        inb = inb.where(F.col("publish_ms") < F.lit(params.to_ms))
+
+    pairs = routes_df.select(F.col("outbound").alias("outbound_topic"), "topic", "subscription").distinct()
+    out = inputs.outbound.select(
+        *_origin(),
+        F.col("topic").alias("outbound_topic"),
+        F.col("partition").alias("outbound_partition"),
+        F.col("offset").alias("outbound_offset"),
+        F.unix_millis(F.col("timestamp")).alias("delivered_ms"),
+        header_long(DELIVER_AT).alias("deliver_at_ms"),
+        F.coalesce(header_long(REDELIVERY_COUNT).cast("int"), F.lit(0)).alias("redelivery_count"),
+    )
+    # Left: a record on an outbound topic whose origin header names no routed topic is still counted (orphan).
+    out = out.join(F.broadcast(pairs), ["outbound_topic", "topic"], "left")
+
+    dlt_pairs = routes_df.select("topic", F.col("dead_letter_topic").alias("dlt_topic")).distinct()
+    dlt = inputs.dead_letter.select(
+        *_origin(),
+        header_text(ERROR_CODE).alias("code"),
+        header_text(ERROR_MESSAGE).alias("message"),
+        F.col("topic").alias("dlt_topic"),
+        F.col("partition").alias("dlt_partition"),
+        F.col("offset").alias("dlt_offset"),
+    ).join(F.broadcast(dlt_pairs), ["topic", "dlt_topic"], "left_semi")
+
+    commands = _parsed_control(inputs)
+    if commands is not None:
+        commands = commands.join(routes_df.select("topic", "subscription"), ["topic", "subscription"], "left_semi")
+    refused = None
+    if inputs.control_dead_letter is not None:
+        refused = inputs.control_dead_letter.select(header_text(ERROR_CODE).alias("code"))
+    return Prepared(inb, out, dlt, commands, refused)
+
+
+def _parsed_control(inputs: AuditInputs) -> DataFrame | None:
+    if inputs.control is None:
+        return None
+    commands = inputs.control.select(
+        F.col("partition").alias("control_partition"),
+        F.col("offset").alias("control_offset"),
+        F.unix_millis(F.col("timestamp")).alias("command_ms"),
+        F.from_json(F.col("value").cast("string"), NACK_SCHEMA).alias("c"),
+    ).where(F.col("c.type") == "nack")  # the sidecar's "accepted" records share the topic: not commands
+    if inputs.control_dead_letter is not None:
+        refused = (
+            inputs.control_dead_letter.select(
+                header_text(ORIGIN_TOPIC).alias("origin_topic"),
+                header_long(ORIGIN_PARTITION).cast("int").alias("control_partition"),
+                header_long(ORIGIN_OFFSET).alias("control_offset"),
+            )
+            .where(F.col("origin_topic") == F.lit(inputs.control_topic))
+            .drop("origin_topic")
+        )
+        commands = commands.join(refused, ["control_partition", "control_offset"], "left_anti")
+    return commands.select(
+        "control_partition",
+        "control_offset",
+        "command_ms",
+        F.col("c.topic").alias("topic"),
+        F.col("c.partition").cast("int").alias("partition"),
+        F.col("c.offset").alias("offset"),
+        F.col("c.subscription").alias("subscription"),
+        F.coalesce(F.col("c.deliver_at"), F.col("command_ms") + F.coalesce(F.col("c.delay_ms"), F.lit(0))).alias(
+            "due_ms"
+        ),
+    )
