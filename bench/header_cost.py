@@ -1,0 +1,83 @@
+"""What each outbound header costs a producer: the measurement behind issue 13's pass-through item.
+
+Usage: .venv/bin/python bench/header_cost.py [--records N]
+
+Produces N 100-byte records to an embedded broker (one of its own) with 0 to 5 headers of the
+contract's shape, and a single compact origin header as the alternative, each in the same run, and
+prints records/s and the ratio to no headers. Only the produce calls and the final flush are timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from confluent_kafka import Producer
+from confluent_kafka.admin import AdminClient, NewTopic
+
+from sidecar.broker.embedded import EmbeddedBroker, free_port
+from sidecar.outbound.records import outbound_headers
+
+CONTRACT = outbound_headers(None, "orders", 3, 1_234_567, 1_795_255_200_000)
+SHAPES: dict[str, list[tuple[str, bytes]]] = {
+    "none": [],
+    "1 header": CONTRACT[:1],
+    "3 headers (origin)": CONTRACT[:3],
+    "5 headers (the contract)": CONTRACT,
+    "1 compact header (topic/partition/offset@deliver_at#count)": [
+        ("delay-origin", b"orders/3/1234567@1795255200000#0")
+    ],
+}
+
+
+def produce(bootstrap: str, topic: str, headers: list[tuple[str, bytes]], records: int) -> float:
+    producer = Producer({"bootstrap.servers": bootstrap, "linger.ms": 5, "compression.type": "lz4",
+                         "queue.buffering.max.messages": 1_000_000})  # fmt: skip
+    value = b"x" * 100
+    started = time.perf_counter()
+    for i in range(records):
+        while True:
+            try:
+                producer.produce(topic, value, headers=headers)
+                break
+            except BufferError:
+                producer.poll(0.01)
+        if i % 10_000 == 0:
+            producer.poll(0)
+    producer.flush(60)
+    return records / (time.perf_counter() - started)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--records", type=int, default=300_000, metavar="N")
+    parser.add_argument("--rounds", type=int, default=3, metavar="N", help="best of N, in alternating order")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="header-cost-") as work:
+        broker = EmbeddedBroker(Path(work) / "broker", port=free_port())
+        with broker:
+            admin = AdminClient({"bootstrap.servers": broker.bootstrap_servers})
+            names = [f"h{i}" for i in range(len(SHAPES))]
+            for future in admin.create_topics([NewTopic(n, 1) for n in names]).values():
+                future.result(10)
+            rates: dict[str, float] = {}
+            order = list(zip(SHAPES.items(), names, strict=True))
+            for round_ in range(args.rounds):  # alternate the order: the machine is shared and noisy
+                for (shape, headers), name in order if round_ % 2 == 0 else order[::-1]:
+                    rate = produce(broker.bootstrap_servers, name, headers, args.records)
+                    rates[shape] = max(rates.get(shape, 0.0), rate)
+    base = rates["none"]
+    print(f"| headers per record ({args.records:,} records of 100 B) | records/s | ratio to none |")
+    print("| --- | ---: | ---: |")
+    for shape, rate in rates.items():
+        print(f"| {shape} | {rate:,.0f} | {rate / base:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
