@@ -131,21 +131,26 @@ class SidecarApp:
             storage = open_snapshot_storage(settings, client_config)
             if storage is not None:
                 stack.callback(storage.close)
-            build = lambda: Sidecar(  # noqa: E731 - one engine per attempt, see _serve
-                client_config,
-                policies=policies.get,
-                tracker_factory=tracker_factory(settings, self.clock, storage, self.metrics, settings.control_topic),
-                group_id=settings.group_id,
-                instance_id=settings.instance_id or default_instance_id(settings.state_dir),
-                session_timeout_ms=settings.session_timeout_ms,
-                metrics=self.metrics,
-                clock=self.clock,
-                commit_interval_ms=settings.commit_interval_ms,
-                batch_size=settings.batch_size,
-                new_topic_partitions=settings.new_topic_partitions,
-                control_topic=settings.control_topic,
-                read_ahead_ms=settings.read_ahead_ms,
-            )
+
+            def build() -> Sidecar:  # one engine per attempt, see _serve
+                return Sidecar(
+                    client_config,
+                    policies=policies.get,
+                    tracker_factory=tracker_factory(
+                        settings, self.clock, storage, self.metrics, settings.control_topic
+                    ),
+                    group_id=settings.group_id,
+                    instance_id=settings.instance_id or default_instance_id(settings.state_dir),
+                    session_timeout_ms=settings.session_timeout_ms,
+                    metrics=self.metrics,
+                    clock=self.clock,
+                    commit_interval_ms=settings.commit_interval_ms,
+                    batch_size=settings.batch_size,
+                    new_topic_partitions=settings.new_topic_partitions,
+                    control_topic=settings.control_topic,
+                    read_ahead_ms=settings.read_ahead_ms,
+                )
+
             if settings.metrics_port:
                 self.status = StatusServer(
                     settings.metrics_host,
