@@ -98,6 +98,18 @@ class RunSettings(KafkaSettings):
         ge=0,
         description="How far ahead of their deliver-at due records are read back from the log (never sent early)",
     )
+    payload_cache_bytes: int = Field(
+        1 << 30,
+        ge=0,
+        description="Disk budget of the local payload cache under --state-dir/cache, counted as key + value "
+        "bytes before compression; past it, payloads are read back from the log (0: no cache)",
+    )
+    payload_cache_horizon_ms: int = Field(
+        600_000,
+        ge=0,
+        description="Delayed records due within this time of their intake keep their payload in the payload "
+        "cache; later ones are read back from the log ahead of their deliver-at",
+    )
     batch_size: int = Field(10_000, ge=1, description="Most records read per poll of the inbound topics")
     new_topic_partitions: int = Field(
         3, ge=1, description="Partitions of inbound topics the sidecar creates because they did not exist"
