@@ -60,7 +60,7 @@ class RunSettings(KafkaSettings):
     )
     policies: Path = Field(Path("policies"), description="Policy YAML file or directory of files")
     state_dir: Path = Field(
-        Path(".state"), description="Directory for the delayed index and the embedded broker's data"
+        Path(".state"), description="Directory for the delayed index, the payload cache and the embedded broker's data"
     )
     metrics_port: int = Field(9464, ge=0, le=65535, description="Port of /metrics, /healthz, /policies (0: off)")
     metrics_host: str = Field("127.0.0.1", description="Address the metrics endpoint binds to")
