@@ -18,6 +18,7 @@ of deliver-at; past the budget new payloads are not cached until delivered ones 
 
 from __future__ import annotations
 
+import bisect
 import logging
 import marshal
 import shutil
@@ -48,9 +49,11 @@ MAX_DELIVER_AT = (1 << 64) - 1
 # Caching resumes once deletions bring the counted bytes back under this share of the budget, so a
 # cache at its limit does not flap between full and not full on every checkpoint.
 RESUME_AT = 0.9
-# A scan that has visited this many entries more than it was asked for (entries of other
+# A scan that has passed over this many entries it was not asked for (entries of other
 # partitions, or already read) stops and fetches the rest by key.
-SCAN_SLACK = 10_000
+SCAN_SLACK = 1_000
+# Entries looked up per scan: building and scanning a chunk takes a few milliseconds.
+CHUNK = 2_000
 LOCK_TIMEOUT_S = 10.0
 LOCK_RETRY_INTERVAL_S = 0.2
 
@@ -174,46 +177,58 @@ class CacheBatch:
 
 
 class CacheRead:
-    """One lookup of many payloads: iterate for the hits, in key order, then ask for the misses."""
+    """One lookup of many payloads: iterate for the hits, in key order, then ask for the misses.
+
+    The wanted entries are taken in chunks of about CHUNK, earliest deliver-at first across all
+    partitions, one scan per chunk: a read-ahead pass of a whole window never blocks the loop for
+    longer than a chunk, and the payloads due first are found first.
+    """
 
     def __init__(self, cache: PayloadCache, wanted: dict[TopicPartitionKey, list[Due]]) -> None:
         self._cache = cache
+        self._all = wanted
         self._wanted: dict[bytes, tuple[TopicPartitionKey, int]] = {}
-        self._uncacheable: list[tuple[TopicPartitionKey, int]] = []
-        low, high = MAX_DELIVER_AT, 0
-        for partition, dues in wanted.items():
-            topic, number = partition
-            for deliver_at, offset in dues:
-                if 0 <= deliver_at < MAX_DELIVER_AT:
-                    self._wanted[encode_key(deliver_at, topic, number, offset)] = (partition, offset)
-                    low, high = min(low, deliver_at), max(high, deliver_at)
-                else:
-                    self._uncacheable.append((partition, offset))
-        self._range = (low, high)
+        self._missing: dict[TopicPartitionKey, list[int]] = {}
         self.hits: dict[str, int] = {}
         """Payloads found, per topic."""
 
     def __iter__(self) -> Iterator[tuple[TopicPartitionKey, int, Message]]:
-        wanted = self._wanted
-        if not wanted or self._cache.closed:
-            return
-        try:
-            yield from self._scan(wanted)
-            if wanted:  # the scan stopped early: fetch what is left by key
-                keys: list[Any] = sorted(wanted)
-                values: list[bytes | None] = self._cache._db.get(keys) or []
-                for key, value in zip(keys, values, strict=True):
-                    if value is not None:
-                        yield from self._hit(key, value)
-        except Exception as exc:  # a failing cache is a miss, never a failure
-            self._cache._failed("read", exc)
+        for chunk in _chunks(self._all, CHUNK):
+            yield from self._read_chunk(chunk)
+
+    def _read_chunk(
+        self, chunk: dict[TopicPartitionKey, list[Due]]
+    ) -> Iterator[tuple[TopicPartitionKey, int, Message]]:
+        wanted = self._wanted = {}
+        low, high = MAX_DELIVER_AT, 0
+        for partition, dues in chunk.items():
+            topic, number = partition
+            for deliver_at, offset in dues:
+                if 0 <= deliver_at < MAX_DELIVER_AT:
+                    wanted[encode_key(deliver_at, topic, number, offset)] = (partition, offset)
+                    low, high = min(low, deliver_at), max(high, deliver_at)
+                else:
+                    self._missing.setdefault(partition, []).append(offset)
+        if wanted and not self._cache.closed:
+            try:
+                yield from self._scan(wanted, low, high)
+                if wanted:  # the scan stopped early: fetch what is left by key
+                    keys: list[Any] = sorted(wanted)
+                    values: list[bytes | None] = self._cache._db.get(keys) or []
+                    for key, value in zip(keys, values, strict=True):
+                        if value is not None:
+                            yield from self._hit(key, value)
+            except Exception as exc:  # a failing cache is a miss, never a failure
+                self._cache._failed("read", exc)
+        for partition, offset in wanted.values():
+            self._missing.setdefault(partition, []).append(offset)
+        wanted.clear()
 
     def _scan(
-        self, wanted: dict[bytes, tuple[TopicPartitionKey, int]]
+        self, wanted: dict[bytes, tuple[TopicPartitionKey, int]], low: int, high: int
     ) -> Iterator[tuple[TopicPartitionKey, int, Message]]:
-        """One pass over [lowest, highest deliver-at wanted], stopping once everything is found, or
-        once it has passed over SCAN_SLACK entries that were not wanted (a sparse request)."""
-        low, high = self._range
+        """One pass over [low, high] deliver-at, stopping once everything is found, or once it has
+        passed over SCAN_SLACK entries that were not wanted (a sparse request)."""
         options = rocksdict.ReadOptions()
         options.set_iterate_upper_bound(time_key(high + 1))
         options.fill_cache(False)  # type: ignore[call-arg]  # read once, then deleted: caching would only hold memory
@@ -229,22 +244,39 @@ class CacheRead:
                     return
 
     def _hit(self, key: bytes, value: bytes) -> Iterator[tuple[TopicPartitionKey, int, Message]]:
-        partition, offset = self._wanted.pop(key)
+        partition, offset = self._wanted[key]
         try:
             record = decode_value(partition[0], partition[1], offset, value)
         except (ValueError, EOFError, TypeError) as exc:
             self._cache._failed("decode", exc)
-            self._wanted[key] = (partition, offset)  # a miss: read it back from the log
-            return
+            return  # left in _wanted: a miss, read back from the log
+        del self._wanted[key]
         self.hits[partition[0]] = self.hits.get(partition[0], 0) + 1
         yield partition, offset, record
 
     def missing(self) -> dict[TopicPartitionKey, list[int]]:
         """Offsets, per partition, that the iteration did not yield: to be read back from the log."""
-        out: dict[TopicPartitionKey, list[int]] = {}
-        for partition, offset in [*self._wanted.values(), *self._uncacheable]:
-            out.setdefault(partition, []).append(offset)
-        return out
+        return self._missing
+
+
+def _chunks(wanted: dict[TopicPartitionKey, list[Due]], size: int) -> Iterator[dict[TopicPartitionKey, list[Due]]]:
+    """Split per-partition lists (each in deliver-at order) into chunks of about `size` entries,
+    cut at a deliver-at so that each chunk is one range of keys, earliest first."""
+    cursors = {partition: 0 for partition, dues in wanted.items() if dues}
+    step = max(size // max(len(cursors), 1), 1)
+    while cursors:
+        bound = min(wanted[p][min(i + step, len(wanted[p])) - 1].deliver_at for p, i in cursors.items())
+        chunk: dict[TopicPartitionKey, list[Due]] = {}
+        for partition, i in list(cursors.items()):
+            dues = wanted[partition]
+            j = bisect.bisect_right(dues, (bound, MAX_DELIVER_AT), i)
+            if j > i:
+                chunk[partition] = dues[i:j]
+            if j >= len(dues):
+                del cursors[partition]
+            else:
+                cursors[partition] = j
+        yield chunk
 
 
 class PayloadCache:

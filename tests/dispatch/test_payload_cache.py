@@ -1,5 +1,6 @@
 """The payload cache on its own: key order, byte budget, and what makes it drop itself at start."""
 
+import itertools
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +13,7 @@ from hypothesis import strategies as st
 from sidecar.dispatch.payload_cache import (
     ByteBudget,
     PayloadCache,
+    _chunks,
     decode_key,
     decode_value,
     encode_key,
@@ -29,6 +31,28 @@ KEYS = st.tuples(st.integers(0, 2**63), TOPICS, st.integers(0, 2**31 - 1), st.in
 def test_keys_sort_as_deliver_at_topic_partition_offset(entries: list[tuple[int, str, int, int]]) -> None:
     assert sorted(entries, key=lambda e: encode_key(*e)) == sorted(entries)
     assert all(decode_key(encode_key(*e)) == e for e in entries)
+
+
+@given(
+    st.dictionaries(
+        st.sampled_from([("a", 0), ("a", 1), ("b", 0)]),
+        st.lists(st.tuples(st.integers(0, 50), st.integers(0, 10**6)), max_size=60),
+    ),
+    st.integers(1, 20),
+)
+def test_chunks_cover_everything_once_earliest_first(
+    wanted: dict[tuple[str, int], list[tuple[int, int]]], size: int
+) -> None:
+    dues = {p: [Due(*e) for e in sorted(set(entries))] for p, entries in wanted.items()}
+    chunks = list(_chunks(dues, size))
+    for p, entries in dues.items():
+        assert [d for c in chunks for d in c.get(p, [])] == entries
+    for before, after in itertools.pairwise(chunks):
+        # One range of keys each: every deliver-at of a chunk precedes every one of the next.
+        assert max(d.deliver_at for c in before.values() for d in c) < min(
+            d.deliver_at for c in after.values() for d in c
+        )
+    assert all(chunk and all(chunk.values()) for chunk in chunks)
 
 
 def record(offset: int, value: bytes = b"v", headers: list[tuple[str, bytes | None]] | None = None) -> Message:
