@@ -3,8 +3,13 @@
 Records with random delays that fall due in any window lie all over the inbound log, so reading
 them back from Kafka means reading through most of the log for every window. The sidecar has every
 payload in hand at intake, so it keeps the payloads of records due within a horizon in a RocksDB of
-its own (`--state-dir/cache`), keyed in (deliver-at, topic, partition, offset) order: the payloads
-of the next window are then one range scan.
+its own (`--state-dir/cache`), in (deliver-at, topic, partition, offset) order: the payloads of
+the next window are then one range scan.
+
+One entry holds the payloads of one partition due in one slot of SLOT_MS from one intake batch,
+keyed (slot, topic, partition, first offset). Per-record entries cost about 2 µs more per record
+at intake (a skiplist insert and a put each) and more to read back, measured; a slot is small
+enough that a read seldom decodes payloads it did not ask for.
 
 The cache decides nothing. The tracker still indexes every position and decides when it is due;
 the inbound topic is still the ledger. A payload that is not here, for whatever reason (beyond the
@@ -26,7 +31,6 @@ import struct
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import rocksdict
 from confluent_kafka import Message
@@ -36,23 +40,25 @@ from sidecar.tracker.base import Due
 logger = logging.getLogger(__name__)
 
 TopicPartitionKey = tuple[str, int]
+Entry = tuple[int, int, int, int, bytes | None, bytes | None, list[tuple[str, bytes | None]] | None]
+"""(deliver_at, offset, timestamp type, timestamp, key, value, headers): what delivery uses."""
 
 # Bumped when the key or value layout changes; marshal's own version is part of it, since marshal
 # output is only promised to be readable by the same format version.
-FORMAT = f"1/marshal{marshal.version}".encode()
+FORMAT = f"2/marshal{marshal.version}".encode()
 DATA = b"d"
 META_OWNER = b"m/owner"
 META_FORMAT = b"m/format"
 META_CLEAN = b"m/clean"
 """Written last by a clean close, with the byte counts; its absence at open means a crash."""
 MAX_DELIVER_AT = (1 << 64) - 1
+# Deliver-at time covered by one entry. It divides a second, so deleting whole seconds deletes
+# whole entries and the byte count per second stays exact.
+SLOT_MS = 100
 # Caching resumes once deletions bring the counted bytes back under this share of the budget, so a
 # cache at its limit does not flap between full and not full on every checkpoint.
 RESUME_AT = 0.9
-# A scan that has passed over this many entries it was not asked for (entries of other
-# partitions, or already read) stops and fetches the rest by key.
-SCAN_SLACK = 1_000
-# Entries looked up per scan: building and scanning a chunk takes a few milliseconds.
+# Payloads looked up per pass: a chunk of whole slots takes a few milliseconds to read.
 CHUNK = 2_000
 LOCK_TIMEOUT_S = 10.0
 LOCK_RETRY_INTERVAL_S = 0.2
@@ -64,11 +70,15 @@ _U32 = struct.Struct(">I")
 def encode_key(deliver_at: int, topic: str, partition: int, offset: int) -> bytes:
     """Sorts as (deliver-at, topic, partition, offset): fixed-width big-endian numbers, and a NUL
     after the topic (Kafka topic names never hold one), so a shorter name sorts first."""
-    return DATA + _U64.pack(deliver_at) + topic.encode() + b"\0" + _U32.pack(partition) + _U64.pack(offset)
+    return DATA + _U64.pack(deliver_at) + partition_infix(topic, partition) + _U64.pack(offset)
+
+
+def partition_infix(topic: str, partition: int) -> bytes:
+    return topic.encode() + b"\0" + _U32.pack(partition)
 
 
 def decode_key(key: bytes) -> tuple[int, str, int, int]:
-    """(deliver_at, topic, partition, offset); for tests and debugging only (the hot path matches bytes)."""
+    """(deliver_at, topic, partition, offset); for tests and debugging only."""
     (deliver_at,) = _U64.unpack_from(key, 1)
     end = key.index(b"\0", 9)
     (partition,) = _U32.unpack_from(key, end + 1)
@@ -81,22 +91,16 @@ def time_key(deliver_at: int) -> bytes:
     return DATA + _U64.pack(deliver_at)
 
 
-def encode_value(record: Message, headers: list[tuple[str, bytes | None]] | None) -> bytes:
-    """Everything delivery and dead-lettering use: key, value, headers and timestamp."""
+def entry(deliver_at: int, record: Message, headers: list[tuple[str, bytes | None]] | None) -> Entry:
     kind, stamp = record.timestamp()
-    return marshal.dumps((kind, stamp, record.key(), record.value(), headers))
+    return (deliver_at, record.offset(), kind, stamp, record.key(), record.value(), headers)
 
 
-def decode_value(topic: str, partition: int, offset: int, value: bytes) -> Message:
-    kind, stamp, key, payload, headers = marshal.loads(value)
+def to_message(topic: str, partition: int, e: Entry) -> Message:
+    """The record as delivery and dead-lettering read it."""
+    _, offset, kind, stamp, key, value, headers = e
     return Message(
-        topic=topic,
-        partition=partition,
-        offset=offset,
-        key=key,
-        value=payload,
-        headers=headers,
-        timestamp=(kind, stamp),
+        topic=topic, partition=partition, offset=offset, key=key, value=value, headers=headers, timestamp=(kind, stamp)
     )
 
 
@@ -140,14 +144,17 @@ class ByteBudget:
 
 
 class CacheBatch:
-    """The payloads of one intake batch, written to RocksDB in one WriteBatch."""
+    """The payloads of one intake batch, grouped by partition and slot, written in one WriteBatch.
+
+    This runs for every delayed record at intake: per record it only appends a tuple; the
+    serialising, counting and writing is done per group in `write()`.
+    """
 
     def __init__(self, cache: PayloadCache, now_ms: int) -> None:
         self._cache = cache
         self._until = now_ms + cache.horizon_ms
-        self._batch = rocksdict.WriteBatch(raw_mode=True)
-        self._prefixes = cache._prefixes
-        self.count = 0
+        self._budget = cache.budget
+        self._groups: dict[tuple[str, int, int], list[Entry]] = {}
 
     def add(
         self,
@@ -158,37 +165,51 @@ class CacheBatch:
         record: Message,
         headers: list[tuple[str, bytes | None]] | None,
     ) -> None:
-        """Cache the payload of an indexed record, if it falls due within the horizon and fits the budget."""
-        if deliver_at > self._until or deliver_at < 0:
+        """Cache the payload of an indexed record, if it falls due within the horizon (and, at
+        `write()`, fits the budget)."""
+        if deliver_at > self._until or deliver_at < 0 or self._budget.full:
             return
-        prefix = self._prefixes.get((topic, partition))
-        if prefix is None:
-            prefix = self._prefixes[(topic, partition)] = topic.encode() + b"\0" + _U32.pack(partition)
-        key = DATA + _U64.pack(deliver_at) + prefix + _U64.pack(offset)
-        value = encode_value(record, headers)
-        if not self._cache.budget.take(deliver_at, len(key) + len(value)):
-            return
-        self._batch.put(key, value)
-        self.count += 1
+        slot = (topic, partition, deliver_at // SLOT_MS)
+        group = self._groups.get(slot)
+        if group is None:
+            group = self._groups[slot] = []
+        kind, stamp = record.timestamp()
+        group.append((deliver_at, offset, kind, stamp, record.key(), record.value(), headers))
+
+    @property
+    def count(self) -> int:
+        return sum(len(g) for g in self._groups.values())
 
     def write(self) -> None:
-        if self.count:
-            self._cache._write(self._batch)
+        if not self._groups:
+            return
+        batch = rocksdict.WriteBatch(raw_mode=True)
+        budget = self._budget
+        written = 0
+        for (topic, partition, slot), group in self._groups.items():
+            key = encode_key(slot * SLOT_MS, topic, partition, group[0][1])
+            value = marshal.dumps(group)
+            if not budget.take(slot * SLOT_MS, len(key) + len(value)):
+                break
+            batch.put(key, value)
+            written += 1
+        if written:
+            self._cache._write(batch)
 
 
 class CacheRead:
     """One lookup of many payloads: iterate for the hits, in key order, then ask for the misses.
 
-    The wanted entries are taken in chunks of about CHUNK, earliest deliver-at first across all
-    partitions, one scan per chunk: a read-ahead pass of a whole window never blocks the loop for
-    longer than a chunk, and the payloads due first are found first.
+    The wanted entries are taken in chunks of whole slots, about CHUNK entries each, earliest
+    deliver-at first across all partitions: a read-ahead pass of a whole window never blocks the
+    loop for longer than a chunk, and the payloads due first are found first.
     """
 
     def __init__(self, cache: PayloadCache, wanted: dict[TopicPartitionKey, list[Due]]) -> None:
         self._cache = cache
         self._all = wanted
-        self._wanted: dict[bytes, tuple[TopicPartitionKey, int]] = {}
         self._missing: dict[TopicPartitionKey, list[int]] = {}
+        self._partitions = {partition_infix(*p): p for p in wanted}
         self.hits: dict[str, int] = {}
         """Payloads found, per topic."""
 
@@ -199,60 +220,59 @@ class CacheRead:
     def _read_chunk(
         self, chunk: dict[TopicPartitionKey, list[Due]]
     ) -> Iterator[tuple[TopicPartitionKey, int, Message]]:
-        wanted = self._wanted = {}
-        low, high = MAX_DELIVER_AT, 0
+        wanted: dict[tuple[TopicPartitionKey, int], int] = {}
+        slots: set[int] = set()
         for partition, dues in chunk.items():
-            topic, number = partition
             for deliver_at, offset in dues:
                 if 0 <= deliver_at < MAX_DELIVER_AT:
-                    wanted[encode_key(deliver_at, topic, number, offset)] = (partition, offset)
-                    low, high = min(low, deliver_at), max(high, deliver_at)
+                    wanted[(partition, offset)] = deliver_at
+                    slots.add(deliver_at // SLOT_MS)
                 else:
                     self._missing.setdefault(partition, []).append(offset)
         if wanted and not self._cache.closed:
             try:
-                yield from self._scan(wanted, low, high)
-                if wanted:  # the scan stopped early: fetch what is left by key
-                    keys: list[Any] = sorted(wanted)
-                    values: list[bytes | None] = self._cache._db.get(keys) or []
-                    for key, value in zip(keys, values, strict=True):
-                        if value is not None:
-                            yield from self._hit(key, value)
+                yield from self._scan(wanted, sorted(slots))
             except Exception as exc:  # a failing cache is a miss, never a failure
                 self._cache._failed("read", exc)
-        for partition, offset in wanted.values():
+        for partition, offset in wanted:
             self._missing.setdefault(partition, []).append(offset)
-        wanted.clear()
 
     def _scan(
-        self, wanted: dict[bytes, tuple[TopicPartitionKey, int]], low: int, high: int
+        self, wanted: dict[tuple[TopicPartitionKey, int], int], slots: list[int]
     ) -> Iterator[tuple[TopicPartitionKey, int, Message]]:
-        """One pass over [low, high] deliver-at, stopping once everything is found, or once it has
-        passed over SCAN_SLACK entries that were not wanted (a sparse request)."""
+        """Read the wanted slots in key order, with one iterator that seeks only over gaps; only the
+        entries of wanted partitions are decoded."""
         options = rocksdict.ReadOptions()
-        options.set_iterate_upper_bound(time_key(high + 1))
+        options.set_iterate_upper_bound(time_key((slots[-1] + 1) * SLOT_MS))
         options.fill_cache(False)  # type: ignore[call-arg]  # read once, then deleted: caching would only hold memory
-        slack = SCAN_SLACK
-        for key, value in self._cache._db.items(from_key=time_key(low), read_opt=options):
-            if key in wanted:
-                yield from self._hit(key, value)
-                if not wanted:
-                    return
-            else:
-                slack -= 1
-                if slack <= 0:
-                    return
-
-    def _hit(self, key: bytes, value: bytes) -> Iterator[tuple[TopicPartitionKey, int, Message]]:
-        partition, offset = self._wanted[key]
-        try:
-            record = decode_value(partition[0], partition[1], offset, value)
-        except (ValueError, EOFError, TypeError) as exc:
-            self._cache._failed("decode", exc)
-            return  # left in _wanted: a miss, read back from the log
-        del self._wanted[key]
-        self.hits[partition[0]] = self.hits.get(partition[0], 0) + 1
-        yield partition, offset, record
+        it = self._cache._db.iter(options)
+        it.seek(time_key(slots[0] * SLOT_MS))
+        partitions = self._partitions
+        hits = self.hits
+        for slot in slots:
+            start, end = time_key(slot * SLOT_MS), time_key((slot + 1) * SLOT_MS)
+            if it.valid() and it.key() < start:
+                it.seek(start)
+            while it.valid():
+                key = it.key()
+                if key >= end:
+                    break
+                partition = partitions.get(key[9:-8])
+                if partition is not None:
+                    try:
+                        group: list[Entry] = marshal.loads(it.value())
+                    except (ValueError, EOFError, TypeError) as exc:
+                        self._cache._failed("decode", exc)
+                        group = []
+                    for e in group:
+                        deliver_at = wanted.get((partition, e[1]))
+                        if deliver_at == e[0]:  # the deliver-at too: never another record's payload
+                            del wanted[(partition, e[1])]
+                            hits[partition[0]] = hits.get(partition[0], 0) + 1
+                            yield partition, e[1], to_message(partition[0], partition[1], e)
+                it.next()
+            if not wanted:
+                return
 
     def missing(self) -> dict[TopicPartitionKey, list[int]]:
         """Offsets, per partition, that the iteration did not yield: to be read back from the log."""
@@ -261,11 +281,12 @@ class CacheRead:
 
 def _chunks(wanted: dict[TopicPartitionKey, list[Due]], size: int) -> Iterator[dict[TopicPartitionKey, list[Due]]]:
     """Split per-partition lists (each in deliver-at order) into chunks of about `size` entries,
-    cut at a deliver-at so that each chunk is one range of keys, earliest first."""
+    cut at slot boundaries so that each chunk is one range of whole slots, earliest first."""
     cursors = {partition: 0 for partition, dues in wanted.items() if dues}
     step = max(size // max(len(cursors), 1), 1)
     while cursors:
         bound = min(wanted[p][min(i + step, len(wanted[p])) - 1].deliver_at for p, i in cursors.items())
+        bound = (bound // SLOT_MS + 1) * SLOT_MS - 1  # the end of its slot
         chunk: dict[TopicPartitionKey, list[Due]] = {}
         for partition, i in list(cursors.items()):
             dues = wanted[partition]
@@ -293,7 +314,6 @@ class PayloadCache:
         self.budget = budget
         self.horizon_ms = horizon_ms
         self.closed = False
-        self._prefixes: dict[TopicPartitionKey, bytes] = {}
         self._write_options = rocksdict.WriteOptions()
         # Rebuildable, and dropped after a crash anyway. (The stub types this property as a method.)
         self._write_options.disable_wal = True  # type: ignore[method-assign,assignment]

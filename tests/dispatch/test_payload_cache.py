@@ -1,6 +1,7 @@
 """The payload cache on its own: key order, byte budget, and what makes it drop itself at start."""
 
 import itertools
+import marshal
 import subprocess
 import sys
 from pathlib import Path
@@ -11,13 +12,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from sidecar.dispatch.payload_cache import (
+    SLOT_MS,
     ByteBudget,
     PayloadCache,
     _chunks,
     decode_key,
-    decode_value,
     encode_key,
-    encode_value,
+    entry,
+    to_message,
 )
 from sidecar.tracker import Due
 
@@ -48,9 +50,9 @@ def test_chunks_cover_everything_once_earliest_first(
     for p, entries in dues.items():
         assert [d for c in chunks for d in c.get(p, [])] == entries
     for before, after in itertools.pairwise(chunks):
-        # One range of keys each: every deliver-at of a chunk precedes every one of the next.
-        assert max(d.deliver_at for c in before.values() for d in c) < min(
-            d.deliver_at for c in after.values() for d in c
+        # One range of whole slots each: every slot of a chunk precedes every one of the next.
+        assert max(d.deliver_at // SLOT_MS for c in before.values() for d in c) < min(
+            d.deliver_at // SLOT_MS for c in after.values() for d in c
         )
     assert all(chunk and all(chunk.values()) for chunk in chunks)
 
@@ -62,7 +64,7 @@ def record(offset: int, value: bytes = b"v", headers: list[tuple[str, bytes | No
 
 def test_values_keep_everything_delivery_uses() -> None:
     headers: list[tuple[str, bytes | None]] = [("deliver-at", b"1"), ("empty", None)]
-    back = decode_value("orders", 1, 7, encode_value(record(7, b"payload", headers), headers))
+    back = to_message("orders", 1, marshal.loads(marshal.dumps(entry(T0, record(7, b"payload", headers), headers))))
     assert (back.topic(), back.partition(), back.offset()) == ("orders", 1, 7)
     assert (back.key(), back.value(), back.headers(), back.timestamp()) == (
         b"k",
@@ -101,6 +103,14 @@ def put(cache: PayloadCache, now: int, *entries: tuple[int, int]) -> None:
 P = ("orders", 1)
 
 
+def test_a_payload_is_found_only_with_its_own_deliver_at(tmp_path: Path) -> None:
+    cache = open_cache(tmp_path / "cache")
+    put(cache, T0, (1, T0 + 10))
+    read = cache.read({P: [Due(T0 + 20, 1)]})  # the same slot, not the same record's time
+    assert list(read) == [] and read.missing() == {P: [1]}
+    cache.close()
+
+
 def test_hits_come_in_key_order_misses_are_left_for_the_log(tmp_path: Path) -> None:
     cache = open_cache(tmp_path / "cache", horizon_ms=10_000)
     put(cache, T0, (1, T0 + 500), (2, T0 + 200), (3, T0 + 20_000), (4, T0 + 200))
@@ -135,8 +145,8 @@ def test_delete_before_frees_whole_seconds(tmp_path: Path) -> None:
 
 def test_over_budget_entries_are_not_cached(tmp_path: Path) -> None:
     cache = open_cache(tmp_path / "cache", budget=300)
-    put(cache, T0, *[(i, T0 + i) for i in range(10)])
-    read = cache.read({P: [Due(T0 + i, i) for i in range(10)]})
+    put(cache, T0, *[(i, T0 + i * SLOT_MS) for i in range(10)])  # one entry each
+    read = cache.read({P: [Due(T0 + i * SLOT_MS, i) for i in range(10)]})
     found = [o for _, o, _ in read]
     assert 0 < len(found) < 10 and cache.budget.used <= 300
     assert sorted(found + read.missing()[P]) == list(range(10))
