@@ -133,16 +133,24 @@ class Dispatcher:
             if absent:
                 missing[partition] = absent
         if missing:
-            for partition, offset, record in self._fetch(self._due_reader, missing):
+            # Entries the read-ahead could not see (not yet loaded from the index) are read here;
+            # the rest of their cache slots comes along for the next turns.
+            after = {partition: popped[partition][-1] for partition in missing}
+            for partition, offset, record in self._fetch(self._due_reader, missing, after):
                 cache[(partition, offset)] = record
         for partition, due in popped.items():
             self._deliver(partition, [(at, offset, cache.pop((partition, offset))) for at, offset in due])
 
     def _fetch(
-        self, reader: LogReader, wanted: dict[TopicPartitionKey, list[Due]]
+        self,
+        reader: LogReader,
+        wanted: dict[TopicPartitionKey, list[Due]],
+        after: dict[TopicPartitionKey, Due] | None = None,
     ) -> Generator[tuple[TopicPartitionKey, int, Message | None]]:
         """Payloads from the payload cache (one scan in key order), then the rest read back from the log.
 
+        With `after`, the cache may also yield payloads not asked for that fall due after it
+        (see PayloadCache.read), as long as memory has room for them.
         Counts where each payload came from in payload_reads_total, when the read is over.
         """
         rest: dict[TopicPartitionKey, list[int]]
@@ -150,7 +158,7 @@ class Dispatcher:
         logged: dict[str, int] = {}
         try:
             if self._payloads is not None:
-                lookup = self._payloads.read(wanted)
+                lookup = self._payloads.read(wanted, after, MAX_CACHED - len(self._cache) if after else 0)
                 yield from lookup
                 cached = lookup.hits
                 rest = lookup.missing()

@@ -205,9 +205,17 @@ class CacheRead:
     loop for longer than a chunk, and the payloads due first are found first.
     """
 
-    def __init__(self, cache: PayloadCache, wanted: dict[TopicPartitionKey, list[Due]]) -> None:
+    def __init__(
+        self,
+        cache: PayloadCache,
+        wanted: dict[TopicPartitionKey, list[Due]],
+        after: dict[TopicPartitionKey, Due] | None = None,
+        room: int = 0,
+    ) -> None:
         self._cache = cache
         self._all = wanted
+        self._after = after or {}
+        self._room = room
         self._missing: dict[TopicPartitionKey, list[int]] = {}
         self._partitions = {partition_infix(*p): p for p in wanted}
         self.hits: dict[str, int] = {}
@@ -264,12 +272,17 @@ class CacheRead:
                     except (ValueError, EOFError, TypeError) as exc:
                         self._cache._failed("decode", exc)
                         group = []
+                    after = self._after.get(partition)
                     for e in group:
                         deliver_at = wanted.get((partition, e[1]))
                         if deliver_at == e[0]:  # the deliver-at too: never another record's payload
                             del wanted[(partition, e[1])]
-                            hits[partition[0]] = hits.get(partition[0], 0) + 1
-                            yield partition, e[1], to_message(partition[0], partition[1], e)
+                        elif after is None or self._room <= 0 or (e[0], e[1]) <= after:
+                            continue
+                        else:
+                            self._room -= 1  # not asked for, but due after `after`: yielded too
+                        hits[partition[0]] = hits.get(partition[0], 0) + 1
+                        yield partition, e[1], to_message(partition[0], partition[1], e)
                 it.next()
             if not wanted:
                 return
@@ -385,9 +398,18 @@ class PayloadCache:
         """Collect the payloads of one intake batch; `write()` it at the end of the batch."""
         return CacheBatch(self, now_ms)
 
-    def read(self, wanted: dict[TopicPartitionKey, list[Due]]) -> CacheRead:
-        """Payloads of the wanted entries, found by one scan in key order; see CacheRead."""
-        return CacheRead(self, wanted)
+    def read(
+        self,
+        wanted: dict[TopicPartitionKey, list[Due]],
+        after: dict[TopicPartitionKey, Due] | None = None,
+        room: int = 0,
+    ) -> CacheRead:
+        """Payloads of the wanted entries, found by one scan in key order; see CacheRead.
+
+        With `after`, up to `room` payloads of the same entries that were not asked for but are
+        due after `after[partition]` are yielded too: a read at due time gets the rest of its slots,
+        which fall due in the next turns, instead of decoding the same slots again then."""
+        return CacheRead(self, wanted, after, room)
 
     def delete_before(self, deliver_at: int) -> None:
         """Delete every entry due before the second of `deliver_at` (whole seconds, so the byte count

@@ -215,3 +215,19 @@ def test_delivered_payloads_are_deleted_after_their_checkpoint(tmp_path: Path, c
     clock.advance(4000)
     s.turn()
     assert [offset for offset, _, _ in s.sent] == [1, 2] and s.due.reads == []
+
+
+def test_a_read_at_due_time_brings_the_rest_of_the_slot_along(tmp_path: Path, clock: ManualClock) -> None:
+    """Entries the read-ahead cannot see are read when due; the rest of their slot (due in the next
+    turns) comes with them, so the slot is scanned once, not once per turn."""
+    cache = cached(tmp_path, clock, (1, 10), (2, 20), (3, 30))
+    scans: list[dict[Any, Any]] = []
+    read = cache.read
+    cache.read = lambda wanted, *args: scans.append(wanted) or read(wanted, *args)  # type: ignore[method-assign]
+    s = Setup(clock, read_ahead_ms=0, payloads=cache)
+    s.add((1, 10), (2, 20), (3, 30))
+    for _ in range(3):
+        clock.advance(10)
+        s.turn()
+    assert [offset for offset, _, _ in s.sent] == [1, 2, 3]
+    assert len(scans) == 1 and s.reads("cache") == 3 and s.due.reads == []
