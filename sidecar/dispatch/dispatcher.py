@@ -158,7 +158,8 @@ class Dispatcher:
         logged: dict[str, int] = {}
         try:
             if self._payloads is not None:
-                lookup = self._payloads.read(wanted, after, MAX_CACHED - len(self._cache) if after else 0)
+                room = MAX_CACHED - len(self._cache) if after else 0
+                lookup = self._payloads.read(wanted, after, room, self._cache)
                 yield from lookup
                 cached = lookup.hits
                 rest = lookup.missing()

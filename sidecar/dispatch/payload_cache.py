@@ -29,7 +29,7 @@ import marshal
 import shutil
 import struct
 import time
-from collections.abc import Iterator
+from collections.abc import Container, Iterator
 from pathlib import Path
 
 import rocksdict
@@ -211,11 +211,13 @@ class CacheRead:
         wanted: dict[TopicPartitionKey, list[Due]],
         after: dict[TopicPartitionKey, Due] | None = None,
         room: int = 0,
+        known: Container[tuple[TopicPartitionKey, int]] = (),
     ) -> None:
         self._cache = cache
         self._all = wanted
         self._after = after or {}
         self._room = room
+        self._known = known
         self._missing: dict[TopicPartitionKey, list[int]] = {}
         self._partitions = {partition_infix(*p): p for p in wanted}
         self.hits: dict[str, int] = {}
@@ -277,7 +279,12 @@ class CacheRead:
                         deliver_at = wanted.get((partition, e[1]))
                         if deliver_at == e[0]:  # the deliver-at too: never another record's payload
                             del wanted[(partition, e[1])]
-                        elif after is None or self._room <= 0 or (e[0], e[1]) <= after:
+                        elif (
+                            after is None
+                            or self._room <= 0
+                            or (e[0], e[1]) <= after
+                            or (partition, e[1]) in self._known
+                        ):
                             continue
                         else:
                             self._room -= 1  # not asked for, but due after `after`: yielded too
@@ -403,13 +410,15 @@ class PayloadCache:
         wanted: dict[TopicPartitionKey, list[Due]],
         after: dict[TopicPartitionKey, Due] | None = None,
         room: int = 0,
+        known: Container[tuple[TopicPartitionKey, int]] = (),
     ) -> CacheRead:
         """Payloads of the wanted entries, found by one scan in key order; see CacheRead.
 
         With `after`, up to `room` payloads of the same entries that were not asked for but are
-        due after `after[partition]` are yielded too: a read at due time gets the rest of its slots,
-        which fall due in the next turns, instead of decoding the same slots again then."""
-        return CacheRead(self, wanted, after, room)
+        due after `after[partition]` are yielded too (unless `known`: already in memory): a read at
+        due time gets the rest of its slots, which fall due in the next turns, instead of decoding
+        the same slots again then."""
+        return CacheRead(self, wanted, after, room, known)
 
     def delete_before(self, deliver_at: int) -> None:
         """Delete every entry due before the second of `deliver_at` (whole seconds, so the byte count

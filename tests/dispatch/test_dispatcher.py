@@ -226,8 +226,13 @@ def test_a_read_at_due_time_brings_the_rest_of_the_slot_along(tmp_path: Path, cl
     cache.read = lambda wanted, *args: scans.append(wanted) or read(wanted, *args)  # type: ignore[method-assign]
     s = Setup(clock, read_ahead_ms=0, payloads=cache)
     s.add((1, 10), (2, 20), (3, 30))
+    s.dispatcher.keep_payload(P, 3, "kept")  # type: ignore[arg-type]  # in memory already: not read again
     for _ in range(3):
         clock.advance(10)
         s.turn()
-    assert [offset for offset, _, _ in s.sent] == [1, 2, 3]
-    assert len(scans) == 1 and s.reads("cache") == 3 and s.due.reads == []
+    assert [(offset, value(r)) for offset, _, r in s.sent] == [
+        (1, b"payload-cached-1"),
+        (2, b"payload-cached-2"),
+        (3, "kept"),
+    ]
+    assert len(scans) == 1 and s.reads("cache") == 2 and s.due.reads == []
