@@ -86,8 +86,12 @@ def wait_for_outbound(
     timeout_s: float,
     poll_s: float = 0.05,
     alive: Callable[[], bool] = lambda: True,
+    tick: Callable[[], None] = lambda: None,
 ) -> Progress:
-    """Poll until every topic holds `expected` records; times are time.monotonic() values."""
+    """Poll until every topic holds `expected` records; times are time.monotonic() values.
+
+    `tick` runs at every poll, for samples taken while the run goes on (the cache's disk use).
+    """
     progress = Progress()
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and alive():
@@ -99,6 +103,7 @@ def wait_for_outbound(
         if all(n >= expected for n in counts.values()):
             progress.done_s = stamp
             return progress
+        tick()
         time.sleep(poll_s)
     return progress
 
@@ -163,7 +168,13 @@ class MetricsRecorder:
         "delay_sidecar_messages_in_total",
         "delay_sidecar_messages_delayed_total",
         "delay_sidecar_messages_delivered_total",
+        "delay_sidecar_payload_cache_bytes",
     )
+    # Sums over the label sets that contain a label: where the payloads of due records came from.
+    PARTS = {
+        "payload_reads_cache": ("delay_sidecar_payload_reads_total", 'source="cache"'),
+        "payload_reads_log": ("delay_sidecar_payload_reads_total", 'source="log"'),
+    }
 
     def __init__(self, port: int, interval_s: float = 0.25) -> None:
         self._port = port
@@ -180,7 +191,10 @@ class MetricsRecorder:
         while not self._stop.is_set():
             try:
                 samples = scrape(self._port)
-                self.series.append((time.monotonic(), {n: metric_sum(samples, n) for n in self.NAMES}))
+                values = {n: metric_sum(samples, n) for n in self.NAMES}
+                for part, (name, label) in self.PARTS.items():
+                    values[part] = sum(v for k, v in samples.items() if k.startswith(name + "{") and label in k)
+                self.series.append((time.monotonic(), values))
             except OSError:
                 pass
             self._stop.wait(self._interval_s)
@@ -203,6 +217,9 @@ class MetricsRecorder:
 
     def last(self, name: str) -> float:
         return self.series[-1][1][name] if self.series else 0.0
+
+    def peak(self, name: str) -> float:
+        return max((s[name] for _, s in self.series), default=0.0)
 
 
 @dataclass

@@ -59,7 +59,9 @@ class Child:
         return self.log.read_text(errors="replace")[-chars:] if self.log.exists() else ""
 
 
-def start_sidecar(bootstrap: str, policies: Path, state_dir: Path, metrics_port: int, group: str, log: Path) -> Child:
+def start_sidecar(
+    bootstrap: str, policies: Path, state_dir: Path, metrics_port: int, group: str, log: Path, *extra: str
+) -> Child:
     state_dir.mkdir(parents=True, exist_ok=True)
     child = Child(
         [
@@ -79,6 +81,7 @@ def start_sidecar(bootstrap: str, policies: Path, state_dir: Path, metrics_port:
             group,
             "--log-level",
             "WARNING",
+            *extra,
         ],
         log,
     )

@@ -148,6 +148,10 @@ def markdown(env: dict[str, Any], results: list[Result]) -> str:
                 "early_records",
                 "window_s",
                 "fixed_delay_s",
+                "payload_reads_cache",
+                "payload_reads_log",
+                "cache_counted_peak_mib",
+                "cache_disk_peak_mib",
             }
         )
         for r in results

@@ -24,7 +24,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.report import environment, markdown, plot, write_json
-from bench.scenarios import RUNNERS, SCENARIOS, Context, Result, Sizes
+from bench.scenarios import EXTRA_SCENARIOS, RUNNERS, SCENARIOS, Context, Result, Sizes
 from sidecar.broker.embedded import EmbeddedBroker, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,7 +36,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="small sizes (a smoke test, well under a minute)")
     parser.add_argument("--records", type=int, help="records of every scenario (the burst gets half)")
     parser.add_argument(
-        "--scenarios", default=",".join(SCENARIOS), help=f"comma-separated subset of {','.join(SCENARIOS)}"
+        "--scenarios",
+        default=",".join(SCENARIOS),
+        help=f"comma-separated subset of {','.join(SCENARIOS)}, or also {','.join(EXTRA_SCENARIOS)} "
+        "(the delayed scenario without the payload cache); run in the order given",
     )
     parser.add_argument("--window-s", type=float, help="delays of the delayed scenario are uniform in [0, this)")
     parser.add_argument("--fixed-delay-s", type=float, help="fixed_delivery_delay of the fixed-delay topic")
@@ -46,7 +49,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON results file")
     parser.add_argument("--keep", action="store_true", help="keep the work dir (broker data, logs, profiles)")
     args = parser.parse_args(argv)
-    unknown = {s for s in args.scenarios.split(",") if s} - set(SCENARIOS)
+    unknown = {s for s in args.scenarios.split(",") if s} - set(SCENARIOS) - set(EXTRA_SCENARIOS)
     if unknown:
         parser.error(f"unknown scenarios {sorted(unknown)}; choose from {','.join(SCENARIOS)}")
     return args
@@ -77,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, _interrupt)
     command = shlex.join([".venv/bin/python", "-m", "bench", *(sys.argv[1:] if argv is None else argv)])
     sizes = sizes_for(args)
-    wanted = [s for s in SCENARIOS if s in args.scenarios.split(",")]
+    wanted = list(dict.fromkeys(s for s in args.scenarios.split(",") if s))  # in the order given
     workdir = Path(tempfile.mkdtemp(prefix="bench-e2e-"))
     results: list[Result] = []
     started = time.monotonic()

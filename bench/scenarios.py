@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,9 @@ from sidecar.broker.embedded import free_port
 
 SUBSCRIPTIONS = ("billing", "shipping")
 SCENARIOS = ("ceiling", "passthrough", "delayed", "burst", "fixed")
+# Run only when named: the delayed scenario again without the payload cache, for a comparison in one run.
+EXTRA_SCENARIOS = ("delayed-nocache",)
+NO_CACHE = ("--payload-cache-bytes", "0")
 
 
 @dataclass
@@ -144,16 +148,21 @@ def _policies(ctx: Context, name: str, topic: str, fixed_delay_ms: int = 0) -> P
 class _Sidecar:
     """The sidecar process with its memory sampler, metrics recorder and optional profiler."""
 
-    def __init__(self, ctx: Context, name: str, topic: str, fixed_delay_ms: int = 0) -> None:
+    def __init__(
+        self, ctx: Context, name: str, topic: str, fixed_delay_ms: int = 0, extra: tuple[str, ...] = ()
+    ) -> None:
         self.port = free_port()
         self.started = time.monotonic()
+        self.state_dir = ctx.workdir / f"{name}-state"
+        self.cache_disk_peak = 0
         self.child = start_sidecar(
             ctx.bootstrap,
             _policies(ctx, name, topic, fixed_delay_ms),
-            ctx.workdir / f"{name}-state",
+            self.state_dir,
             self.port,
             f"bench-{name}-{uuid.uuid4().hex[:6]}",
             ctx.log(f"{name}-sidecar"),
+            *extra,
         )
         self.rss = RssSampler(self.child.pid).start()
         self.metrics = MetricsRecorder(self.port).start()
@@ -163,10 +172,25 @@ class _Sidecar:
             self.profile_path = ctx.workdir / f"profile-{name}.txt"
             self.profiler = start_profiler(self.child.pid, self.profile_path, ctx.log(f"{name}-py-spy"))
 
+    def sample_cache_disk(self) -> None:
+        """The payload cache's files on disk (what its budget bounds), at its largest so far."""
+        cache = self.state_dir / "cache"
+        try:
+            size = sum(f.stat().st_size for f in cache.iterdir() if f.is_file())
+        except OSError:
+            return
+        self.cache_disk_peak = max(self.cache_disk_peak, size)
+
     def stop(self, result: Result) -> None:
         self.metrics.stop()
         code = self.child.stop()
         result.figures["peak_rss_mib"] = round(self.rss.stop(), 1)
+        result.figures["payload_reads_cache"] = int(self.metrics.last("payload_reads_cache"))
+        result.figures["payload_reads_log"] = int(self.metrics.last("payload_reads_log"))
+        result.figures["cache_counted_peak_mib"] = round(
+            self.metrics.peak("delay_sidecar_payload_cache_bytes") / 2**20, 1
+        )
+        result.figures["cache_disk_peak_mib"] = round(self.cache_disk_peak / 2**20, 1)
         if code not in (0, None):
             result.notes.append(f"sidecar exited with code {code}; log: {self.child.log}")
         if self.profiler is not None:
@@ -282,7 +306,14 @@ def passthrough(ctx: Context) -> Result:
 
 
 def _delayed_run(
-    ctx: Context, name: str, n: int, base_ms: int, window_ms: int, load_log: str, fixed_delay_ms: int = 0
+    ctx: Context,
+    name: str,
+    n: int,
+    base_ms: int,
+    window_ms: int,
+    load_log: str,
+    fixed_delay_ms: int = 0,
+    extra: tuple[str, ...] = (),
 ) -> tuple[Result, Deliveries | None]:
     """Pre-produce (deliver-at headers) or produce live (fixed delay), run the sidecar until all are out."""
     result = Result(name, n, len(SUBSCRIPTIONS))
@@ -290,7 +321,7 @@ def _delayed_run(
     if not fixed_delay_ms:
         load = run_load(load_argv(ctx.bootstrap, inbound, n, "deliver-at", base_ms, window_ms), ctx.log(load_log))
         result.figures["produce_rate"] = round(load["rate"])
-    sidecar = _Sidecar(ctx, name, inbound, fixed_delay_ms)
+    sidecar = _Sidecar(ctx, name, inbound, fixed_delay_ms, extra)
     try:
         if fixed_delay_ms:
             # Live: the producer runs beside the sidecar; records fall due fixed_delay after publish.
@@ -301,7 +332,14 @@ def _delayed_run(
         else:
             due_end_ms = base_ms + window_ms
         timeout_s = max(due_end_ms - now_ms(), 0) / 1000 + 60 + n / 5_000
-        progress = wait_for_outbound(ctx.wm(), _outbound(inbound), n, timeout_s=timeout_s, alive=sidecar.child.alive)
+        progress = wait_for_outbound(
+            ctx.wm(),
+            _outbound(inbound),
+            n,
+            timeout_s=timeout_s,
+            alive=sidecar.child.alive,
+            tick=sidecar.sample_cache_disk,
+        )
     finally:
         sidecar.stop(result)
     _finish(result, progress.counts, n)
@@ -320,13 +358,17 @@ def _delayed_run(
     return result, deliveries
 
 
-def delayed(ctx: Context) -> Result:
+def delayed(ctx: Context, name: str = "delayed", extra: tuple[str, ...] = ()) -> Result:
     sizes = ctx.sizes
     n = sizes.delayed
     base_ms = now_ms() + sizes.lead_ms(n)
-    result, _ = _delayed_run(ctx, "delayed", n, base_ms, sizes.window_ms, "delayed-load")
+    result, _ = _delayed_run(ctx, name, n, base_ms, sizes.window_ms, f"{name}-load", extra=extra)
     result.figures["window_s"] = sizes.window_ms / 1000
     return result
+
+
+def delayed_nocache(ctx: Context) -> Result:
+    return delayed(ctx, "delayed-nocache", NO_CACHE)
 
 
 def burst(ctx: Context) -> Result:
@@ -353,7 +395,14 @@ def fixed(ctx: Context) -> Result:
     return result
 
 
-RUNNERS = {"ceiling": ceiling, "passthrough": passthrough, "delayed": delayed, "burst": burst, "fixed": fixed}
+RUNNERS: dict[str, Callable[[Context], Result]] = {
+    "ceiling": ceiling,
+    "passthrough": passthrough,
+    "delayed": delayed,
+    "burst": burst,
+    "fixed": fixed,
+    "delayed-nocache": delayed_nocache,
+}
 
 
 def _round(value: float | None, digits: int = 0) -> float | None:

@@ -13,6 +13,7 @@ from confluent_kafka.admin import AdminClient
 
 from sidecar.broker import BrokerLauncher, EmbeddedBroker, ExternalBroker
 from sidecar.clock import Clock, SystemClock
+from sidecar.dispatch.payload_cache import PayloadCache
 from sidecar.engine import Sidecar
 from sidecar.errors import ConfigError
 from sidecar.http import StatusServer
@@ -78,16 +79,35 @@ def tracker_factory(
     return create
 
 
-def open_snapshot_storage(settings: RunSettings, client_config: dict[str, Any]) -> SnapshotStorage | None:
-    """The bucket tracker's RocksDB under the state dir, owned by this cluster and consumer group.
+def state_owner(settings: RunSettings, client_config: dict[str, Any]) -> str:
+    """Who the state dir's stores belong to: this cluster and consumer group.
 
-    The owner check refuses a state dir written for another cluster or group, whose index would
-    describe offsets of a different log.
+    The owner check refuses (index) or drops (payload cache) state written for another cluster or
+    group, which would describe offsets of a different log.
     """
+    cluster = AdminClient(client_config, logger=LIBRDKAFKA).list_topics(timeout=10).cluster_id or "unknown-cluster"
+    return f"{cluster}/{settings.group_id}"
+
+
+def open_snapshot_storage(settings: RunSettings, owner: str) -> SnapshotStorage | None:
+    """The bucket tracker's RocksDB under the state dir."""
     if settings.tracker != "bucket":
         return None
-    cluster = AdminClient(client_config, logger=LIBRDKAFKA).list_topics(timeout=10).cluster_id or "unknown-cluster"
-    return RocksDbSnapshotStorage(settings.state_dir / "index", owner=f"{cluster}/{settings.group_id}")
+    return RocksDbSnapshotStorage(settings.state_dir / "index", owner=owner)
+
+
+def open_payload_cache(settings: RunSettings, owner: str) -> PayloadCache | None:
+    """The payload cache's own RocksDB under the state dir (None with --payload-cache-bytes 0).
+
+    Never a reason not to start: a cache that cannot be used is dropped or left out, and payloads
+    are read back from the log.
+    """
+    return PayloadCache.open(
+        settings.state_dir / "cache",
+        owner=owner,
+        budget_bytes=settings.payload_cache_bytes,
+        horizon_ms=settings.payload_cache_horizon_ms,
+    )
 
 
 def effective_policy(policies: PolicySet, topic: str) -> dict[str, Any]:
@@ -128,9 +148,13 @@ class SidecarApp:
             if self._stop.is_set():
                 return
             client_config = settings.client_config(bootstrap)
-            storage = open_snapshot_storage(settings, client_config)
+            owner = state_owner(settings, client_config)
+            storage = open_snapshot_storage(settings, owner)
             if storage is not None:
                 stack.callback(storage.close)
+            payload_cache = open_payload_cache(settings, owner)
+            if payload_cache is not None:
+                stack.callback(payload_cache.close)
 
             def build() -> Sidecar:  # one engine per attempt, see _serve
                 return Sidecar(
@@ -149,6 +173,7 @@ class SidecarApp:
                     new_topic_partitions=settings.new_topic_partitions,
                     control_topic=settings.control_topic,
                     read_ahead_ms=settings.read_ahead_ms,
+                    payload_cache=payload_cache,
                 )
 
             if settings.metrics_port:

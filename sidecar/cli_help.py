@@ -47,6 +47,7 @@ METAVARS: dict[str, str] = {
     "to_time": "TIME",
     "master": "URL",
     "driver_memory": "SIZE",
+    "payload_cache_bytes": "BYTES",
 }
 
 # By flag name, for flags without a value of their own: what happens when they are not given.

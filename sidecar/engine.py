@@ -22,6 +22,7 @@ from sidecar.control.acceptance import Acceptance
 from sidecar.control.nacks import LatestNacks
 from sidecar.control.redelivery import Redelivery
 from sidecar.dispatch.dispatcher import Dispatcher
+from sidecar.dispatch.payload_cache import PayloadCache
 from sidecar.dispatch.reader import LogReader
 from sidecar.inbound.receiver import Receiver
 from sidecar.kafka_io import LIBRDKAFKA, Connectivity, consume_batch, consumer_config
@@ -62,6 +63,7 @@ class Sidecar:
         new_topic_partitions: int = 3,
         control_topic: str = "delay-sidecar.control",
         read_ahead_ms: int = 10_000,
+        payload_cache: PayloadCache | None = None,
     ) -> None:
         self._policies = policies
         self.metrics = metrics = metrics or Metrics()
@@ -99,7 +101,9 @@ class Sidecar:
         states = assignment.states
         self._nacks = LatestNacks()
         self._delivery = Delivery(writer, states, self._current_routes, retention, metrics, clock)
-        self._dispatcher = Dispatcher(self._ahead_reader, self._reader, self._delivery.delayed, clock, read_ahead_ms)
+        self._dispatcher = Dispatcher(
+            self._ahead_reader, self._reader, self._delivery.delayed, clock, read_ahead_ms, payload_cache, metrics
+        )
         self._acceptance = Acceptance(
             control_topic, group_id, writer, self._reader, states, self._current_routes, self._nacks, metrics, clock
         )
@@ -108,7 +112,7 @@ class Sidecar:
         )
         self._receiver = Receiver(
             states, self._current_routes, retention, writer, self._delivery, self._dispatcher, self._acceptance,
-            self._redelivery, metrics, clock,
+            self._redelivery, metrics, clock, payload_cache,
         )  # fmt: skip
         self.assigned = assignment.assigned
         """Set once the group gave this member partitions: it is serving."""
@@ -245,5 +249,6 @@ class Sidecar:
         states = list(self._assignment.states.values())
         if checkpoint(self._writer, states, self._consumer):
             self.metrics.commits.inc()
+        self._dispatcher.checkpointed({(s.topic, s.partition): s.tracker for s in states if not s.control})
         self.degraded = publish_index_gauges(self.metrics, states, list(self._routes))
         self._admin.refresh_retention(list(self._routes))

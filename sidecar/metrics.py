@@ -68,6 +68,17 @@ class Metrics:
             ["topic"],
             registry=r,
         )
+        self.payload_reads = Counter(
+            PREFIX + "payload_reads",
+            "Payloads of due records fetched before delivery, by source: the local payload cache or the inbound log",
+            ["topic", "source"],
+            registry=r,
+        )
+        self.payload_cache_bytes = Gauge(
+            PREFIX + "payload_cache_bytes",
+            "Bytes in the local payload cache, as counted against --payload-cache-bytes (before compression)",
+            registry=r,
+        )
         self.lateness = Histogram(
             PREFIX + "delivery_lateness_seconds",
             "Time from effective deliver-at to the write of a delayed record",
@@ -117,3 +128,5 @@ class Metrics:
         for topic in topics:
             for metric in (self.messages_in, self.messages_delayed, self.replayed, self.lost):
                 self.child(metric, topic)
+            for source in ("cache", "log"):
+                self.child(self.payload_reads, topic, source)

@@ -60,7 +60,7 @@ class RunSettings(KafkaSettings):
     )
     policies: Path = Field(Path("policies"), description="Policy YAML file or directory of files")
     state_dir: Path = Field(
-        Path(".state"), description="Directory for the delayed index and the embedded broker's data"
+        Path(".state"), description="Directory for the delayed index, the payload cache and the embedded broker's data"
     )
     metrics_port: int = Field(9464, ge=0, le=65535, description="Port of /metrics, /healthz, /policies (0: off)")
     metrics_host: str = Field("127.0.0.1", description="Address the metrics endpoint binds to")
@@ -97,6 +97,18 @@ class RunSettings(KafkaSettings):
         10_000,
         ge=0,
         description="How far ahead of their deliver-at due records are read back from the log (never sent early)",
+    )
+    payload_cache_bytes: int = Field(
+        1 << 30,
+        ge=0,
+        description="Disk budget of the local payload cache under --state-dir/cache, counted as key + value "
+        "bytes before compression; past it, payloads are read back from the log (0: no cache)",
+    )
+    payload_cache_horizon_ms: int = Field(
+        600_000,
+        ge=0,
+        description="Delayed records due within this time of their intake keep their payload in the payload "
+        "cache; later ones are read back from the log ahead of their deliver-at",
     )
     batch_size: int = Field(10_000, ge=1, description="Most records read per poll of the inbound topics")
     new_topic_partitions: int = Field(

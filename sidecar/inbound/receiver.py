@@ -17,6 +17,7 @@ from sidecar.control.acceptance import Acceptance
 from sidecar.control.commands import AcceptedNack
 from sidecar.control.redelivery import Redelivery
 from sidecar.dispatch.dispatcher import Dispatcher
+from sidecar.dispatch.payload_cache import PayloadCache
 from sidecar.dispatch.reader import TopicPartitionKey
 from sidecar.errors import BrokerError
 from sidecar.inbound.intake import Fate, judge
@@ -45,7 +46,9 @@ class Receiver:
         redelivery: Redelivery,
         metrics: Metrics,
         clock: Clock,
+        payloads: PayloadCache | None = None,
     ) -> None:
+        self._payloads = payloads
         self._partitions = partitions
         self._routes = routes
         self._retention_ms = retention_ms
@@ -65,6 +68,8 @@ class Receiver:
         counts_delayed: Counter[str] = Counter()
         sent: dict[str, Counter[str]] = {}
         nacks_due: list[tuple[int, int, AcceptedNack]] = []
+        # Payloads of records indexed for later, in one write per batch (kept in memory when near due).
+        payloads = self._payloads.batch(now) if self._payloads is not None else None
         for record in records:
             error = record.error()
             if error is not None:
@@ -118,13 +123,17 @@ class Receiver:
                 self._delivery.send(routes.delayed, record, publish_ms, subs)
             elif state.tracker.add(offset, deliver_at):
                 counts_delayed[topic] += 1
-                if self._dispatcher.near(deliver_at, now):
-                    self._dispatcher.keep_payload((topic, partition), offset, record)
+                near = self._dispatcher.near(deliver_at, now)
+                kept = near and self._dispatcher.keep_payload((topic, partition), offset, record)
+                if not kept and payloads is not None:
+                    payloads.add(topic, partition, offset, deliver_at, record, headers)
             else:
                 self._delivery.send(routes.delayed, record, deliver_at, subs)
             if routes.ordered:
                 # Exclusive and failover subscriptions ignore delays: their deliver-at is the publish time.
                 self._delivery.send(routes.ordered, record, publish_ms, subs)
+        if payloads is not None:
+            payloads.write()
         if nacks_due:
             self._redelivery.redeliver(nacks_due)
         self._writer.poll()

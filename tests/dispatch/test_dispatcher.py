@@ -1,10 +1,15 @@
 """The dispatcher's rules with a controlled clock and a fake log: read ahead, never send early."""
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
+
+from confluent_kafka import Message
 
 from sidecar.clock import ManualClock
 from sidecar.dispatch.dispatcher import Dispatcher
+from sidecar.dispatch.payload_cache import PayloadCache
+from sidecar.metrics import Metrics
 from sidecar.tracker import Due, InMemoryTracker
 
 P = ("orders", 0)
@@ -25,12 +30,32 @@ class FakeLog:
 
 
 class Setup:
-    def __init__(self, clock: ManualClock, read_ahead_ms: int = 1000, missing: frozenset[int] = frozenset()) -> None:
+    def __init__(
+        self,
+        clock: ManualClock,
+        read_ahead_ms: int = 1000,
+        missing: frozenset[int] = frozenset(),
+        payloads: PayloadCache | None = None,
+    ) -> None:
         self.clock = clock
         self.ahead, self.due = FakeLog(missing), FakeLog(missing)
         self.sent: list[tuple[int, int, Any]] = []
         self.tracker = InMemoryTracker(clock)
-        self.dispatcher = Dispatcher(self.ahead, self.due, self.deliver, clock, read_ahead_ms)  # type: ignore[arg-type]
+        self.metrics = Metrics()
+        self.dispatcher = Dispatcher(
+            self.ahead,
+            self.due,
+            self.deliver,
+            clock,
+            read_ahead_ms,
+            payloads,
+            self.metrics,  # type: ignore[arg-type]
+        )
+
+    def reads(self, source: str) -> float | None:
+        return self.metrics.registry.get_sample_value(
+            "delay_sidecar_payload_reads_total", {"topic": P[0], "source": source}
+        )
 
     def deliver(self, partition: Any, due: list[tuple[int, int, Any]]) -> None:
         for deliver_at, offset, record in due:
@@ -137,3 +162,77 @@ def test_a_stalled_tracker_is_retried_after_a_pause_not_spun_on(clock: ManualClo
     clock.advance(10)
     s.dispatcher.turn({P: stalled})
     assert s.dispatcher.next_wake_ms({P: stalled}) == clock.now_ms() + 50
+
+
+def cached(tmp_path: Path, clock: ManualClock, *entries: tuple[int, int]) -> PayloadCache:
+    """A payload cache holding `payload-cached-{offset}` for each (offset, delay)."""
+    cache = PayloadCache.open(tmp_path / "cache", owner="test", budget_bytes=1 << 20, horizon_ms=60_000)
+    assert cache is not None
+    batch = cache.batch(clock.now_ms())
+    for offset, delay in entries:
+        record = Message(topic=P[0], partition=P[1], offset=offset, value=f"payload-cached-{offset}".encode())
+        batch.add(P[0], P[1], offset, clock.now_ms() + delay, record, None)
+    batch.write()
+    return cache
+
+
+def value(record: Any) -> Any:
+    return record.value() if isinstance(record, Message) else record
+
+
+def test_the_payload_cache_is_read_before_the_log(tmp_path: Path, clock: ManualClock) -> None:
+    s = Setup(clock, payloads=cached(tmp_path, clock, (1, 500), (2, 200)))
+    s.add((1, 500), (2, 200), (3, 900))
+    s.turn()
+    assert s.ahead.reads == [[3]]  # only the payload the cache does not hold
+    clock.advance(900)
+    s.turn()
+    assert [(offset, value(r)) for offset, _, r in s.sent] == [
+        (2, b"payload-cached-2"), (1, b"payload-cached-1"), (3, "payload-3")
+    ]  # fmt: skip
+    assert (s.reads("cache"), s.reads("log")) == (2, 1)
+
+
+def test_without_read_ahead_due_payloads_come_from_the_cache(tmp_path: Path, clock: ManualClock) -> None:
+    s = Setup(clock, read_ahead_ms=0, payloads=cached(tmp_path, clock, (5, 10)))
+    s.add((5, 10), (3, 10))
+    clock.advance(10)
+    s.turn()
+    assert s.due.reads == [[3]]
+    assert [(offset, value(r)) for offset, _, r in s.sent] == [(3, "payload-3"), (5, b"payload-cached-5")]
+
+
+def test_delivered_payloads_are_deleted_after_their_checkpoint(tmp_path: Path, clock: ManualClock) -> None:
+    cache = cached(tmp_path, clock, (1, 100), (2, 5000))
+    s = Setup(clock, read_ahead_ms=0, payloads=cache)
+    s.add((1, 100), (2, 5000))
+    clock.advance(1000)
+    s.turn()
+    full = cache.budget.used
+    s.dispatcher.checkpointed({P: s.tracker})
+    assert 0 < cache.budget.used < full  # 1 is gone, 2 is pending
+    assert s.metrics.registry.get_sample_value("delay_sidecar_payload_cache_bytes") == cache.budget.used
+    clock.advance(4000)
+    s.turn()
+    assert [offset for offset, _, _ in s.sent] == [1, 2] and s.due.reads == []
+
+
+def test_a_read_at_due_time_brings_the_rest_of_the_slot_along(tmp_path: Path, clock: ManualClock) -> None:
+    """Entries the read-ahead cannot see are read when due; the rest of their slot (due in the next
+    turns) comes with them, so the slot is scanned once, not once per turn."""
+    cache = cached(tmp_path, clock, (1, 10), (2, 20), (3, 30))
+    scans: list[dict[Any, Any]] = []
+    read = cache.read
+    cache.read = lambda wanted, *args: scans.append(wanted) or read(wanted, *args)  # type: ignore[method-assign]
+    s = Setup(clock, read_ahead_ms=0, payloads=cache)
+    s.add((1, 10), (2, 20), (3, 30))
+    s.dispatcher.keep_payload(P, 3, "kept")  # type: ignore[arg-type]  # in memory already: not read again
+    for _ in range(3):
+        clock.advance(10)
+        s.turn()
+    assert [(offset, value(r)) for offset, _, r in s.sent] == [
+        (1, b"payload-cached-1"),
+        (2, b"payload-cached-2"),
+        (3, "kept"),
+    ]
+    assert len(scans) == 1 and s.reads("cache") == 2 and s.due.reads == []

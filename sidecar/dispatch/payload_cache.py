@@ -1,0 +1,551 @@
+"""A local copy of delayed payloads, in delivery order, so delivery is a sequential scan.
+
+Records with random delays that fall due in any window lie all over the inbound log, so reading
+them back from Kafka means reading through most of the log for every window. The sidecar has every
+payload in hand at intake, so it keeps the payloads of records due within a horizon in a RocksDB of
+its own (`--state-dir/cache`), in (deliver-at, topic, partition, offset) order: the payloads of
+the next window are then one range scan.
+
+One entry holds the payloads of one partition due in one slot of SLOT_MS from one intake batch,
+keyed (slot, topic, partition, first offset). Per-record entries cost about 2 µs more per record
+at intake (a skiplist insert and a put each) and more to read back, measured; a slot is small
+enough that a read seldom decodes payloads it did not ask for.
+
+The cache decides nothing. The tracker still indexes every position and decides when it is due;
+the inbound topic is still the ledger. A payload that is not here, for whatever reason (beyond the
+horizon, over the budget, the cache dropped, lost or corrupt), is read back from the log exactly as
+without a cache. That is why it may be deleted at any time and why it is written without a
+write-ahead log: after a crash it is dropped whole at the next start, rather than trusted.
+
+Disk use is bounded by counting bytes (key + value of every entry, before compression) per second
+of deliver-at; past the budget new payloads are not cached until delivered ones are deleted.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import marshal
+import shutil
+import struct
+import time
+from collections.abc import Container, Iterator
+from pathlib import Path
+
+import rocksdict
+from confluent_kafka import Message
+
+from sidecar.tracker.base import Due
+
+logger = logging.getLogger(__name__)
+
+TopicPartitionKey = tuple[str, int]
+Entry = tuple[int, int, int, int, bytes | None, bytes | None, list[tuple[str, bytes | None]] | None]
+"""(deliver_at, offset, timestamp type, timestamp, key, value, headers): what delivery uses."""
+
+# Bumped when the key or value layout changes; marshal's own version is part of it, since marshal
+# output is only promised to be readable by the same format version.
+FORMAT = f"2/marshal{marshal.version}".encode()
+DATA = b"d"
+META_OWNER = b"m/owner"
+META_FORMAT = b"m/format"
+META_CLEAN = b"m/clean"
+"""Written last by a clean close, with the byte counts; its absence at open means a crash."""
+MAX_DELIVER_AT = (1 << 64) - 1
+# Deliver-at time covered by one entry. It divides a second, so deleting whole seconds deletes
+# whole entries and the byte count per second stays exact.
+SLOT_MS = 100
+# Caching resumes once deletions bring the counted bytes back under this share of the budget, so a
+# cache at its limit does not flap between full and not full on every checkpoint.
+RESUME_AT = 0.9
+# Payloads looked up per pass: a chunk of whole slots takes a few milliseconds to read.
+CHUNK = 2_000
+LOCK_TIMEOUT_S = 10.0
+LOCK_RETRY_INTERVAL_S = 0.2
+
+_U64 = struct.Struct(">Q")
+_U32 = struct.Struct(">I")
+
+
+def encode_key(deliver_at: int, topic: str, partition: int, offset: int) -> bytes:
+    """Sorts as (deliver-at, topic, partition, offset): fixed-width big-endian numbers, and a NUL
+    after the topic (Kafka topic names never hold one), so a shorter name sorts first."""
+    return DATA + _U64.pack(deliver_at) + partition_infix(topic, partition) + _U64.pack(offset)
+
+
+def partition_infix(topic: str, partition: int) -> bytes:
+    return topic.encode() + b"\0" + _U32.pack(partition)
+
+
+def decode_key(key: bytes) -> tuple[int, str, int, int]:
+    """(deliver_at, topic, partition, offset); for tests and debugging only."""
+    (deliver_at,) = _U64.unpack_from(key, 1)
+    end = key.index(b"\0", 9)
+    (partition,) = _U32.unpack_from(key, end + 1)
+    (offset,) = _U64.unpack_from(key, end + 5)
+    return deliver_at, key[9:end].decode(), partition, offset
+
+
+def time_key(deliver_at: int) -> bytes:
+    """The first key at `deliver_at`: range scans and deletions start or end here."""
+    return DATA + _U64.pack(deliver_at)
+
+
+def entry(deliver_at: int, record: Message, headers: list[tuple[str, bytes | None]] | None) -> Entry:
+    kind, stamp = record.timestamp()
+    return (deliver_at, record.offset(), kind, stamp, record.key(), record.value(), headers)
+
+
+def to_message(topic: str, partition: int, e: Entry) -> Message:
+    """The record as delivery and dead-lettering read it."""
+    _, offset, kind, stamp, key, value, headers = e
+    return Message(
+        topic=topic, partition=partition, offset=offset, key=key, value=value, headers=headers, timestamp=(kind, stamp)
+    )
+
+
+class ByteBudget:
+    """Bytes cached per second of deliver-at, so deleting everything due before a time frees a known amount."""
+
+    def __init__(self, budget: int, by_second: dict[int, int] | None = None) -> None:
+        self.budget = budget
+        self.by_second: dict[int, int] = dict(by_second or {})
+        self.used = sum(self.by_second.values())
+        self.full = False
+
+    def take(self, deliver_at: int, size: int) -> bool:
+        """Count `size` bytes due at `deliver_at`; False (and nothing counted) when over the budget."""
+        if self.full:
+            return False
+        if self.used + size > self.budget:
+            self.full = True
+            logger.warning(
+                "payload cache full; payloads are read back from the log until delivered ones are deleted "
+                "used_bytes=%d budget_bytes=%d (raise --payload-cache-bytes for more)",
+                self.used,
+                self.budget,
+            )
+            return False
+        second = deliver_at // 1000
+        self.by_second[second] = self.by_second.get(second, 0) + size
+        self.used += size
+        return True
+
+    def release_before(self, second: int) -> int:
+        """Forget the bytes of every second before `second`; returns how many were freed."""
+        freed = 0
+        for s in [s for s in self.by_second if s < second]:
+            freed += self.by_second.pop(s)
+        self.used -= freed
+        if self.full and self.used <= self.budget * RESUME_AT:
+            self.full = False
+            logger.info("payload cache has room again used_bytes=%d budget_bytes=%d", self.used, self.budget)
+        return freed
+
+
+class CacheBatch:
+    """The payloads of one intake batch, grouped by partition and slot, written in one WriteBatch.
+
+    This runs for every delayed record at intake: per record it only appends a tuple; the
+    serialising, counting and writing is done per group in `write()`.
+    """
+
+    def __init__(self, cache: PayloadCache, now_ms: int) -> None:
+        self._cache = cache
+        self._until = now_ms + cache.horizon_ms
+        self._budget = cache.budget
+        self._groups: dict[tuple[str, int, int], list[Entry]] = {}
+
+    def add(
+        self,
+        topic: str,
+        partition: int,
+        offset: int,
+        deliver_at: int,
+        record: Message,
+        headers: list[tuple[str, bytes | None]] | None,
+    ) -> None:
+        """Cache the payload of an indexed record, if it falls due within the horizon (and, at
+        `write()`, fits the budget)."""
+        if deliver_at > self._until or deliver_at < 0 or self._budget.full:
+            return
+        slot = (topic, partition, deliver_at // SLOT_MS)
+        group = self._groups.get(slot)
+        if group is None:
+            group = self._groups[slot] = []
+        kind, stamp = record.timestamp()
+        group.append((deliver_at, offset, kind, stamp, record.key(), record.value(), headers))
+
+    @property
+    def count(self) -> int:
+        return sum(len(g) for g in self._groups.values())
+
+    def write(self) -> None:
+        if not self._groups:
+            return
+        batch = rocksdict.WriteBatch(raw_mode=True)
+        budget = self._budget
+        written = 0
+        for (topic, partition, slot), group in self._groups.items():
+            key = encode_key(slot * SLOT_MS, topic, partition, group[0][1])
+            value = marshal.dumps(group)
+            if not budget.take(slot * SLOT_MS, len(key) + len(value)):
+                break
+            batch.put(key, value)
+            written += 1
+        if written:
+            self._cache._write(batch)
+
+
+class CacheRead:
+    """One lookup of many payloads: iterate for the hits, in key order, then ask for the misses.
+
+    The wanted entries are taken in chunks of whole slots, about CHUNK entries each, earliest
+    deliver-at first across all partitions: a read-ahead pass of a whole window never blocks the
+    loop for longer than a chunk, and the payloads due first are found first.
+    """
+
+    def __init__(
+        self,
+        cache: PayloadCache,
+        wanted: dict[TopicPartitionKey, list[Due]],
+        after: dict[TopicPartitionKey, Due] | None = None,
+        room: int = 0,
+        known: Container[tuple[TopicPartitionKey, int]] = (),
+    ) -> None:
+        self._cache = cache
+        self._all = wanted
+        self._after = after or {}
+        self._room = room
+        self._known = known
+        self._missing: dict[TopicPartitionKey, list[int]] = {}
+        self._partitions = {partition_infix(*p): p for p in wanted}
+        self.hits: dict[str, int] = {}
+        """Payloads found, per topic."""
+
+    def __iter__(self) -> Iterator[tuple[TopicPartitionKey, int, Message]]:
+        for chunk in _chunks(self._all, CHUNK):
+            yield from self._read_chunk(chunk)
+
+    def _read_chunk(
+        self, chunk: dict[TopicPartitionKey, list[Due]]
+    ) -> Iterator[tuple[TopicPartitionKey, int, Message]]:
+        wanted: dict[tuple[TopicPartitionKey, int], int] = {}
+        slots: set[int] = set()
+        for partition, dues in chunk.items():
+            for deliver_at, offset in dues:
+                if 0 <= deliver_at < MAX_DELIVER_AT:
+                    wanted[(partition, offset)] = deliver_at
+                    slots.add(deliver_at // SLOT_MS)
+                else:
+                    self._missing.setdefault(partition, []).append(offset)
+        if wanted and not self._cache.closed:
+            try:
+                yield from self._scan(wanted, sorted(slots))
+            except Exception as exc:  # a failing cache is a miss, never a failure
+                self._cache._failed("read", exc)
+        for partition, offset in wanted:
+            self._missing.setdefault(partition, []).append(offset)
+
+    def _scan(
+        self, wanted: dict[tuple[TopicPartitionKey, int], int], slots: list[int]
+    ) -> Iterator[tuple[TopicPartitionKey, int, Message]]:
+        """Read the wanted slots in key order, with one iterator that seeks only over gaps; only the
+        entries of wanted partitions are decoded."""
+        options = rocksdict.ReadOptions()
+        options.set_iterate_upper_bound(time_key((slots[-1] + 1) * SLOT_MS))
+        options.fill_cache(False)  # type: ignore[call-arg]  # read once, then deleted: caching would only hold memory
+        it = self._cache._db.iter(options)
+        it.seek(time_key(slots[0] * SLOT_MS))
+        partitions = self._partitions
+        hits = self.hits
+        for slot in slots:
+            start, end = time_key(slot * SLOT_MS), time_key((slot + 1) * SLOT_MS)
+            if it.valid() and it.key() < start:
+                it.seek(start)
+            while it.valid():
+                key = it.key()
+                if key >= end:
+                    break
+                partition = partitions.get(key[9:-8])
+                if partition is not None:
+                    try:
+                        group: list[Entry] = marshal.loads(it.value())
+                    except (ValueError, EOFError, TypeError) as exc:
+                        self._cache._failed("decode", exc)
+                        group = []
+                    after = self._after.get(partition)
+                    for e in group:
+                        deliver_at = wanted.get((partition, e[1]))
+                        if deliver_at == e[0]:  # the deliver-at too: never another record's payload
+                            del wanted[(partition, e[1])]
+                        elif (
+                            after is None
+                            or self._room <= 0
+                            or (e[0], e[1]) <= after
+                            or (partition, e[1]) in self._known
+                        ):
+                            continue
+                        else:
+                            self._room -= 1  # not asked for, but due after `after`: yielded too
+                        hits[partition[0]] = hits.get(partition[0], 0) + 1
+                        yield partition, e[1], to_message(partition[0], partition[1], e)
+                it.next()
+            if not wanted:
+                return
+
+    def missing(self) -> dict[TopicPartitionKey, list[int]]:
+        """Offsets, per partition, that the iteration did not yield: to be read back from the log."""
+        return self._missing
+
+
+def _chunks(wanted: dict[TopicPartitionKey, list[Due]], size: int) -> Iterator[dict[TopicPartitionKey, list[Due]]]:
+    """Split per-partition lists (each in deliver-at order) into chunks of about `size` entries,
+    cut at slot boundaries so that each chunk is one range of whole slots, earliest first."""
+    cursors = {partition: 0 for partition, dues in wanted.items() if dues}
+    step = max(size // max(len(cursors), 1), 1)
+    while cursors:
+        bound = min(wanted[p][min(i + step, len(wanted[p])) - 1].deliver_at for p, i in cursors.items())
+        bound = (bound // SLOT_MS + 1) * SLOT_MS - 1  # the end of its slot
+        chunk: dict[TopicPartitionKey, list[Due]] = {}
+        for partition, i in list(cursors.items()):
+            dues = wanted[partition]
+            j = bisect.bisect_right(dues, (bound, MAX_DELIVER_AT), i)
+            if j > i:
+                chunk[partition] = dues[i:j]
+            if j >= len(dues):
+                del cursors[partition]
+            else:
+                cursors[partition] = j
+        yield chunk
+
+
+class PayloadCache:
+    """The cache of one state dir, shared by every partition this sidecar serves.
+
+    Open it with `open()`, which never fails: a cache that cannot be opened, was written by another
+    owner or by a process that crashed is dropped and started empty; a cache that cannot be created
+    at all leaves the sidecar running without one.
+    """
+
+    def __init__(self, path: Path, db: rocksdict.Rdict, budget: ByteBudget, horizon_ms: int) -> None:
+        self.path = path
+        self._db = db
+        self.budget = budget
+        self.horizon_ms = horizon_ms
+        self.closed = False
+        self._write_options = rocksdict.WriteOptions()
+        # Rebuildable, and dropped after a crash anyway. (The stub types this property as a method.)
+        self._write_options.disable_wal = True  # type: ignore[method-assign,assignment]
+        self._reported: set[str] = set()
+
+    # ----------------------------------------------------------------- opening and closing
+
+    @classmethod
+    def open(cls, path: Path, *, owner: str, budget_bytes: int, horizon_ms: int) -> PayloadCache | None:
+        if budget_bytes <= 0:
+            return None
+        db: rocksdict.Rdict | None
+        try:
+            db = _open(path)
+        except _Locked as exc:
+            logger.error(
+                "payload cache locked by another process; running without it path=%s error=%s "
+                "(give each sidecar its own --state-dir)",
+                path,
+                exc,
+            )
+            return None
+        except Exception as exc:  # corrupt or not a RocksDB: it is only a cache
+            logger.warning("payload cache cannot be opened; dropping it path=%s error=%s", path, _one_line(exc))
+            db = _recreate(path, None)
+        else:
+            try:
+                reason = _unusable(db, owner)
+            except Exception as exc:
+                reason = f"unreadable ({_one_line(exc)})"
+            if reason is not None:
+                logger.warning("payload cache dropped path=%s reason=%s", path, reason)
+                db = _recreate(path, db)
+        if db is None:
+            return None
+        try:
+            counts = _start(db, owner)
+        except Exception as exc:
+            logger.error("payload cache unusable; running without it path=%s error=%s", path, _one_line(exc))
+            _close_quietly(db)
+            return None
+        cache = cls(path, db, ByteBudget(budget_bytes, counts), horizon_ms)
+        logger.info(
+            "payload cache open path=%s used_bytes=%d budget_bytes=%d horizon_ms=%d",
+            path,
+            cache.budget.used,
+            budget_bytes,
+            horizon_ms,
+        )
+        return cache
+
+    def close(self) -> None:
+        """Flush, then mark the cache clean with its byte counts: the next start may trust it."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self._db.flush()
+            synced = rocksdict.WriteOptions()
+            synced.sync = True
+            self._db.put(META_CLEAN, marshal.dumps(self.budget.by_second), synced)
+        except Exception as exc:  # the next start drops it: only timing is lost
+            logger.warning("payload cache not closed cleanly; it is dropped at the next start error=%s", exc)
+        _close_quietly(self._db)
+
+    # ----------------------------------------------------------------- the three operations
+
+    def batch(self, now_ms: int) -> CacheBatch:
+        """Collect the payloads of one intake batch; `write()` it at the end of the batch."""
+        return CacheBatch(self, now_ms)
+
+    def read(
+        self,
+        wanted: dict[TopicPartitionKey, list[Due]],
+        after: dict[TopicPartitionKey, Due] | None = None,
+        room: int = 0,
+        known: Container[tuple[TopicPartitionKey, int]] = (),
+    ) -> CacheRead:
+        """Payloads of the wanted entries, found by one scan in key order; see CacheRead.
+
+        With `after`, up to `room` payloads of the same entries that were not asked for but are
+        due after `after[partition]` are yielded too (unless `known`: already in memory): a read at
+        due time gets the rest of its slots, which fall due in the next turns, instead of decoding
+        the same slots again then."""
+        return CacheRead(self, wanted, after, room, known)
+
+    def delete_before(self, deliver_at: int) -> None:
+        """Delete every entry due before the second of `deliver_at` (whole seconds, so the byte count
+        stays exact). The caller makes sure these are delivered and checkpointed."""
+        if self.closed or deliver_at <= 0:
+            return
+        second = min(deliver_at, MAX_DELIVER_AT) // 1000
+        if not any(s < second for s in self.budget.by_second):
+            return
+        try:
+            self._db.delete_range(time_key(0), time_key(second * 1000), self._write_options)
+        except Exception as exc:
+            self._failed("delete", exc)
+            return
+        self.budget.release_before(second)
+
+    def _write(self, batch: rocksdict.WriteBatch) -> None:
+        if self.closed:
+            return
+        try:
+            self._db.write(batch, self._write_options)
+        except Exception as exc:  # not cached: read back from the log when due
+            self._failed("write", exc)
+
+    def _failed(self, operation: str, exc: Exception) -> None:
+        """Log a failing operation once; every failure only means a payload read back from the log."""
+        if operation not in self._reported:
+            self._reported.add(operation)
+            logger.warning(
+                "payload cache %s failed; affected payloads are read back from the log path=%s error=%s "
+                "(check free disk space; deleting the cache directory while stopped is safe)",
+                operation,
+                self.path,
+                _one_line(exc),
+            )
+
+
+class _Locked(Exception):
+    pass
+
+
+def _options() -> rocksdict.Options:
+    options = rocksdict.Options(raw_mode=True)
+    options.create_if_missing(True)
+    options.set_write_buffer_size(16 << 20)
+    options.set_max_write_buffer_number(2)
+    options.set_compression_type(rocksdict.DBCompressionType.lz4())
+    options.set_keep_log_file_num(2)
+    table = rocksdict.BlockBasedOptions()
+    table.set_block_cache(rocksdict.Cache(8 << 20))
+    options.set_block_based_table_factory(table)
+    return options
+
+
+def _open(path: Path) -> rocksdict.Rdict:
+    """Open, waiting a while for a previous sidecar that still holds the lock."""
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{path} is a file")
+    deadline = time.monotonic() + LOCK_TIMEOUT_S
+    while True:
+        try:
+            return rocksdict.Rdict(str(path), _options())
+        except Exception as exc:
+            if "lock" not in str(exc).lower():
+                raise
+            if time.monotonic() >= deadline:
+                raise _Locked(_one_line(exc)) from exc
+            time.sleep(LOCK_RETRY_INTERVAL_S)
+
+
+def _unusable(db: rocksdict.Rdict, owner: str) -> str | None:
+    """Why an existing cache must not be used, or None. A new, empty cache is usable."""
+    stored_owner = db.get(META_OWNER)
+    if stored_owner is None:
+        return None if _empty(db) else "no owner recorded"
+    if stored_owner != owner.encode():
+        return f"written for another cluster or group ({stored_owner.decode(errors='replace')})"
+    if db.get(META_FORMAT) != FORMAT:
+        return "written by another version"
+    if db.get(META_CLEAN) is None:
+        return "the last run did not stop cleanly"
+    return None
+
+
+def _empty(db: rocksdict.Rdict) -> bool:
+    for _ in db.keys():  # noqa: SIM118 - keys() reads no values
+        return False
+    return True
+
+
+def _start(db: rocksdict.Rdict, owner: str) -> dict[int, int]:
+    """Record the owner, take the byte counts of the last clean close and remove the clean mark
+    (synced), so a crash from here on is noticed at the next start."""
+    clean = db.get(META_CLEAN)
+    counts: dict[int, int] = marshal.loads(clean) if clean is not None else {}
+    synced = rocksdict.WriteOptions()
+    synced.sync = True
+    batch = rocksdict.WriteBatch(raw_mode=True)
+    batch.put(META_OWNER, owner.encode())
+    batch.put(META_FORMAT, FORMAT)
+    batch.delete(META_CLEAN)
+    db.write(batch, synced)
+    return counts
+
+
+def _recreate(path: Path, db: rocksdict.Rdict | None) -> rocksdict.Rdict | None:
+    if db is not None:
+        _close_quietly(db)
+    try:
+        shutil.rmtree(path, ignore_errors=False) if path.is_dir() else path.unlink(missing_ok=True)
+        return rocksdict.Rdict(str(path), _options())
+    except Exception as exc:
+        logger.error(
+            "payload cache cannot be created; running without it path=%s error=%s "
+            "(check the state dir's permissions and free space)",
+            path,
+            _one_line(exc),
+        )
+        return None
+
+
+def _close_quietly(db: rocksdict.Rdict) -> None:
+    try:
+        db.close()
+    except Exception as exc:
+        logger.debug("payload cache close failed error=%s", exc)
+
+
+def _one_line(exc: BaseException) -> str:
+    return str(exc).replace("\n", " ")

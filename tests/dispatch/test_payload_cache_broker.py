@@ -1,0 +1,145 @@
+"""The payload cache inside the running sidecar, against a real broker.
+
+Where each payload came from is read off `payload_reads_total{topic,source}`; every test also reads
+the outbound topic to its end and counts copies per record, so a loss, a duplicate or an early
+delivery fails it whatever the cache did.
+"""
+
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from sidecar.broker.embedded import free_port
+from tests.kafka_helpers import KafkaHelper, SidecarProcess, scrape, wait_for
+from tests.test_checkpoint import assert_once_each, outbound_end, produce_due, run_args
+
+TopicFactory = Callable[..., str]
+PolicyFile = Callable[[str], Path]
+COUNT = 2_000
+# Far enough ahead that intake (after the sidecar's start and group join) sees every record as not
+# yet near due, so each one either goes to the cache or is left for a read-back.
+LEAD_MS = 15_000
+
+
+def reads(port: int, topic: str, source: str) -> float:
+    return scrape(port, "delay_sidecar_payload_reads_total", topic=topic, source=source)
+
+
+def delivered_all(kafka_helper: KafkaHelper, topic: str, partitions: int = 1) -> Callable[[], bool]:
+    return lambda: outbound_end(kafka_helper, f"{topic}.a", partitions) >= COUNT
+
+
+def setup(
+    topic_factory: TopicFactory, policy_file: PolicyFile, name: str, partitions: int = 1
+) -> tuple[str, Path, int]:
+    topic = topic_factory(name, partitions=partitions)
+    return topic, policy_file(f"topics:\n  {topic}:\n    subscriptions: {{a: {{}}}}\n"), free_port()
+
+
+@pytest.mark.parametrize("read_ahead_ms", ["0", "2000"])
+def test_cached_payloads_are_delivered_without_a_read_back(
+    read_ahead_ms: str,
+    kafka: str,
+    kafka_helper: KafkaHelper,
+    topic_factory: TopicFactory,
+    policy_file: PolicyFile,
+    tmp_path: Path,
+) -> None:
+    """With read-ahead, the cache is scanned ahead of deliver-at; without, when the records fall due."""
+    topic, policies, port = setup(topic_factory, policy_file, "hit")
+    args = run_args(kafka, policies, tmp_path / "state", port, f"g-{topic}", "--read-ahead-ms", read_ahead_ms)
+    sidecar = SidecarProcess(args, tmp_path / "log")
+    due = int(time.time() * 1000) + LEAD_MS
+    produce_due(kafka_helper, topic, [due + i % 2_000 for i in range(COUNT)])
+    try:
+        sidecar.start()
+        wait_for(delivered_all(kafka_helper, topic), 60, "every record delivered")
+        wait_for(lambda: reads(port, topic, "cache") == COUNT, 10, "every payload counted as a cache hit")
+        assert reads(port, topic, "log") == 0
+        wait_for(lambda: scrape(port, "delay_sidecar_tracked_messages", topic=topic) == 0, 30, "a checkpoint")
+        # Delivered and checkpointed: their entries are deleted (the second still pending may stay).
+        wait_for(lambda: scrape(port, "delay_sidecar_payload_cache_bytes") < 200 * COUNT // 2, 30, "deletion")
+        assert sidecar.stop() == 0, sidecar.tail()
+    finally:
+        sidecar.close()
+    assert_once_each(kafka_helper, f"{topic}.a", COUNT)
+
+
+@pytest.mark.parametrize("miss", ["beyond the horizon", "over the budget"])
+def test_payloads_not_cached_are_read_back_from_the_log(
+    miss: str,
+    kafka: str,
+    kafka_helper: KafkaHelper,
+    topic_factory: TopicFactory,
+    policy_file: PolicyFile,
+    tmp_path: Path,
+) -> None:
+    topic, policies, port = setup(topic_factory, policy_file, "miss")
+    # A payload costs about 100 bytes in the cache: the budget holds about a tenth of them.
+    limit = (
+        ["--payload-cache-horizon-ms", "1000"] if miss == "beyond the horizon" else ["--payload-cache-bytes", "20000"]
+    )
+    args = run_args(kafka, policies, tmp_path / "state", port, f"g-{topic}", *limit)
+    sidecar = SidecarProcess(args, tmp_path / "log")
+    due = int(time.time() * 1000) + LEAD_MS
+    produce_due(kafka_helper, topic, [due + i % 2_000 for i in range(COUNT)])
+    try:
+        sidecar.start()
+        wait_for(delivered_all(kafka_helper, topic), 60, "every record delivered")
+        wait_for(lambda: reads(port, topic, "cache") + reads(port, topic, "log") == COUNT, 10, "every payload")
+        if miss == "beyond the horizon":
+            assert reads(port, topic, "log") == COUNT
+        else:
+            assert 0 < reads(port, topic, "cache") < COUNT // 2
+        assert sidecar.stop() == 0, sidecar.tail()
+    finally:
+        sidecar.close()
+    assert_once_each(kafka_helper, f"{topic}.a", COUNT)
+    if miss == "over the budget":
+        assert sidecar.log.read_text().count("payload cache full") == 1
+
+
+@pytest.mark.parametrize("lost", ["deleted", "corrupt", "kill -9"])
+def test_a_lost_cache_loses_nothing_and_delivers_nothing_early(
+    lost: str,
+    kafka: str,
+    kafka_helper: KafkaHelper,
+    topic_factory: TopicFactory,
+    policy_file: PolicyFile,
+    tmp_path: Path,
+) -> None:
+    """The cache is gone, garbage or left by a crash when the sidecar starts again: it is dropped and
+    every payload is read back from the log."""
+    topic, policies, port = setup(topic_factory, policy_file, "lost", partitions=2)
+    state = tmp_path / "state"
+    sidecar = SidecarProcess(run_args(kafka, policies, state, port, f"g-{topic}"), tmp_path / "log")
+    due = int(time.time() * 1000) + LEAD_MS
+    produce_due(kafka_helper, topic, [due + i % 2_000 for i in range(COUNT)], partitions=2)
+    try:
+        sidecar.start()
+        wait_for(lambda: scrape(port, "delay_sidecar_tracked_messages", topic=topic) == COUNT, 30, "a checkpoint")
+        wait_for(lambda: scrape(port, "delay_sidecar_payload_cache_bytes") > 0, 10, "cached payloads")
+        if lost == "kill -9":
+            sidecar.kill()
+        else:
+            assert sidecar.stop() == 0, sidecar.tail()
+            if lost == "deleted":
+                shutil.rmtree(state / "cache")
+            else:
+                for file in (state / "cache").iterdir():
+                    if file.name == "CURRENT" or file.suffix == ".sst":
+                        file.write_bytes(b"garbage")
+        sidecar.start()
+        wait_for(delivered_all(kafka_helper, topic, 2), 60, "every record delivered")
+        wait_for(lambda: scrape(port, "delay_sidecar_tracked_messages", topic=topic) == 0, 30, "a checkpoint")
+        assert reads(port, topic, "cache") == 0
+        assert reads(port, topic, "log") > 0
+        assert sidecar.stop() == 0, sidecar.tail()
+    finally:
+        sidecar.close()
+    assert_once_each(kafka_helper, f"{topic}.a", COUNT)
+    if lost != "deleted":
+        assert "payload cache dropped" in sidecar.log.read_text() or "cannot be opened" in sidecar.log.read_text()
