@@ -166,7 +166,7 @@ class Sidecar:
             reasons.append(self._connectivity.reason)
         stuck = time.monotonic() - self._turned
         if self.running and stuck > STUCK_S:
-            reasons.append(f"the loop has been waiting on Kafka for {stuck:.0f} s")
+            reasons.append(f"Kafka unreachable: no answer for {stuck:.0f} s (the loop is waiting on it)")
         return reasons
 
     def _watch_connectivity(self, records: list[Any]) -> None:
