@@ -44,6 +44,7 @@ class RepeatFilter(logging.Filter):
         return True
 
 
+logger = logging.getLogger(__name__)
 LIBRDKAFKA = logging.getLogger("librdkafka")
 """Every Kafka client the sidecar opens logs here, in the key=value format, repeats held back."""
 LIBRDKAFKA.addFilter(RepeatFilter())
@@ -102,7 +103,7 @@ class Connectivity:
         if error.code() in _UNREACHABLE and self.reason is None and not _NONE_DOWN.match(error.str()):
             self.reason = f"Kafka unreachable: {error.str()}"
             self._down_since = time.monotonic()
-            logging.getLogger(__name__).warning("brokers unreachable error=%s", error.str())
+            logger.warning("brokers unreachable error=%s", error.str())
 
     def probe_due(self) -> bool:
         if self.reason is None or time.monotonic() - self._probed < self.PROBE_EVERY_S:
@@ -112,7 +113,5 @@ class Connectivity:
 
     def up(self) -> None:
         if self.reason is not None:
-            logging.getLogger(__name__).info(
-                "brokers reachable again after_s=%.1f", time.monotonic() - self._down_since
-            )
+            logger.info("brokers reachable again after_s=%.1f", time.monotonic() - self._down_since)
             self.reason = None

@@ -318,3 +318,28 @@ class SidecarProcess:
 
     def tail(self) -> str:
         return self.log.read_text()[-3000:]
+
+
+def run_args(kafka: str, policies: Path, state: Path, port: int, group: str, *extra: str) -> list[str]:
+    return ["--bootstrap-servers", kafka, "--policies", str(policies), "--state-dir", str(state),
+            "--metrics-port", str(port), "--group-id", group, "--commit-interval-ms", "200", *extra]  # fmt: skip
+
+
+def produce_due(kafka_helper: KafkaHelper, topic: str, deliver_at: list[int], partitions: int = 1) -> None:
+    for i, at in enumerate(deliver_at):
+        kafka_helper.produce(topic, f"v{i}".encode(), headers=[("deliver-at", str(at))], partition=i % partitions)
+    kafka_helper.flush()
+
+
+def outbound_end(kafka_helper: KafkaHelper, topic: str, partitions: int = 1) -> int:
+    return sum(kafka_helper.end_offsets(topic, partitions))
+
+
+def assert_once_each(kafka_helper: KafkaHelper, outbound: str, expected: int) -> None:
+    records = kafka_helper.read_to_end(outbound)
+    copies = deliveries(records)
+    duplicated = {origin: n for origin, n in copies.items() if n > 1}
+    some = list(duplicated.items())[:5]
+    assert not duplicated, f"{outbound}: {len(duplicated)} records delivered more than once, e.g. {some}"
+    assert len(copies) == expected, f"{outbound}: {len(copies)} of {expected} delivered"
+    assert not early(records), f"{outbound}: delivered early"

@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from confluent_kafka import Consumer, TopicPartition
 
 from sidecar.broker.embedded import free_port
 from sidecar.clock import SystemClock
@@ -22,35 +21,20 @@ from sidecar.policy import load_policies
 from sidecar.tracker import InMemoryTracker
 from sidecar.tracker.bucket import BucketTracker
 from sidecar.tracker.storage.fake import FakeSnapshotStorage
-from tests.kafka_helpers import KafkaHelper, SidecarProcess, deliveries, early, scrape, wait_for
+from tests.kafka_helpers import (
+    KafkaHelper,
+    SidecarProcess,
+    assert_once_each,
+    committed,
+    outbound_end,
+    produce_due,
+    run_args,
+    scrape,
+    wait_for,
+)
 
 TopicFactory = Callable[..., str]
 PolicyFile = Callable[[str], Path]
-
-
-def run_args(kafka: str, policies: Path, state: Path, port: int, group: str, *extra: str) -> list[str]:
-    return ["--bootstrap-servers", kafka, "--policies", str(policies), "--state-dir", str(state),
-            "--metrics-port", str(port), "--group-id", group, "--commit-interval-ms", "200", *extra]  # fmt: skip
-
-
-def produce_due(kafka_helper: KafkaHelper, topic: str, deliver_at: list[int], partitions: int = 1) -> None:
-    for i, at in enumerate(deliver_at):
-        kafka_helper.produce(topic, f"v{i}".encode(), headers=[("deliver-at", str(at))], partition=i % partitions)
-    kafka_helper.flush()
-
-
-def outbound_end(kafka_helper: KafkaHelper, topic: str, partitions: int = 1) -> int:
-    return sum(kafka_helper.end_offsets(topic, partitions))
-
-
-def assert_once_each(kafka_helper: KafkaHelper, outbound: str, expected: int) -> None:
-    records = kafka_helper.read_to_end(outbound)
-    copies = deliveries(records)
-    duplicated = {origin: n for origin, n in copies.items() if n > 1}
-    some = list(duplicated.items())[:5]
-    assert not duplicated, f"{outbound}: {len(duplicated)} records delivered more than once, e.g. {some}"
-    assert len(copies) == expected, f"{outbound}: {len(copies)} of {expected} delivered"
-    assert not early(records), f"{outbound}: delivered early"
 
 
 def test_deliveries_after_a_restart_are_checkpointed_without_new_inbound_records(
@@ -163,18 +147,14 @@ def test_sigterm_while_due_records_are_read_back_checkpoints_and_exits_0(
     assert_once_each(kafka_helper, f"{topic}.a", count)
 
 
-def committed_offsets(kafka: str, group: str, topic: str) -> list[int]:
-    consumer = Consumer({"bootstrap.servers": kafka, "group.id": group})
-    try:
-        return [tp.offset for tp in consumer.committed([TopicPartition(topic, 0)], timeout=10)]
-    finally:
-        consumer.close()
-
-
 def test_the_commit_never_passes_what_a_degraded_index_made_durable(
     kafka: str, kafka_helper: KafkaHelper, topic_factory: TopicFactory, policy_file: PolicyFile
 ) -> None:
     topic, group = topic_factory("degraded"), f"g-{uuid.uuid4().hex[:8]}"
+
+    def committed_offsets() -> list[int]:
+        return [offset for offset, _ in committed(kafka, group, topic, 1)]
+
     storage = FakeSnapshotStorage()
     trackers: dict[str, BucketTracker] = {}
 
@@ -191,7 +171,7 @@ def test_the_commit_never_passes_what_a_degraded_index_made_durable(
     try:
         assert sidecar.assigned.wait(30)
         produce_due(kafka_helper, topic, [int(time.time() * 1000) + 600_000] * 50)
-        wait_for(lambda: committed_offsets(kafka, group, topic) == [50], 30, "the first commit")
+        wait_for(lambda: committed_offsets() == [50], 30, "the first commit")
         storage.fail("checkpoint", 1_000_000)
         produce_due(kafka_helper, topic, [int(time.time() * 1000) + 600_000] * 50)
         wait_for(lambda: sidecar.metrics.registry.get_sample_value(
@@ -199,9 +179,9 @@ def test_the_commit_never_passes_what_a_degraded_index_made_durable(
         wait_for(lambda: storage.calls["checkpoint"] > 5, 30, "failing checkpoints")
         tracker = trackers[topic]
         assert tracker.degraded and tracker.index_cursor() == 50
-        assert committed_offsets(kafka, group, topic) == [50]
+        assert committed_offsets() == [50]
         storage.heal()
-        wait_for(lambda: committed_offsets(kafka, group, topic) == [100], 30, "the commit after healing")
+        wait_for(lambda: committed_offsets() == [100], 30, "the commit after healing")
     finally:
         sidecar.stop()
         thread.join(30)

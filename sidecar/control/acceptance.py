@@ -37,8 +37,6 @@ logger = logging.getLogger(__name__)
 
 UNKNOWN_LABEL = "(unknown)"
 """The subscription label of commands for a topic or subscription that is not configured."""
-DueNow = Callable[[PartitionState, list[tuple[int, AcceptedNack]]], None]
-"""redeliver(control partition, [(accepted offset, nack), ...]) for nacks already due when read."""
 
 
 class Acceptance:

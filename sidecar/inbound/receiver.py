@@ -7,7 +7,7 @@ those still pending are indexed (or sent, when due).
 """
 
 import logging
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Callable
 
 from confluent_kafka import KafkaError, Message
@@ -66,7 +66,7 @@ class Receiver:
         rules: dict[str, IntakeRule] = {}
         counts_in: Counter[str] = Counter()
         counts_delayed: Counter[str] = Counter()
-        sent: dict[str, Counter[str]] = {}
+        sent: defaultdict[str, Counter[str]] = defaultdict(Counter)
         nacks_due: list[tuple[int, int, AcceptedNack]] = []
         # Payloads of records indexed for later, in one write per batch (kept in memory when near due).
         payloads = self._payloads.batch(now) if self._payloads is not None else None
@@ -92,7 +92,7 @@ class Receiver:
             if publish_ms <= 0:
                 publish_ms = now
             if state.rebuild is not None:
-                self._rebuild_one(record, state, state.rebuild, routes, publish_ms)
+                self._rebuild_one(record, state, state.rebuild, routes, publish_ms, sent[topic])
                 state.next_offset = offset + 1
                 continue
             rule = rules.get(topic)
@@ -115,9 +115,7 @@ class Receiver:
                 self._metrics.delay_disabled.labels(topic, routes.route.namespace or "").inc()
             if fate.miscased:
                 self._metrics.delay_header_miscased.labels(topic).inc()
-            subs = sent.get(topic)
-            if subs is None:
-                subs = sent[topic] = Counter()
+            subs = sent[topic]
             deliver_at = fate.deliver_at
             if deliver_at is None:
                 self._delivery.send(routes.delayed, record, publish_ms, subs)
@@ -146,7 +144,13 @@ class Receiver:
                 self._metrics.child(self._metrics.delivered, topic, sub).inc(n)
 
     def _rebuild_one(
-        self, record: Message, state: PartitionState, rebuild: Rebuild, routes: Routes, publish_ms: int
+        self,
+        record: Message,
+        state: PartitionState,
+        rebuild: Rebuild,
+        routes: Routes,
+        publish_ms: int,
+        sent: Counter[str],
     ) -> None:
         offset = record.offset()
         rule = state.rules.at(offset) or routes.rule(self._retention_ms.get(record.topic()))
@@ -156,10 +160,7 @@ class Receiver:
             if state.tracker.add(offset, deliver_at):
                 rebuild.indexed += 1
             else:
-                sent: Counter[str] = Counter()
                 self._delivery.send(routes.targets(rule), record, deliver_at, sent)
-                for sub, n in sent.items():
-                    self._metrics.child(self._metrics.delivered, record.topic(), sub).inc(n)
                 rebuild.redelivered += 1
         self._metrics.replayed.labels(record.topic()).inc()
         if rebuild.progress(state.name, offset):

@@ -77,12 +77,10 @@ class Writer:
             except BufferError:
                 self.producer.poll(0.05)  # the local queue is full: let the broker catch up
 
-    def dead_letter(
-        self, topic: str, record: Message, code: str, message: str, origin: tuple[str, int, int] | None = None
-    ) -> None:
+    def dead_letter(self, topic: str, record: Message, code: str, message: str) -> None:
         """`record` unchanged on `topic`, with the error code and message and its origin."""
-        source, partition, offset = origin or (record.topic(), record.partition(), record.offset())
-        headers = dead_letter_headers(record.headers(), source, partition, offset, code, message)
+        partition = record.partition()
+        headers = dead_letter_headers(record.headers(), record.topic(), partition, record.offset(), code, message)
         self.send(topic, record.key(), record.value(), headers, self.target(topic, partition), _timestamp(record))
 
     def poll(self) -> None:

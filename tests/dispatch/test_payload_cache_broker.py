@@ -13,8 +13,16 @@ from pathlib import Path
 import pytest
 
 from sidecar.broker.embedded import free_port
-from tests.kafka_helpers import KafkaHelper, SidecarProcess, scrape, wait_for
-from tests.test_checkpoint import assert_once_each, outbound_end, produce_due, run_args
+from tests.kafka_helpers import (
+    KafkaHelper,
+    SidecarProcess,
+    assert_once_each,
+    outbound_end,
+    produce_due,
+    run_args,
+    scrape,
+    wait_for,
+)
 
 TopicFactory = Callable[..., str]
 PolicyFile = Callable[[str], Path]

@@ -16,10 +16,6 @@ PolicyFile = Callable[[str], Path]
 COUNT = 20_000
 
 
-def metric(port: int, name: str, topic: str) -> float:
-    return scrape(port, name, topic=topic)
-
-
 def run_args(kafka: str, policies: Path, state: Path, port: int, group: str) -> list[str]:
     # Small buckets and segments, so 20,000 records make many buckets, segments and merges.
     return ["--bootstrap-servers", kafka, "--policies", str(policies), "--state-dir", str(state),
@@ -61,8 +57,8 @@ def test_kill_9_mid_delivery_loses_nothing_and_restarts_without_rereading(
     produce_delayed(kafka_helper, topic, int(time.time() * 1000) + 8_000, 8_000)
     first = sidecar_process(args, log)
     try:
-        wait_for(lambda: metric(port, "delay_sidecar_messages_in_total", topic) == COUNT, 30, "indexing")
-        wait_for(lambda: metric(port, "delay_sidecar_bucket_count", topic) > 2, 10, "sealed buckets")
+        wait_for(lambda: scrape(port, "delay_sidecar_messages_in_total", topic=topic) == COUNT, 30, "indexing")
+        wait_for(lambda: scrape(port, "delay_sidecar_bucket_count", topic=topic) > 2, 10, "sealed buckets")
         # Mid-way: some records are delivered, most are not.
         wait_for(lambda: kafka_helper.end_offsets(f"{topic}.a", 1)[0] > 1000, 30, "first deliveries")
         os.kill(first.pid, signal.SIGKILL)
@@ -77,8 +73,8 @@ def test_kill_9_mid_delivery_loses_nothing_and_restarts_without_rereading(
         # At least once: only what was delivered since the last checkpoint (200 ms) may come twice.
         assert all(n < 2_000 for n in duplicates.values()), duplicates
         # The restart resumed at the index cursor: not one inbound record was read twice.
-        assert metric(port, "delay_sidecar_messages_in_total", topic) == 0
-        assert metric(port, "delay_sidecar_messages_replayed_total", topic) == 0
+        assert scrape(port, "delay_sidecar_messages_in_total", topic=topic) == 0
+        assert scrape(port, "delay_sidecar_messages_replayed_total", topic=topic) == 0
     finally:
         second.send_signal(signal.SIGTERM)
         assert second.wait(30) == 0, log.read_text()[-2000:]
@@ -95,7 +91,7 @@ def test_lost_state_dir_is_rebuilt_from_the_commit_metadata_with_progress(
     produce_delayed(kafka_helper, topic, int(time.time() * 1000) + 12_000, 4_000)
     first = sidecar_process(args, log)
     try:
-        wait_for(lambda: metric(port, "delay_sidecar_messages_in_total", topic) == COUNT + 1, 30, "indexing")
+        wait_for(lambda: scrape(port, "delay_sidecar_messages_in_total", topic=topic) == COUNT + 1, 30, "indexing")
         time.sleep(1)  # a checkpoint commits the offsets with the earliest pending offset
     finally:
         first.send_signal(signal.SIGKILL)
@@ -107,7 +103,9 @@ def test_lost_state_dir_is_rebuilt_from_the_commit_metadata_with_progress(
         text = log.read_text()
         progress = r"event=\"index rebuild (progress|done)\" partition=\S+ offset=\d+ until=\d+ .*rate=\d+/s eta="
         assert re.search(progress, text)
-        assert metric(port, "delay_sidecar_messages_replayed_total", topic) == COUNT  # the immediate one is before
+        assert (
+            scrape(port, "delay_sidecar_messages_replayed_total", topic=topic) == COUNT
+        )  # the immediate one is before
         # The record without a delay was not delivered a second time by the rebuild.
         assert [r.value for r in kafka_helper.read(f"{topic}.a", COUNT + 1, timeout_s=5, extra_s=1)].count(
             b"immediate"
