@@ -4,6 +4,10 @@ Throughput is timed from the first record on the outbound topics to the last (hi
 every 50 ms), so process start-up and the group join are left out; they are reported separately.
 Lateness is read from the outbound topics after the run: record timestamp (set by the sidecar's
 producer when it delivers) minus the `delay-deliver-at` header.
+
+Every sidecar rate is set against two relays measured in the same run: the bare ceiling (one output
+per input) and the same-I/O relay `relay-2` (one output per input and subscription, headers copied),
+which is what issue 13's targets are expressed in. Run them first: later scenarios read their rates.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from bench.load import VALUE_BYTES
 from bench.probe import (
     Deliveries,
     MetricsRecorder,
@@ -40,10 +45,29 @@ from bench.procs import (
 from sidecar.broker.embedded import free_port
 
 SUBSCRIPTIONS = ("billing", "shipping")
-SCENARIOS = ("ceiling", "passthrough", "delayed", "burst", "fixed")
+# Issue 13's set; the relays first, since every later scenario is reported as a ratio to them.
+SCENARIOS = (
+    "ceiling",
+    "relay-2",
+    "passthrough",
+    "delayed",
+    "delayed-small-cache",
+    "fixed-40k",
+    "fixed",
+    "burst",
+)
 # Run only when named: the delayed scenario again without the payload cache, for a comparison in one run.
 EXTRA_SCENARIOS = ("delayed-nocache",)
 NO_CACHE = ("--payload-cache-bytes", "0")
+SMALL_CACHE_SHARE = 0.10
+"""delayed-small-cache: the cache budget as a share of the data, so most payloads take the read-back path."""
+RECORD_OVERHEAD_BYTES = 80
+"""Key, deliver-at header and per-entry overhead added to each value when sizing the data (an estimate)."""
+
+
+def data_bytes(records: int, value_bytes: int = VALUE_BYTES) -> int:
+    """The payload data of a run: records x (value bytes + RECORD_OVERHEAD_BYTES)."""
+    return records * (value_bytes + RECORD_OVERHEAD_BYTES)
 
 
 @dataclass
@@ -56,6 +80,8 @@ class Sizes:
     window_ms: int = 60_000
     """Delays of the delayed scenario are uniform in [0, window)."""
     fixed_delay_ms: int = 20_000
+    fixed_rate: float = 40_000.0
+    """Produce rate of fixed-40k in records/s (fixed runs at full speed)."""
     partitions: int = 3
     startup_s: float = 8.0
     """Allowance for the sidecar's start and group join, in the lead time of pre-produced delayed records."""
@@ -118,6 +144,8 @@ class Context:
     sizes: Sizes
     profile: set[str] = field(default_factory=set)
     ceiling_rate: float | None = None
+    relay_rate: float | None = None
+    """Per-subscription rate of the same-I/O relay (relay-2): input records/s, each written twice."""
     watermarks: Watermarks | None = None
 
     def wm(self) -> Watermarks:
@@ -133,8 +161,15 @@ class Context:
     def log(self, name: str) -> Path:
         return self.workdir / f"{name}.log"
 
-    def ratio(self, rate: float | None) -> float | None:
-        return rate / self.ceiling_rate if rate and self.ceiling_rate else None
+    def ratios(self, result: Result, rate: float | None) -> None:
+        """A per-subscription rate against both relays, and the same-I/O relay's time for these records.
+
+        The time is what the fixed-delay and burst targets are set in: records / the relay's rate.
+        """
+        result.figures["x_ceiling"] = _round(rate / self.ceiling_rate, 3) if rate and self.ceiling_rate else None
+        result.figures["x_same_io_relay"] = _round(rate / self.relay_rate, 3) if rate and self.relay_rate else None
+        if self.relay_rate:
+            result.figures["same_io_relay_s"] = round(result.records / self.relay_rate, 2)
 
 
 def _policies(ctx: Context, name: str, topic: str, fixed_delay_ms: int = 0) -> Path:
@@ -258,27 +293,44 @@ def _finish(result: Result, progress_counts: dict[str, int], records: int) -> No
 # ----------------------------------------------------------------------------------------- scenarios
 
 
-def ceiling(ctx: Context) -> Result:
+def _relay(ctx: Context, name: str, outputs: int) -> tuple[Result, float | None]:
+    """bench/relay.py writing each inbound record to `outputs` topics; its per-topic rate."""
     n = ctx.sizes.ceiling
-    result = Result("ceiling", n, 1)
-    inbound = ctx.topic("ceiling")
-    outbound = f"{inbound}.out"
-    create_topic(ctx.bootstrap, outbound, ctx.sizes.partitions)
-    load = run_load(load_argv(ctx.bootstrap, inbound, n), ctx.log("ceiling-load"))
+    result = Result(name, n, outputs)
+    inbound = ctx.topic(name)
+    outbound = [f"{inbound}.out{i}" for i in range(outputs)]
+    for topic in outbound:
+        create_topic(ctx.bootstrap, topic, ctx.sizes.partitions)
+    load = run_load(load_argv(ctx.bootstrap, inbound, n), ctx.log(f"{name}-load"))
     result.figures["produce_rate"] = round(load["rate"])
     started = time.monotonic()
-    relay = start_relay(ctx.bootstrap, inbound, outbound, f"bench-relay-{uuid.uuid4().hex[:6]}", ctx.log("relay"))
+    relay = start_relay(ctx.bootstrap, inbound, outbound, f"bench-{name}-{uuid.uuid4().hex[:6]}", ctx.log(name))
     rss = RssSampler(relay.pid).start()
-    progress = wait_for_outbound(ctx.wm(), [outbound], n, timeout_s=120 + n / 5_000, alive=relay.alive)
+    progress = wait_for_outbound(ctx.wm(), outbound, n, timeout_s=120 + n / 5_000, alive=relay.alive)
     relay.stop()
     result.figures["peak_rss_mib"] = round(rss.stop(), 1)
     _finish(result, progress.counts, n)
-    if progress.first_s is not None and progress.done_s is not None and progress.done_s > progress.first_s:
-        rate = n / (progress.done_s - progress.first_s)
-        result.figures["delivery_rate_per_sub"] = round(rate)
-        result.figures["startup_s"] = round(progress.first_s - started, 2)
-        ctx.ceiling_rate = rate
-        result.figures["x_ceiling"] = 1.0
+    if progress.first_s is None or progress.done_s is None or progress.done_s <= progress.first_s:
+        result.notes.append("no rate: every record arrived between two watermark polls (too few records)")
+        return result, None
+    rate = n / (progress.done_s - progress.first_s)
+    result.figures["delivery_rate_per_sub"] = round(rate)
+    result.figures["startup_s"] = round(progress.first_s - started, 2)
+    return result, rate
+
+
+def ceiling(ctx: Context) -> Result:
+    result, ctx.ceiling_rate = _relay(ctx, "ceiling", 1)
+    ctx.ratios(result, ctx.ceiling_rate)
+    return result
+
+
+def relay_2(ctx: Context) -> Result:
+    """The same-I/O relay: as many outputs per input as the sidecar with its two subscriptions."""
+    result, ctx.relay_rate = _relay(ctx, "relay-2", len(SUBSCRIPTIONS))
+    ctx.ratios(result, ctx.relay_rate)
+    if ctx.relay_rate:
+        result.figures["same_io_relay_1m_s"] = round(1_000_000 / ctx.relay_rate, 2)
     return result
 
 
@@ -300,7 +352,7 @@ def passthrough(ctx: Context) -> Result:
     if progress.first_s is not None and progress.done_s is not None and progress.done_s > progress.first_s:
         rate = n / (progress.done_s - progress.first_s)
         result.figures["delivery_rate_per_sub"] = round(rate)
-        result.figures["x_ceiling"] = _round(ctx.ratio(rate), 3)
+        ctx.ratios(result, rate)
         result.figures["startup_s"] = round(progress.first_s - sidecar.started, 2)
     return result
 
@@ -314,8 +366,10 @@ def _delayed_run(
     load_log: str,
     fixed_delay_ms: int = 0,
     extra: tuple[str, ...] = (),
+    rate: float = 0.0,
 ) -> tuple[Result, Deliveries | None]:
-    """Pre-produce (deliver-at headers) or produce live (fixed delay), run the sidecar until all are out."""
+    """Pre-produce (deliver-at headers) or produce live (fixed delay, at `rate`/s or 0: full speed),
+    run the sidecar until all are out."""
     result = Result(name, n, len(SUBSCRIPTIONS))
     inbound = ctx.topic(name)
     if not fixed_delay_ms:
@@ -325,7 +379,7 @@ def _delayed_run(
     try:
         if fixed_delay_ms:
             # Live: the producer runs beside the sidecar; records fall due fixed_delay after publish.
-            process = start_load(load_argv(ctx.bootstrap, inbound, n), ctx.log(load_log))
+            process = start_load(load_argv(ctx.bootstrap, inbound, n, rate=rate), ctx.log(load_log))
             load = finish_load(process)
             result.figures["produce_rate"] = round(load["rate"])
             due_end_ms = int(load["end_ms"]) + fixed_delay_ms
@@ -351,9 +405,9 @@ def _delayed_run(
     if not result.completed:
         return result, None
     deliveries = _lateness(ctx, result, _outbound(inbound))
-    rate = _delivery_rate(result, deliveries, n)
-    result.figures["delivery_rate_per_sub"] = _round(rate)
-    result.figures["x_ceiling"] = _round(ctx.ratio(rate), 3)
+    delivery_rate = _delivery_rate(result, deliveries, n)
+    result.figures["delivery_rate_per_sub"] = _round(delivery_rate)
+    ctx.ratios(result, delivery_rate)
     result.figures["due_rate"] = round(n / (window_ms / 1000)) if window_ms else None
     return result, deliveries
 
@@ -371,6 +425,14 @@ def delayed_nocache(ctx: Context) -> Result:
     return delayed(ctx, "delayed-nocache", NO_CACHE)
 
 
+def delayed_small_cache(ctx: Context) -> Result:
+    """The read-back path: a cache budget of SMALL_CACHE_SHARE of the data, so most payloads come from the log."""
+    budget = int(SMALL_CACHE_SHARE * data_bytes(ctx.sizes.delayed))
+    result = delayed(ctx, "delayed-small-cache", ("--payload-cache-bytes", str(budget)))
+    result.figures["cache_budget_mib"] = round(budget / 2**20, 2)
+    return result
+
+
 def burst(ctx: Context) -> Result:
     sizes = ctx.sizes
     n = sizes.burst
@@ -382,12 +444,15 @@ def burst(ctx: Context) -> Result:
     return result
 
 
-def fixed(ctx: Context) -> Result:
+def fixed(ctx: Context, name: str = "fixed", rate: float = 0.0) -> Result:
+    """A fixed-delay topic fed live, at full speed (rate 0) or at `rate` records/s."""
     sizes = ctx.sizes
     result, deliveries = _delayed_run(
-        ctx, "fixed", sizes.fixed, 0, 0, "fixed-load", fixed_delay_ms=sizes.fixed_delay_ms
+        ctx, name, sizes.fixed, 0, 0, f"{name}-load", fixed_delay_ms=sizes.fixed_delay_ms, rate=rate
     )
     result.figures["fixed_delay_s"] = sizes.fixed_delay_ms / 1000
+    if rate:
+        result.figures["target_produce_rate"] = round(rate)
     if deliveries is not None and len(deliveries.deliver_at_ms):
         due = np.frombuffer(deliveries.deliver_at_ms, dtype=np.int64)
         span_s = (int(due.max()) - int(due.min())) / 1000
@@ -395,12 +460,19 @@ def fixed(ctx: Context) -> Result:
     return result
 
 
+def fixed_paced(ctx: Context) -> Result:
+    return fixed(ctx, "fixed-40k", ctx.sizes.fixed_rate)
+
+
 RUNNERS: dict[str, Callable[[Context], Result]] = {
     "ceiling": ceiling,
+    "relay-2": relay_2,
     "passthrough": passthrough,
     "delayed": delayed,
-    "burst": burst,
+    "delayed-small-cache": delayed_small_cache,
+    "fixed-40k": fixed_paced,
     "fixed": fixed,
+    "burst": burst,
     "delayed-nocache": delayed_nocache,
 }
 
