@@ -121,7 +121,7 @@ def targets(results: list[Result]) -> list[dict[str, Any]]:
     if "burst" in by_name:
         r = by_name["burst"]
         carried = 2 * r.records
-        scaled = "" if carried == 1_000_000 else " (2 x the burst's records; the issue's 1,000,000 for 500,000)"
+        scaled = "" if carried == 1_000_000 else " (2 x its records, as the issue's 1M for 500k)"
         label = f"drain <= {TARGET_BURST_X:.0f} x same-I/O relay's time for {carried:,} records{scaled}"
         relative("burst", label, r.figures.get("drain_s"), TARGET_BURST_X * carried / relay_rate, " s", True)
     if "passthrough" in by_name:

@@ -33,7 +33,7 @@ DEFAULT_OUT = ROOT / "bench" / "results" / "e2e.json"
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="small sizes (a smoke test, well under a minute)")
+    parser.add_argument("--quick", action="store_true", help="small sizes (a smoke test, about a minute)")
     parser.add_argument("--records", type=int, help="records of every scenario (the burst gets half)")
     parser.add_argument(
         "--scenarios",

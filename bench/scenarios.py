@@ -436,6 +436,12 @@ def delayed_small_cache(ctx: Context) -> Result:
     budget = int(SMALL_CACHE_SHARE * data_bytes(ctx.sizes.delayed))
     result = delayed(ctx, "delayed-small-cache", ("--payload-cache-bytes", str(budget)))
     result.figures["cache_budget_mib"] = round(budget / 2**20, 2)
+    share = result.figures.get("read_back_share", 0.0)
+    if share < 0.5:
+        result.notes.append(
+            f"only {share:.0%} of payloads were read back from the log: most fell due within --read-ahead-ms "
+            "of their intake and stayed in memory, so this run says little about the read-back path"
+        )
     return result
 
 

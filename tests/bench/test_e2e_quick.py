@@ -48,6 +48,7 @@ def test_quick_run_delivers_every_record_and_prints_the_table(tmp_path: Path) ->
     # Every sidecar scenario is set against both relays, and the targets table comes out of them.
     for scenario in results["scenarios"][2:]:
         assert "x_ceiling" in scenario["figures"] and "x_same_io_relay" in scenario["figures"], scenario
-    assert {t["target"].split(":")[0] for t in results["targets"]} >= {"delayed", "fixed-40k", "passthrough"}
+    # The absolute rows only: relative ones need a relay rate, which 30,000 records may not give.
+    assert {t["target"].split(":")[0] for t in results["targets"]} >= {"delayed", "delayed-small-cache", "fixed-40k"}
     assert results["table"] in done.stdout
     assert out.with_suffix(".png").exists()
