@@ -13,7 +13,7 @@ from typing import Any
 
 import confluent_kafka
 
-from bench.scenarios import Result
+from bench.context import Result
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -245,7 +245,7 @@ def plot(path: Path, results: list[Result]) -> bool:
     for ax, r in zip(axes[:, 0], panels, strict=True):
         s = r.series
         for key, style in (("max_ms", ":"), ("p99_ms", "-"), ("p50_ms", "--")):
-            ax.plot(s["second"], s[key], style, label=key.removesuffix("_ms"))
+            ax.plot(s["second"], s[key], style, marker=".", label=key.removesuffix("_ms"))
         target = P99_TARGETS.get(r.name)
         if target is not None:
             ax.axhline(target, color="red", linewidth=0.8, label=f"p99 target {target:.0f} ms")
@@ -253,7 +253,8 @@ def plot(path: Path, results: list[Result]) -> bool:
         # Up to the target even when every second beat it, so a met target shows as a line above the data.
         ax.set_ylim(0, max(max(s["max_ms"], default=0.0), target or 0.0) * 1.5 + 1)
         ax.set_title(f"{r.name}: {r.records:,} records")
-        ax.set_xlabel("seconds since the first deliver-at")
+        bucket = r.figures.get("lateness_bucket_s", 1.0)
+        ax.set_xlabel(f"seconds since the first deliver-at (per {bucket:g} s of deliver-at)")
         ax.set_ylabel("lateness (ms)")
         ax.legend(loc="upper left", fontsize="small")
     fig.tight_layout()

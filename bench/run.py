@@ -23,8 +23,9 @@ from types import FrameType
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.context import Context, Result, Sizes
 from bench.report import environment, markdown, plot, write_json
-from bench.scenarios import EXTRA_SCENARIOS, RUNNERS, SCENARIOS, Context, Result, Sizes
+from bench.scenarios import EXTRA_SCENARIOS, RUNNERS, SCENARIOS
 from sidecar.broker.embedded import EmbeddedBroker, free_port
 
 ROOT = Path(__file__).resolve().parents[1]

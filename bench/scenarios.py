@@ -1,14 +1,15 @@
 """The end-to-end scenarios. Each one uses fresh topics and a fresh consumer group on the shared broker.
 
 Throughput of the relays and pass-through is timed from the first record on the outbound topics to the
-last (high watermarks polled every 50 ms, counting from the records already there at the first poll),
-so process start-up and the group join are left out; they are reported separately.
+last (high watermarks polled every 50 ms, 10 ms for the relays, counting from the records already there
+at the first poll), so process start-up and the group join are left out; they are reported separately.
 Lateness is read from the outbound topics after the run: record timestamp (set by the sidecar's
 producer when it delivers) minus the `delay-deliver-at` header.
 
 Every sidecar rate is set against two relays measured in the same run: the bare ceiling (one output
 per input) and the same-I/O relay `relay-2` (one output per input and subscription, headers copied),
-which is what issue 13's targets are expressed in. Run them first: later scenarios read their rates.
+which is what issue 13's targets are expressed in (bench/relays.py). Run them first: later scenarios
+read their rates from the Context (bench/context.py).
 """
 
 from __future__ import annotations
@@ -16,19 +17,16 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
+from bench.context import SUBSCRIPTIONS, Context, Result, finish, rounded
 from bench.load import VALUE_BYTES
 from bench.probe import (
     Deliveries,
     MetricsRecorder,
     RssSampler,
-    Watermarks,
-    create_topic,
     now_ms,
     read_deliveries,
     wait_for_outbound,
@@ -40,12 +38,11 @@ from bench.procs import (
     run_load,
     start_load,
     start_profiler,
-    start_relay,
     start_sidecar,
 )
+from bench.relays import ceiling, relay_2
 from sidecar.broker.embedded import free_port
 
-SUBSCRIPTIONS = ("billing", "shipping")
 # Issue 13's set; the relays first, since every later scenario is reported as a ratio to them.
 SCENARIOS = (
     "ceiling",
@@ -69,108 +66,6 @@ RECORD_OVERHEAD_BYTES = 80
 def data_bytes(records: int, value_bytes: int = VALUE_BYTES) -> int:
     """The payload data of a run: records x (value bytes + RECORD_OVERHEAD_BYTES)."""
     return records * (value_bytes + RECORD_OVERHEAD_BYTES)
-
-
-@dataclass
-class Sizes:
-    ceiling: int = 1_000_000
-    passthrough: int = 1_000_000
-    delayed: int = 1_000_000
-    burst: int = 500_000
-    fixed: int = 1_000_000
-    window_ms: int = 60_000
-    """Delays of the delayed scenario are uniform in [0, window)."""
-    fixed_delay_ms: int = 20_000
-    fixed_rate: float = 40_000.0
-    """Produce rate of fixed-40k in records/s (fixed runs at full speed)."""
-    partitions: int = 3
-    startup_s: float = 8.0
-    """Allowance for the sidecar's start and group join, in the lead time of pre-produced delayed records."""
-    produce_rate: float = 60_000.0
-    index_rate: float = 25_000.0
-    """Conservative rates used only to choose when pre-produced delayed records start to fall due."""
-
-    @classmethod
-    def quick(cls) -> Sizes:
-        return cls(
-            ceiling=30_000,
-            passthrough=30_000,
-            delayed=30_000,
-            burst=20_000,
-            fixed=30_000,
-            window_ms=5_000,
-            fixed_delay_ms=3_000,
-            startup_s=6.0,
-        )
-
-    def scaled(self, records: int) -> Sizes:
-        """Every scenario at `records`, the burst at half (the full run's proportions)."""
-        self.ceiling = self.passthrough = self.delayed = self.fixed = records
-        self.burst = max(records // 2, 1)
-        return self
-
-    def lead_ms(self, records: int) -> int:
-        return int(1000 * (self.startup_s + records / self.produce_rate + records / self.index_rate))
-
-
-@dataclass
-class Result:
-    name: str
-    records: int
-    subscriptions: int
-    completed: bool = False
-    delivered: dict[str, int] = field(default_factory=dict)
-    figures: dict[str, Any] = field(default_factory=dict)
-    notes: list[str] = field(default_factory=list)
-    series: dict[str, list[float]] = field(default_factory=dict)
-    """Lateness over time: per second of deliver-at since the first one, p50/p99/max in ms."""
-
-    def as_json(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "records": self.records,
-            "subscriptions": self.subscriptions,
-            "completed": self.completed,
-            "delivered": self.delivered,
-            "figures": self.figures,
-            "notes": self.notes,
-            "lateness_series": self.series,
-        }
-
-
-@dataclass
-class Context:
-    bootstrap: str
-    workdir: Path
-    sizes: Sizes
-    profile: set[str] = field(default_factory=set)
-    ceiling_rate: float | None = None
-    relay_rate: float | None = None
-    """Per-subscription rate of the same-I/O relay (relay-2): input records/s, each written twice."""
-    watermarks: Watermarks | None = None
-
-    def wm(self) -> Watermarks:
-        if self.watermarks is None:
-            self.watermarks = Watermarks(self.bootstrap)
-        return self.watermarks
-
-    def topic(self, name: str, partitions: int | None = None) -> str:
-        topic = f"bench.{name}-{uuid.uuid4().hex[:6]}"
-        create_topic(self.bootstrap, topic, partitions or self.sizes.partitions)
-        return topic
-
-    def log(self, name: str) -> Path:
-        return self.workdir / f"{name}.log"
-
-    def ratios(self, result: Result, rate: float | None) -> None:
-        """A per-subscription rate against both relays, and the same-I/O relay's time for these records.
-
-        The time is what the fixed-delay and burst targets are set in: records / the relay's rate.
-        """
-        result.figures["x_ceiling"] = _round(rate / self.ceiling_rate, 3) if rate and self.ceiling_rate else None
-        result.figures["x_same_io_relay"] = _round(rate / self.relay_rate, 3) if rate and self.relay_rate else None
-        if self.relay_rate:
-            result.figures["same_io_relay_s"] = round(result.records / self.relay_rate, 2)
 
 
 def _policies(ctx: Context, name: str, topic: str, fixed_delay_ms: int = 0) -> Path:
@@ -259,13 +154,17 @@ def _lateness(ctx: Context, result: Result, topics: list[str]) -> Deliveries:
         lateness_read=len(late),
     )
     first_due = int(due.min())
-    second = (due - first_due) // 1000
+    # Seconds, unless everything fell due within a few (fixed at full speed, the burst): one point
+    # per second would then be one or two points, a chart with no line.
+    bucket_ms = 1000 if int(due.max()) - first_due >= 10_000 else 100
+    result.figures["lateness_bucket_s"] = bucket_ms / 1000
+    second = (due - first_due) // bucket_ms
     order = np.argsort(second, kind="stable")
     second, late_sorted = second[order], late[order]
     bounds = np.flatnonzero(np.diff(second)) + 1
     series: dict[str, list[float]] = {"second": [], "p50_ms": [], "p99_ms": [], "max_ms": [], "count": []}
     for chunk_s, chunk in zip(np.split(second, bounds), np.split(late_sorted, bounds), strict=True):
-        series["second"].append(float(chunk_s[0]))
+        series["second"].append(float(chunk_s[0]) * bucket_ms / 1000)
         series["p50_ms"].append(float(np.percentile(chunk, 50)))
         series["p99_ms"].append(float(np.percentile(chunk, 99)))
         series["max_ms"].append(float(chunk.max()))
@@ -286,58 +185,7 @@ def _delivery_rate(result: Result, deliveries: Deliveries, records: int) -> floa
     return records / span_s if span_s > 0 else None
 
 
-def _finish(result: Result, progress_counts: dict[str, int], records: int) -> None:
-    result.delivered = progress_counts
-    result.completed = bool(progress_counts) and all(n >= records for n in progress_counts.values())
-    extra = {t: n - records for t, n in progress_counts.items() if n > records}
-    if extra:
-        result.notes.append(f"duplicates (more records than produced): {extra}")
-
-
 # ----------------------------------------------------------------------------------------- scenarios
-
-
-def _relay(ctx: Context, name: str, outputs: int) -> tuple[Result, float | None]:
-    """bench/relay.py writing each inbound record to `outputs` topics; its per-topic rate."""
-    n = ctx.sizes.ceiling
-    result = Result(name, n, outputs)
-    inbound = ctx.topic(name)
-    outbound = [f"{inbound}.out{i}" for i in range(outputs)]
-    for topic in outbound:
-        create_topic(ctx.bootstrap, topic, ctx.sizes.partitions)
-    load = run_load(load_argv(ctx.bootstrap, inbound, n), ctx.log(f"{name}-load"))
-    result.figures["produce_rate"] = round(load["rate"])
-    started = time.monotonic()
-    relay = start_relay(ctx.bootstrap, inbound, outbound, f"bench-{name}-{uuid.uuid4().hex[:6]}", ctx.log(name))
-    rss = RssSampler(relay.pid).start()
-    # Polled 5x as often as the sidecar: a relay carries 100,000 records in a few tenths of a second,
-    # so 50 ms steps would make its rate, which every target is set against, a guess.
-    progress = wait_for_outbound(ctx.wm(), outbound, n, timeout_s=120 + n / 5_000, poll_s=0.01, alive=relay.alive)
-    relay.stop()
-    result.figures["peak_rss_mib"] = round(rss.stop(), 1)
-    _finish(result, progress.counts, n)
-    rate = progress.rate(n)
-    if rate is None or progress.first_s is None:
-        result.notes.append("no rate: every record arrived between two watermark polls (too few records)")
-        return result, None
-    result.figures["delivery_rate_per_sub"] = round(rate)
-    result.figures["startup_s"] = round(progress.first_s - started, 2)
-    return result, rate
-
-
-def ceiling(ctx: Context) -> Result:
-    result, ctx.ceiling_rate = _relay(ctx, "ceiling", 1)
-    ctx.ratios(result, ctx.ceiling_rate)
-    return result
-
-
-def relay_2(ctx: Context) -> Result:
-    """The same-I/O relay: as many outputs per input as the sidecar with its two subscriptions."""
-    result, ctx.relay_rate = _relay(ctx, "relay-2", len(SUBSCRIPTIONS))
-    ctx.ratios(result, ctx.relay_rate)
-    if ctx.relay_rate:
-        result.figures["same_io_relay_1m_s"] = round(1_000_000 / ctx.relay_rate, 2)
-    return result
 
 
 def passthrough(ctx: Context) -> Result:
@@ -353,8 +201,8 @@ def passthrough(ctx: Context) -> Result:
         )
     finally:
         sidecar.stop(result)
-    _finish(result, progress.counts, n)
-    result.figures["index_rate"] = _round(sidecar.metrics.rate("delay_sidecar_messages_in_total", n))
+    finish(result, progress.counts, n)
+    result.figures["index_rate"] = rounded(sidecar.metrics.rate("delay_sidecar_messages_in_total", n))
     rate = progress.rate(n)
     if rate is not None and progress.first_s is not None:
         result.figures["delivery_rate_per_sub"] = round(rate)
@@ -402,17 +250,17 @@ def _delayed_run(
         )
     finally:
         sidecar.stop(result)
-    _finish(result, progress.counts, n)
-    result.figures["index_rate"] = _round(sidecar.metrics.rate("delay_sidecar_messages_in_total", n))
+    finish(result, progress.counts, n)
+    result.figures["index_rate"] = rounded(sidecar.metrics.rate("delay_sidecar_messages_in_total", n))
     delayed = sidecar.metrics.last("delay_sidecar_messages_delayed_total")
-    result.figures["indexed_before_due"] = _round(delayed / n, 4)
+    result.figures["indexed_before_due"] = rounded(delayed / n, 4)
     if delayed < n:
         result.notes.append(f"{n - int(delayed)} records were already due when the sidecar read them")
     if not result.completed:
         return result, None
     deliveries = _lateness(ctx, result, _outbound(inbound))
     delivery_rate = _delivery_rate(result, deliveries, n)
-    result.figures["delivery_rate_per_sub"] = _round(delivery_rate)
+    result.figures["delivery_rate_per_sub"] = rounded(delivery_rate)
     ctx.ratios(result, delivery_rate)
     result.figures["due_rate"] = round(n / (window_ms / 1000)) if window_ms else None
     return result, deliveries
@@ -487,9 +335,3 @@ RUNNERS: dict[str, Callable[[Context], Result]] = {
     "burst": burst,
     "delayed-nocache": delayed_nocache,
 }
-
-
-def _round(value: float | None, digits: int = 0) -> float | None:
-    if value is None:
-        return None
-    return round(value, digits) if digits else float(round(value))
