@@ -25,10 +25,10 @@ from confluent_kafka import Message
 from sidecar.clock import Clock
 from sidecar.dispatch.payload_cache import PayloadCache
 from sidecar.dispatch.reader import LogReader, ReadInterrupted, TopicPartitionKey
-from sidecar.dispatch.trail import TrailReader
+from sidecar.dispatch.trail import Member, TrailReader
 from sidecar.metrics import Metrics
 from sidecar.tracker import DelayedDeliveryTracker, Due
-from sidecar.tracker.base import pack
+from sidecar.tracker.base import KEY_SHIFT, pack
 from sidecar.tracker.runs import Runs, step_joins
 
 logger = logging.getLogger(__name__)
@@ -191,31 +191,40 @@ class Dispatcher:
         """Index entries and run members that are due, merged in key order: the delivered watermark
         stays exact. A member's record comes with it (into the cache, where delivery looks)."""
         assert self._trail is not None
-        trail, cache = self._trail, self._cache
+        members, cache = self._trail.members(partition), self._cache
         now = self._clock.now_ms()
         out: list[Due] = []
-        members = 0
+        taken = 0
         while len(out) < MAX_POP:
-            member = trail.head(partition)
-            bound = pack(member[0], member[1]) if member is not None else runs.lower_bound()
+            bound = pack(members[0][0], members[0][1]) if members else runs.lower_bound()
             if tracker.has_message_available():
                 out += tracker.pop_due(MAX_POP - len(out), below_key=bound)
-            if member is None or member[0] > now:
+            if not members or members[0][0] > now:
                 break
-            deliver_at, offset, record, run = member
-            key = pack(deliver_at, offset)
+            # Members up to the next index entry (one that failed to load included) go out in a row.
             head = tracker.next_key()
-            if head is not None and head < key:
+            limit = head if head is not None else DRAIN_UNTIL_MS << KEY_SHIFT
+            last: Member | None = None
+            while members and len(out) < MAX_POP:
+                member = members[0]
+                deliver_at, offset = member[0], member[1]
+                if deliver_at > now or (deliver_at << KEY_SHIFT | offset) >= limit:
+                    break
+                members.popleft()
+                cache[(partition, offset)] = member[2]
+                out.append(Due(deliver_at, offset))
+                run = member[3]
+                run.next, run.floor = offset + 1, deliver_at
+                run.members -= 1
+                last = member
+                taken += 1
+            if last is None:
                 self._stalled_until_ms = now + STALL_WAIT_MS  # an entry before it waits for its segment
                 break
-            trail.take(partition)
-            runs.delivered(run, offset, deliver_at)
-            tracker.note_delivered(key)
-            cache[(partition, offset)] = record
-            out.append(Due(deliver_at, offset))
-            members += 1
-        if members and self._metrics is not None:
-            self._metrics.child(self._metrics.payload_reads, partition[0], "run").inc(members)
+            runs.drop_done()
+            tracker.note_delivered(pack(last[0], last[1]))
+        if taken and self._metrics is not None:
+            self._metrics.child(self._metrics.payload_reads, partition[0], "run").inc(taken)
         return out
 
     def _fetch(

@@ -75,16 +75,17 @@ class TrailReader:
         """Partitions are still assigned (fill with no runs releases them)."""
         return bool(self._lanes)
 
-    def head(self, partition: TopicPartitionKey) -> Member | None:
+    def members(self, partition: TopicPartitionKey) -> deque[Member]:
+        """The members read for `partition` and not delivered yet, in key order; the caller takes
+        them from the left as they go out."""
         lane = self._lanes.get(partition)
-        return lane.members[0] if lane is not None and lane.members else None
-
-    def take(self, partition: TopicPartitionKey) -> Member:
-        return self._lanes[partition].members.popleft()
+        if lane is None:
+            lane = self._lanes[partition] = _Lane()
+        return lane.members
 
     def next_time(self, partition: TopicPartitionKey) -> int | None:
-        member = self.head(partition)
-        return member[0] if member is not None else None
+        lane = self._lanes.get(partition)
+        return lane.members[0][0] if lane is not None and lane.members else None
 
     def fill(self, runs: dict[TopicPartitionKey, Runs[Message]], now_ms: int) -> None:
         """Read the next records of every partition that needs members, a bounded amount per turn."""

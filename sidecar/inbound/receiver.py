@@ -20,7 +20,7 @@ from sidecar.dispatch.dispatcher import Dispatcher
 from sidecar.dispatch.payload_cache import CacheBatch, PayloadCache
 from sidecar.dispatch.reader import TopicPartitionKey
 from sidecar.errors import BrokerError
-from sidecar.inbound.intake import Fate, judge
+from sidecar.inbound.intake import Fate, Judge, judge
 from sidecar.metrics import Metrics
 from sidecar.outbound.delivery import Delivery
 from sidecar.outbound.writer import Writer
@@ -59,6 +59,7 @@ class Receiver:
         self._redelivery = redelivery
         self._metrics = metrics
         self._clock = clock
+        self._judge = Judge()
 
     def take(self, records: list[Message]) -> None:
         now = self._clock.now_ms()
@@ -104,7 +105,7 @@ class Receiver:
                 state.rules.note(offset, rule)
                 state.rule = rule
             headers = record.headers()
-            fate = NOW if headers is None and routes.plain else judge(rule, headers, publish_ms)
+            fate = NOW if headers is None and routes.plain else self._judge(rule, headers, publish_ms)
             state.next_offset = offset + 1
             if fate.rejected is not None:
                 route = routes.route
@@ -165,7 +166,7 @@ class Receiver:
         if state is None or routes is None or publish_ms <= 0:
             return None
         rule = state.rules.at(record.offset()) or routes.rule(self._retention_ms.get(partition[0]))
-        return judge(rule, record.headers(), publish_ms).deliver_at
+        return self._judge(rule, record.headers(), publish_ms).deliver_at
 
     def _index(
         self,
