@@ -24,6 +24,7 @@ from sidecar.control.redelivery import Redelivery
 from sidecar.dispatch.dispatcher import Dispatcher
 from sidecar.dispatch.payload_cache import PayloadCache
 from sidecar.dispatch.reader import LogReader
+from sidecar.dispatch.roll import HorizonRoll
 from sidecar.dispatch.trail import TrailReader
 from sidecar.inbound.receiver import Receiver
 from sidecar.kafka_io import LIBRDKAFKA, Connectivity, consume_batch, consumer_config
@@ -107,6 +108,12 @@ class Sidecar:
         self._nacks = LatestNacks()
         self._delivery = Delivery(writer, states, self._current_routes, retention, metrics, clock)
         trail = TrailReader(client_config, self._rejudge, self._lost)
+        self._roll_reader = LogReader(client_config, self._stop) if payload_cache is not None else None
+        self._roll = (
+            HorizonRoll(self._roll_reader, payload_cache, self._rejudge, clock)
+            if payload_cache is not None and self._roll_reader is not None
+            else None
+        )
         self._dispatcher = Dispatcher(
             self._ahead_reader,
             self._reader,
@@ -170,6 +177,8 @@ class Sidecar:
             finally:
                 self._dispatcher.close()
                 self._ahead_reader.close()
+                if self._roll_reader is not None:
+                    self._roll_reader.close()
                 self._reader.close()
                 self._writer.close(clean)
 
@@ -239,6 +248,8 @@ class Sidecar:
 
     def _forget(self, state: PartitionState) -> None:
         self._dispatcher.forget((state.topic, state.partition))
+        if self._roll is not None:
+            self._roll.forget((state.topic, state.partition))
         if state.control:
             self._nacks.forget_partition(state.partition)
 
@@ -248,6 +259,9 @@ class Sidecar:
             self._stalled_until = time.monotonic() + STALL_WAIT_S
         trackers = {(s.topic, s.partition): s.tracker for s in states if not s.control}
         self._dispatcher.turn(trackers, read_ahead, self._runs())
+        if self._roll is not None and read_ahead:
+            cursors = {(s.topic, s.partition): s.next_offset for s in states if not s.control and s.next_offset}
+            self._roll.turn(trackers, cursors)
         self._writer.poll()
 
     def _wait_s(self) -> float:

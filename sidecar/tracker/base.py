@@ -129,6 +129,11 @@ class DelayedDeliveryTracker(ABC):
         inbound offsets are committed; in-memory trackers have nothing to do.
         """
 
+    def ranges_due(self, after_ms: int, until_ms: int) -> list[tuple[int, int]]:
+        """Offset ranges [first, last] holding every pending entry due in (after_ms, until_ms], for
+        reading their payloads in bulk (dispatch/roll.py). Empty: this tracker does not say."""
+        return []
+
     def stored_runs(self) -> str | None:
         """The runs the last checkpoint kept (None: none kept, or not durable)."""
         return None

@@ -82,21 +82,12 @@ def test_cached_payloads_are_delivered_without_a_read_back(
     assert_once_each(kafka_helper, f"{topic}.a", COUNT)
 
 
-@pytest.mark.parametrize("miss", ["beyond the horizon", "over the budget"])
-def test_payloads_not_cached_are_read_back_from_the_log(
-    miss: str,
-    kafka: str,
-    kafka_helper: KafkaHelper,
-    topic_factory: TopicFactory,
-    policy_file: PolicyFile,
-    tmp_path: Path,
+def test_payloads_over_the_budget_are_read_back_from_the_log(
+    kafka: str, kafka_helper: KafkaHelper, topic_factory: TopicFactory, policy_file: PolicyFile, tmp_path: Path
 ) -> None:
     topic, policies, port = setup(topic_factory, policy_file, "miss")
     # A payload costs about 100 bytes in the cache: the budget holds about a tenth of them.
-    limit = (
-        ["--payload-cache-horizon-ms", "1000"] if miss == "beyond the horizon" else ["--payload-cache-bytes", "20000"]
-    )
-    args = run_args(kafka, policies, tmp_path / "state", port, f"g-{topic}", *limit)
+    args = run_args(kafka, policies, tmp_path / "state", port, f"g-{topic}", "--payload-cache-bytes", "20000")
     sidecar = SidecarProcess(args, tmp_path / "log")
     due = int(time.time() * 1000) + LEAD_MS
     produce_due(kafka_helper, topic, scattered(due))
@@ -104,16 +95,37 @@ def test_payloads_not_cached_are_read_back_from_the_log(
         sidecar.start()
         wait_for(delivered_all(kafka_helper, topic), 60, "every record delivered")
         wait_for(lambda: reads(port, topic, "cache") + reads(port, topic, "log") == COUNT, 10, "every payload")
-        if miss == "beyond the horizon":
-            assert reads(port, topic, "log") == COUNT
-        else:
-            assert 0 < reads(port, topic, "cache") < COUNT // 2
+        assert 0 < reads(port, topic, "cache") < COUNT // 2
         assert sidecar.stop() == 0, sidecar.tail()
     finally:
         sidecar.close()
     assert_once_each(kafka_helper, f"{topic}.a", COUNT)
-    if miss == "over the budget":
-        assert sidecar.log.read_text().count("payload cache full") == 1
+    assert sidecar.log.read_text().count("payload cache full") == 1
+
+
+def test_the_horizon_passing_over_the_index_brings_payloads_into_the_cache(
+    kafka: str, kafka_helper: KafkaHelper, topic_factory: TopicFactory, policy_file: PolicyFile, tmp_path: Path
+) -> None:
+    """Records delayed beyond the horizon are not cached at intake; as the horizon reaches them, the
+    roll reads their offset ranges from the log in bulk and caches them, so at due time (no
+    read-ahead here) every payload comes from the cache."""
+    topic, policies, port = setup(topic_factory, policy_file, "roll")
+    limit = ["--payload-cache-horizon-ms", "4000", "--read-ahead-ms", "0"]
+    sidecar = SidecarProcess(
+        run_args(kafka, policies, tmp_path / "state", port, f"g-{topic}", *limit), tmp_path / "log"
+    )
+    due = int(time.time() * 1000) + LEAD_MS
+    produce_due(kafka_helper, topic, scattered(due))
+    try:
+        sidecar.start()
+        wait_for(delivered_all(kafka_helper, topic), 60, "every record delivered")
+        wait_for(lambda: reads(port, topic, "cache") + reads(port, topic, "log") == COUNT, 10, "every payload")
+        assert reads(port, topic, "cache") == COUNT, sidecar.tail()
+        assert sidecar.stop() == 0, sidecar.tail()
+    finally:
+        sidecar.close()
+    assert_once_each(kafka_helper, f"{topic}.a", COUNT)
+    assert "payload cache roll" in sidecar.log.read_text()
 
 
 @pytest.mark.parametrize("lost", ["deleted", "corrupt", "kill -9"])

@@ -310,6 +310,25 @@ class BucketTracker(DelayedDeliveryTracker):
         """True while a storage operation failed and waits for a retry; indexes are in memory."""
         return bool(self._store.failing) or self._store.clear_pending
 
+    def ranges_due(self, after_ms: int, until_ms: int) -> list[tuple[int, int]]:
+        """A sealed bucket's whole offset range when one of its pending segments overlaps the window
+        (a bucket is one stretch of the log: PIP-195), and the mutable bucket's when it holds such an entry."""
+        out = []
+        for bucket in self._sealed.buckets:
+            meta = bucket.meta
+            if bucket.pending and any(
+                meta.seg_min_at[s] <= until_ms and meta.seg_max_at[s] > after_ms
+                for s in range(bucket.segment, meta.segment_count)
+            ):
+                out.append((meta.min_offset, meta.max_offset))
+        mutable = self._mutable
+        if mutable.count and (
+            any(after_ms < at <= until_ms for at in mutable.unsorted_at)
+            or any(True for _ in mutable.sorted_keys.irange((after_ms + 1) << _SHIFT, (until_ms + 1) << _SHIFT))
+        ):
+            out.append((mutable.bitmap.min(), mutable.bitmap.max()))
+        return out
+
     def stored_runs(self) -> str | None:
         return self._store.runs
 
