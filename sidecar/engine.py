@@ -64,6 +64,7 @@ class Sidecar:
         control_topic: str = "delay-sidecar.control",
         read_ahead_ms: int = 10_000,
         payload_cache: PayloadCache | None = None,
+        assignment_strategy: str = "roundrobin",
     ) -> None:
         self._policies = policies
         self.metrics = metrics = metrics or Metrics()
@@ -85,7 +86,7 @@ class Sidecar:
             "enable.auto.commit": False,
             "enable.auto.offset.store": False,
             "auto.offset.reset": "earliest",
-            "partition.assignment.strategy": "cooperative-sticky",
+            "partition.assignment.strategy": assignment_strategy,
         }
         if instance_id:
             group["group.instance.id"] = instance_id
@@ -97,7 +98,9 @@ class Sidecar:
         # Due reads are never interrupted: their entries are already popped, and a stop must
         # deliver them before its final checkpoint makes the pops durable.
         self._reader = LogReader(client_config, threading.Event())
-        self._assignment = assignment = Assignment(tracker_factory, control_topic, self._checkpoint, self._forget)
+        self._assignment = assignment = Assignment(
+            tracker_factory, control_topic, self._checkpoint, self._forget, assignment_strategy == "cooperative-sticky"
+        )
         states = assignment.states
         self._nacks = LatestNacks()
         self._delivery = Delivery(writer, states, self._current_routes, retention, metrics, clock)

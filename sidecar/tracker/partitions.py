@@ -237,12 +237,15 @@ class Assignment:
         control_topic: str,
         checkpoint: Callable[[], None],
         forget: Callable[[PartitionState], None],
+        incremental: bool = False,
     ) -> None:
         self.states: dict[tuple[str, int], PartitionState] = {}
         self._factory = tracker_factory
         self._control_topic = control_topic
         self._checkpoint = checkpoint
         self._forget = forget
+        self._incremental = incremental
+        """cooperative-sticky: callbacks name only the partitions that change; otherwise all of them."""
         self.failed = False
         """Set after a failure: nothing more may be committed, so revokes do not checkpoint."""
         self.assigned = threading.Event()
@@ -259,7 +262,10 @@ class Assignment:
             committed = tp.offset if tp.offset >= 0 else None
             start = state.start(committed, CommitMetadata.decode(tp.metadata))
             starts.append(TopicPartition(tp.topic, tp.partition, start if start is not None else tp.offset))
-        consumer.incremental_assign(starts)
+        if self._incremental:
+            consumer.incremental_assign(starts)
+        else:
+            consumer.assign(starts)
         self.assigned.set()
         logger.info("partitions assigned partitions=%s", _names(starts))
 
