@@ -99,7 +99,12 @@ class Sidecar:
         # deliver them before its final checkpoint makes the pops durable.
         self._reader = LogReader(client_config, threading.Event())
         self._assignment = assignment = Assignment(
-            tracker_factory, control_topic, self._checkpoint, self._forget, assignment_strategy == "cooperative-sticky"
+            tracker_factory,
+            control_topic,
+            self._checkpoint,
+            self._forget,
+            incremental=assignment_strategy == "cooperative-sticky",
+            on_handoff=self._on_handoff,
         )
         states = assignment.states
         self._nacks = LatestNacks()
@@ -223,6 +228,10 @@ class Sidecar:
                 logger.warning("topic removed; pending records dead-lettered topic=%s/%d records=%d",
                                topic, state.partition, drained)  # fmt: skip
         self._checkpoint()
+
+    def _on_handoff(self, event: str, moved: int, owned: int) -> None:
+        self.metrics.handoffs.labels(event).inc(moved)
+        self.metrics.owned_partitions.set(owned)
 
     def _forget(self, state: PartitionState) -> None:
         self._dispatcher.forget((state.topic, state.partition))

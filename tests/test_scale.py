@@ -58,8 +58,10 @@ def test_a_stop_with_leave_group_on_stop_hands_the_partitions_to_the_other_membe
         produce_due(kafka_helper, topic, [due + i % 2_000 for i in range(count)], partitions=partitions)
         wait_for(lambda: tracked(ports[0]) + tracked(ports[1]) == count, 60, "both members indexing")
         assert tracked(ports[1]) > 0, "b holds no partition: the test would prove nothing"
+        handoffs = scrape(ports[0], "delay_sidecar_partition_handoffs_total", event="assigned")
         assert b.stop() == 0, b.tail()
         wait_for(lambda: outbound_end(kafka_helper, f"{topic}.a", partitions) >= count, 90, "a delivering b's records")
+        assert scrape(ports[0], "delay_sidecar_partition_handoffs_total", event="assigned") > handoffs
         delivered_by_a = scrape(ports[0], "delay_sidecar_messages_delivered_total", topic=topic, subscription="a")
         assert a.stop() == 0, a.tail()
     finally:
