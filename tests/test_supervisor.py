@@ -5,7 +5,10 @@ a worker killed with -9 sends again what it delivered after its last checkpoint,
 counted and reported, not failed; a loss or an early delivery fails.
 """
 
+import os
 import socket
+import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -14,8 +17,12 @@ from pathlib import Path
 import psutil
 import pytest
 
+from sidecar import supervisor as supervision
 from sidecar.broker.embedded import free_port
+from sidecar.settings import ENV_PREFIX, RunSettings
+from sidecar.supervisor import PER_WORKER, Supervisor, Worker, worker_environment
 from tests.kafka_helpers import (
+    ROOT,
     KafkaHelper,
     SidecarProcess,
     deliveries,
@@ -162,3 +169,54 @@ def test_kill_9_of_the_supervisor_takes_the_workers_and_the_embedded_broker_with
         wait_for(lambda: not listening(broker_port), DEADLINE_S, "the broker port free")
     finally:
         supervisor.close()
+
+
+def test_a_worker_reads_the_supervisors_settings_back_from_its_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every setting but the per-worker ones reaches the workers as it is, secrets included (not in argv)."""
+    settings = RunSettings(
+        bootstrap_servers="k:9092",
+        state_dir=tmp_path,
+        sasl_password="hunter2",
+        leave_group_on_stop=True,
+        tracker="memory",
+        read_ahead_ms=1234,
+        workers=3,
+    )
+    env = worker_environment(settings)
+    for key in [k for k in os.environ if k.startswith(ENV_PREFIX)]:
+        monkeypatch.delenv(key)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    worker = RunSettings()
+    for name in RunSettings.model_fields:
+        if name not in PER_WORKER:
+            assert getattr(worker, name) == getattr(settings, name), name
+    assert worker.workers == 1 and worker.bootstrap_servers is None  # set on each worker's command line
+
+
+def test_a_worker_that_keeps_dying_at_start_is_restarted_with_growing_pauses(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bad setting must not spin the host: the first restart is at once, the next ones wait longer."""
+    settings = RunSettings(
+        bootstrap_servers="k:9092", state_dir=tmp_path, policies=ROOT / "policies", metrics_port=0, workers=2
+    )
+    supervisor = Supervisor(settings)
+    monkeypatch.setattr(supervision, "BACKOFF_S", 0.05)
+    monkeypatch.setattr(Supervisor, "_worker", lambda self, i, b: Worker(i, [sys.executable, "-c", "exit(3)"]))
+
+    def restarts() -> float:
+        value = supervisor.metrics.registry.get_sample_value("delay_sidecar_workers_restarted_total", {"worker": "1"})
+        return value or 0.0
+
+    thread = threading.Thread(target=supervisor.run)
+    thread.start()
+    try:
+        wait_for(lambda: restarts() >= 4, DEADLINE_S, "four restarts")
+    finally:
+        supervisor.stop()
+        thread.join(DEADLINE_S)
+    assert not thread.is_alive()
+    assert supervisor._workers[1].backoff > 0.3  # 0, 0.05, 0.1, 0.2 before the 4 restarts
