@@ -24,7 +24,8 @@ logger = logging.getLogger(__name__)
 API_FIND_COORDINATOR = 10
 API_LEAVE_GROUP = 13
 NONE = 0
-UNKNOWN_MEMBER_ID = 25  # already gone: nothing to hand over
+# Already gone, or the group is: nothing to hand over.
+GONE = {25, 69}  # UNKNOWN_MEMBER_ID, GROUP_ID_NOT_FOUND
 # Transient while the coordinator moves or loads the group: ask again.
 RETRIABLE = {14, 15, 16}  # COORDINATOR_LOAD_IN_PROGRESS, COORDINATOR_NOT_AVAILABLE, NOT_COORDINATOR
 CLIENT_ID = "delay-sidecar-leave"
@@ -125,9 +126,12 @@ def leave_group(bootstrap_servers: str, group_id: str, instance_id: str, timeout
                 reader.string()
                 reader.string()
                 member_errors.append(reader.take(">h"))
-            error = error or next((e for e in member_errors if e not in (NONE, UNKNOWN_MEMBER_ID)), NONE)
+            error = error or next((e for e in member_errors if e != NONE), NONE)
             if error == NONE:
                 logger.info("left the consumer group group=%s instance_id=%s", group_id, instance_id)
+                return
+            if error in GONE:
+                logger.info("not in the consumer group group=%s instance_id=%s error=%d", group_id, instance_id, error)
                 return
             if error not in RETRIABLE:
                 raise BrokerError(

@@ -6,6 +6,7 @@ are never delivered by anyone (issue 15). Each test counts deliveries per record
 """
 
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 
@@ -13,6 +14,8 @@ import pytest
 
 from sidecar.app import member_instance_id
 from sidecar.broker.embedded import free_port
+from sidecar.errors import BrokerError
+from sidecar.group_leave import leave_group
 from sidecar.settings import RunSettings
 from tests.kafka_helpers import (
     KafkaHelper,
@@ -85,3 +88,13 @@ def test_leave_group_on_stop_on_a_secured_cluster_joins_as_a_dynamic_member(tmp_
     secured = RunSettings(state_dir=tmp_path, leave_group_on_stop=True, security_protocol="SASL_SSL", instance_id="me")
     assert member_instance_id(secured) is None
     assert member_instance_id(RunSettings(state_dir=tmp_path, security_protocol="SASL_SSL", instance_id="me")) == "me"
+
+
+def test_a_leave_that_reaches_no_broker_says_what_it_means_for_the_partitions() -> None:
+    with pytest.raises(BrokerError, match=r"no answer in 1 s .*partitions stay with it until it comes back"):
+        leave_group(f"127.0.0.1:{free_port()}", "g", "member-0", timeout_s=1.0)
+
+
+def test_leaving_a_group_the_member_is_not_in_is_not_an_error(kafka: str) -> None:
+    """UNKNOWN_MEMBER_ID: a member that already left (or never joined) has nothing to hand over."""
+    leave_group(kafka, f"g-{uuid.uuid4().hex[:8]}", "never-joined")
