@@ -8,7 +8,6 @@ producer when it delivers) minus the `delay-deliver-at` header.
 
 from __future__ import annotations
 
-import socket
 import time
 import uuid
 from collections.abc import Callable
@@ -43,9 +42,8 @@ from sidecar.broker.embedded import free_port
 SUBSCRIPTIONS = ("billing", "shipping")
 SCENARIOS = ("ceiling", "passthrough", "delayed", "burst", "fixed")
 # Run only when named: the delayed scenario again without the payload cache, for a comparison in one run.
-EXTRA_SCENARIOS = ("delayed-nocache", "passthrough-workers2", "delayed-workers2")
+EXTRA_SCENARIOS = ("delayed-nocache",)
 NO_CACHE = ("--payload-cache-bytes", "0")
-WORKERS2 = ("--workers", "2")
 
 
 @dataclass
@@ -153,9 +151,7 @@ class _Sidecar:
     def __init__(
         self, ctx: Context, name: str, topic: str, fixed_delay_ms: int = 0, extra: tuple[str, ...] = ()
     ) -> None:
-        workers = int(extra[extra.index("--workers") + 1]) if "--workers" in extra else 1
-        # With --workers N the supervisor serves its own port and worker i the port + 1 + i.
-        self.port = free_ports(1 + workers) if workers > 1 else free_port()
+        self.port = free_port()
         self.started = time.monotonic()
         self.state_dir = ctx.workdir / f"{name}-state"
         self.cache_disk_peak = 0
@@ -169,8 +165,7 @@ class _Sidecar:
             *extra,
         )
         self.rss = RssSampler(self.child.pid).start()
-        ports = [self.port + 1 + i for i in range(workers)] if workers > 1 else [self.port]
-        self.metrics = MetricsRecorder(ports).start()
+        self.metrics = MetricsRecorder(self.port).start()
         self.profiler: Child | None = None
         self.profile_path: Path | None = None
         if name in ctx.profile:
@@ -287,13 +282,13 @@ def ceiling(ctx: Context) -> Result:
     return result
 
 
-def passthrough(ctx: Context, name: str = "passthrough", extra: tuple[str, ...] = ()) -> Result:
+def passthrough(ctx: Context) -> Result:
     n = ctx.sizes.passthrough
-    result = Result(name, n, len(SUBSCRIPTIONS))
-    inbound = ctx.topic(name)
-    load = run_load(load_argv(ctx.bootstrap, inbound, n), ctx.log(f"{name}-load"))
+    result = Result("passthrough", n, len(SUBSCRIPTIONS))
+    inbound = ctx.topic("pass")
+    load = run_load(load_argv(ctx.bootstrap, inbound, n), ctx.log("passthrough-load"))
     result.figures["produce_rate"] = round(load["rate"])
-    sidecar = _Sidecar(ctx, name, inbound, extra=extra)
+    sidecar = _Sidecar(ctx, "passthrough", inbound)
     try:
         progress = wait_for_outbound(
             ctx.wm(), _outbound(inbound), n, timeout_s=120 + n / 2_000, alive=sidecar.child.alive
@@ -376,27 +371,6 @@ def delayed_nocache(ctx: Context) -> Result:
     return delayed(ctx, "delayed-nocache", NO_CACHE)
 
 
-def passthrough_workers2(ctx: Context) -> Result:
-    return passthrough(ctx, "passthrough-workers2", WORKERS2)
-
-
-def delayed_workers2(ctx: Context) -> Result:
-    return delayed(ctx, "delayed-workers2", WORKERS2)
-
-
-def free_ports(count: int) -> int:
-    """The first of `count` consecutive free ports."""
-    while True:
-        base = free_port()
-        try:
-            for port in range(base, base + count):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-
-
 def burst(ctx: Context) -> Result:
     sizes = ctx.sizes
     n = sizes.burst
@@ -428,8 +402,6 @@ RUNNERS: dict[str, Callable[[Context], Result]] = {
     "burst": burst,
     "fixed": fixed,
     "delayed-nocache": delayed_nocache,
-    "passthrough-workers2": passthrough_workers2,
-    "delayed-workers2": delayed_workers2,
 }
 
 
