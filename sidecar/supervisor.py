@@ -132,7 +132,7 @@ class Supervisor:
                 bootstrap = broker.start()
             if settings.metrics_port:
                 status = StatusServer(
-                    settings.metrics_host, settings.metrics_port, self.metrics.registry, self._health, lambda _: None
+                    settings.metrics_host, settings.metrics_port, self.metrics.registry, self._health, self._policy
                 )
                 status.start()
                 stack.callback(status.stop)
@@ -200,6 +200,10 @@ class Supervisor:
         running = self._running()
         reasons = [] if running == len(self._workers) else [f"{running} of {len(self._workers)} workers running"]
         return not reasons, reasons, {"workers": len(self._workers), "running": running}
+
+    def _policy(self, topic: str) -> dict[str, Any]:
+        ports = ", ".join(str(worker_metrics_port(self.settings.metrics_port, w.index)) for w in self._workers)
+        return {"topic": topic, "error": f"the supervisor applies no policies; ask a worker's port ({ports})"}
 
     def _stop_workers(self) -> None:
         """SIGTERM to all at once, so they checkpoint in parallel; a worker that hangs is killed."""

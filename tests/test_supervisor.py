@@ -159,6 +159,8 @@ def test_kill_9_of_the_supervisor_takes_the_workers_and_the_embedded_broker_with
         wait_for(lambda: scrape(port, "delay_sidecar_workers_running") == 2, DEADLINE_S, "two workers")
         for worker in (port + 1, port + 2):  # each serves: the one broker the supervisor started is theirs
             wait_for(lambda w=worker: ready(w), DEADLINE_S, "a worker serving")
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/policies/orders", timeout=5) as response:
+            assert f"ask a worker's port ({port + 1}, {port + 2})" in response.read().decode()
         family = psutil.Process(supervisor.process.pid).children(recursive=True)
         reaper.extend(family)
         brokers = [p for p in family if "noida-db" in " ".join(p.cmdline())]
