@@ -191,8 +191,9 @@ class MetricsRecorder:
         "payload_reads_log": ("delay_sidecar_payload_reads_total", 'source="log"'),
     }
 
-    def __init__(self, port: int, interval_s: float = 0.25) -> None:
-        self._port = port
+    def __init__(self, port: int | list[int], interval_s: float = 0.25) -> None:
+        """Several ports (the workers of `run --workers N`) are summed into one series."""
+        self._ports = [port] if isinstance(port, int) else port
         self._interval_s = interval_s
         self._stop = threading.Event()
         self.series: list[tuple[float, dict[str, float]]] = []
@@ -205,7 +206,10 @@ class MetricsRecorder:
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                samples = scrape(self._port)
+                samples: dict[str, float] = {}
+                for port in self._ports:
+                    for key, value in scrape(port).items():
+                        samples[key] = samples.get(key, 0.0) + value
                 values = {n: metric_sum(samples, n) for n in self.NAMES}
                 for part, (name, label) in self.PARTS.items():
                     values[part] = sum(v for k, v in samples.items() if k.startswith(name + "{") and label in k)

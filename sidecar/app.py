@@ -15,7 +15,8 @@ from sidecar.broker import BrokerLauncher, EmbeddedBroker, ExternalBroker
 from sidecar.clock import Clock, SystemClock
 from sidecar.dispatch.payload_cache import PayloadCache
 from sidecar.engine import Sidecar
-from sidecar.errors import ConfigError
+from sidecar.errors import BrokerError, ConfigError
+from sidecar.group_leave import leave_group
 from sidecar.http import StatusServer
 from sidecar.kafka_io import LIBRDKAFKA
 from sidecar.metrics import Metrics
@@ -77,6 +78,18 @@ def tracker_factory(
         )
 
     return create
+
+
+def member_instance_id(settings: RunSettings) -> str | None:
+    """The static member id, or None to join as a dynamic member.
+
+    A planned leave of a static member needs a plain connection to the coordinator (group_leave.py);
+    on a secured cluster --leave-group-on-stop makes the sidecar a dynamic member instead, whose
+    close sends LeaveGroup through librdkafka. It then loses the fast takeover after a restart.
+    """
+    if settings.leave_group_on_stop and settings.security_protocol not in (None, "PLAINTEXT"):
+        return None
+    return settings.instance_id or default_instance_id(settings.state_dir)
 
 
 def state_owner(settings: RunSettings, client_config: dict[str, Any]) -> str:
@@ -155,6 +168,13 @@ class SidecarApp:
             payload_cache = open_payload_cache(settings, owner)
             if payload_cache is not None:
                 stack.callback(payload_cache.close)
+            instance_id = member_instance_id(settings)
+            if settings.leave_group_on_stop and instance_id is None:
+                logger.warning(
+                    "leave-group-on-stop on a %s cluster: joining as a dynamic member, so a restart "
+                    "rebalances the group instead of taking the partitions back at once",
+                    settings.security_protocol,
+                )
 
             def build() -> Sidecar:  # one engine per attempt, see _serve
                 return Sidecar(
@@ -164,7 +184,7 @@ class SidecarApp:
                         settings, self.clock, storage, self.metrics, settings.control_topic
                     ),
                     group_id=settings.group_id,
-                    instance_id=settings.instance_id or default_instance_id(settings.state_dir),
+                    instance_id=instance_id,
                     session_timeout_ms=settings.session_timeout_ms,
                     metrics=self.metrics,
                     clock=self.clock,
@@ -174,6 +194,7 @@ class SidecarApp:
                     control_topic=settings.control_topic,
                     read_ahead_ms=settings.read_ahead_ms,
                     payload_cache=payload_cache,
+                    assignment_strategy=settings.assignment_strategy,
                 )
 
             if settings.metrics_port:
@@ -187,6 +208,15 @@ class SidecarApp:
                 self.status.start()
                 stack.callback(self.status.stop)
             self._serve(build)
+            if settings.leave_group_on_stop and instance_id is not None:
+                self._leave(bootstrap, instance_id)
+
+    def _leave(self, bootstrap: str, instance_id: str) -> None:
+        """After the last checkpoint is committed: hand this member's partitions to the others now."""
+        try:
+            leave_group(bootstrap, self.settings.group_id, instance_id)
+        except BrokerError as e:
+            logger.error("leaving the consumer group failed error=%s", str(e).replace("\n", " "))
 
     def _serve(self, build: Callable[[], Sidecar]) -> None:
         """Run the engine; when it fails (a fatal client error, a broker gone for good), drop it and

@@ -70,6 +70,7 @@ class Sidecar:
         control_topic: str = "delay-sidecar.control",
         read_ahead_ms: int = 10_000,
         payload_cache: PayloadCache | None = None,
+        assignment_strategy: str = "roundrobin",
     ) -> None:
         self._policies = policies
         self.metrics = metrics = metrics or Metrics()
@@ -91,7 +92,7 @@ class Sidecar:
             "enable.auto.commit": False,
             "enable.auto.offset.store": False,
             "auto.offset.reset": "earliest",
-            "partition.assignment.strategy": "cooperative-sticky",
+            "partition.assignment.strategy": assignment_strategy,
         }
         if instance_id:
             group["group.instance.id"] = instance_id
@@ -103,7 +104,14 @@ class Sidecar:
         # Due reads are never interrupted: their entries are already popped, and a stop must
         # deliver them before its final checkpoint makes the pops durable.
         self._reader = LogReader(client_config, threading.Event())
-        self._assignment = assignment = Assignment(tracker_factory, control_topic, self._checkpoint, self._forget)
+        self._assignment = assignment = Assignment(
+            tracker_factory,
+            control_topic,
+            self._checkpoint,
+            self._forget,
+            incremental=assignment_strategy == "cooperative-sticky",
+            on_handoff=self._on_handoff,
+        )
         states = assignment.states
         self._nacks = LatestNacks()
         self._delivery = Delivery(writer, states, self._current_routes, retention, metrics, clock)
@@ -245,6 +253,10 @@ class Sidecar:
                 logger.warning("topic removed; pending records dead-lettered topic=%s/%d records=%d",
                                topic, state.partition, drained)  # fmt: skip
         self._checkpoint()
+
+    def _on_handoff(self, event: str, moved: int, owned: int) -> None:
+        self.metrics.handoffs.labels(event).inc(moved)
+        self.metrics.owned_partitions.set(owned)
 
     def _forget(self, state: PartitionState) -> None:
         self._dispatcher.forget((state.topic, state.partition))

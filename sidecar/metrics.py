@@ -97,6 +97,18 @@ class Metrics:
         self.engine_restarts = Counter(
             PREFIX + "engine_restarts", "Times the engine failed and started again from the last checkpoint", registry=r
         )
+        self.handoffs = Counter(
+            PREFIX + "partition_handoffs",
+            "Partitions this member was given (assigned), gave back with a checkpoint (revoked) or lost without one "
+            "(lost) in a rebalance of its consumer group",
+            ["event"],
+            registry=r,
+        )
+        for event in ("assigned", "revoked", "lost"):
+            self.handoffs.labels(event)
+        self.owned_partitions = Gauge(
+            PREFIX + "assigned_partitions", "Partitions (inbound and control) this member owns now", registry=r
+        )
         self.commits = Counter(PREFIX + "commits", "Checkpoints that committed inbound offsets", registry=r)
         self.buckets = Gauge(PREFIX + "bucket_count", "Buckets of the delayed index", ["topic"], registry=r)
         self.loaded_indexes = Gauge(

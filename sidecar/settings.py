@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field, SecretStr
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, CliImplicitFlag, SettingsConfigDict
 
 ENV_PREFIX = "DELAY_SIDECAR_"
 
@@ -69,6 +69,25 @@ class RunSettings(KafkaSettings):
         None,
         description="Static group member id (group.instance.id): a restarted sidecar takes its partitions back "
         "at once. Default: derived from the host name and the state dir.",
+    )
+    leave_group_on_stop: CliImplicitFlag[bool] = Field(
+        False,
+        description="On a clean stop, leave the consumer group so the other members take this sidecar's partitions "
+        "at once (scale-down). Without it the group keeps them for this static member's restart",
+    )
+    workers: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="Worker processes to run in one group, one core each, supervised: worker i uses "
+        "<state-dir>/worker-<i>, instance id <instance-id>-<i> and metrics port <metrics-port>+1+i; the "
+        "supervisor serves its own /metrics on <metrics-port>",
+    )
+    assignment_strategy: Literal["roundrobin", "range", "cooperative-sticky"] = Field(
+        "roundrobin",
+        description="How the group spreads partitions over sidecars (librdkafka partition.assignment.strategy). "
+        "All members of a group must use the same one. cooperative-sticky moves fewer partitions per "
+        "rebalance, but on the embedded broker a static member can then wait forever for its share",
     )
     session_timeout_ms: int = Field(
         15_000,

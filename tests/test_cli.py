@@ -54,6 +54,8 @@ def env_value(name: str, field: FieldInfo) -> tuple[str, Any]:
     if get_origin(annotation) is Literal:
         choice = next(c for c in get_args(annotation) if c != field.default)
         return str(choice), choice
+    if annotation is bool:
+        return ("false", False) if field.default else ("true", True)
     if annotation is int:
         low = next((m.ge for m in field.metadata if getattr(m, "ge", None) is not None), 0)
         value = max(low, 1) + 7

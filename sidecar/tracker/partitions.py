@@ -258,12 +258,18 @@ class Assignment:
         control_topic: str,
         checkpoint: Callable[[], None],
         forget: Callable[[PartitionState], None],
+        incremental: bool = False,
+        on_handoff: Callable[[str, int, int], None] | None = None,
     ) -> None:
         self.states: dict[tuple[str, int], PartitionState] = {}
         self._factory = tracker_factory
         self._control_topic = control_topic
         self._checkpoint = checkpoint
         self._forget = forget
+        self._incremental = incremental
+        self._on_handoff = on_handoff
+        """Told (event, partitions moved, partitions owned) after each change, for the metrics."""
+        """cooperative-sticky: callbacks name only the partitions that change; otherwise all of them."""
         self.failed = False
         """Set after a failure: nothing more may be committed, so revokes do not checkpoint."""
         self.assigned = threading.Event()
@@ -280,19 +286,29 @@ class Assignment:
             committed = tp.offset if tp.offset >= 0 else None
             start = state.start(committed, CommitMetadata.decode(tp.metadata))
             starts.append(TopicPartition(tp.topic, tp.partition, start if start is not None else tp.offset))
-        consumer.incremental_assign(starts)
+        if self._incremental:
+            consumer.incremental_assign(starts)
+        else:
+            consumer.assign(starts)
         self.assigned.set()
+        self._handoff("assigned", len(starts))
         logger.info("partitions assigned partitions=%s", _names(starts))
 
     def on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         if not self.failed:
             self._checkpoint()
         self._drop(partitions)
+        self._handoff("revoked", len(partitions))
         logger.info("partitions revoked partitions=%s", _names(partitions))
 
     def on_lost(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         self._drop(partitions)
+        self._handoff("lost", len(partitions))
         logger.warning("partitions lost partitions=%s", _names(partitions))
+
+    def _handoff(self, event: str, moved: int) -> None:
+        if self._on_handoff is not None:
+            self._on_handoff(event, moved, len(self.states))
 
     def _drop(self, partitions: list[TopicPartition]) -> None:
         for tp in partitions:

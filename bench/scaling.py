@@ -1,0 +1,170 @@
+"""Throughput of `run --workers 1` against `run --workers 2` on this machine (docs/scaling.md).
+
+Usage: .venv/bin/python -m bench.scaling [--records N] [--partitions P] [--rounds R]
+
+Each run starts `delay-sidecar run --workers W` on fresh topics (two subscriptions each) and waits
+until the group has settled (every inbound and control partition owned, each worker holding
+some) before anything is produced, so the rebalance of a start is not timed. Then, in order:
+- due burst: N records all due at one instant T, produced and indexed before T. Intake is the
+  rate at which the workers indexed them (their metrics, summed); the drain rate is N over the
+  time from T to the last delivery, with no producer running;
+- passthrough backlog: N records without a delay, produced to a topic the policies do not name
+  yet; then the policies name it (SIGHUP: every worker reloads at once and subscribes, one rebalance) and the rate
+  is N over the time from the first to the last delivery on each subscription.
+Runs alternate (1, 2, 2, 1, ...) so a drift in the machine's load hits both alike. The broker,
+the producer and the workers share the machine's cores: on two cores, a second worker competes
+with the broker for the second core.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.probe import (
+    MetricsRecorder,
+    RssSampler,
+    Watermarks,
+    create_topic,
+    metric_sum,
+    now_ms,
+    scrape,
+    wait_for_outbound,
+)
+from bench.procs import load_argv, run_load, start_sidecar
+from bench.report import environment
+from bench.scenarios import SUBSCRIPTIONS
+from sidecar.broker.embedded import EmbeddedBroker, free_port
+
+CONTROL_TOPIC = "delay-sidecar.control"
+SETTLE_S = 2.0
+
+
+def free_ports(count: int) -> int:
+    """The first of `count` consecutive free ports: the supervisor's and one per worker after it."""
+    while True:
+        base = free_port()
+        try:
+            for port in range(base, base + count):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+
+
+def settle(ports: list[int], partitions: int, timeout_s: float = 120.0) -> float:
+    """Seconds until the workers own `partitions` between them, each some, unchanged for SETTLE_S."""
+    started = time.monotonic()
+    stable_since: float | None = None
+    while time.monotonic() - started < timeout_s:
+        try:
+            owned = [metric_sum(scrape(port), "delay_sidecar_assigned_partitions") for port in ports]
+        except OSError:
+            owned = []
+        if owned and sum(owned) == partitions and min(owned) > 0:
+            stable_since = stable_since or time.monotonic()
+            if time.monotonic() - stable_since >= SETTLE_S:
+                return time.monotonic() - started
+        else:
+            stable_since = None
+        time.sleep(0.1)
+    raise RuntimeError(f"the group did not settle on {partitions} partitions in {timeout_s:.0f} s")
+
+
+def one_run(bootstrap: str, workdir: Path, workers: int, records: int, partitions: int) -> dict[str, float]:
+    run = f"w{workers}-{uuid.uuid4().hex[:6]}"
+    passthrough, burst = f"pass-{run}", f"burst-{run}"
+    for topic in (passthrough, burst):
+        create_topic(bootstrap, topic, partitions)
+    subs = "".join(f"      {s}: {{}}\n" for s in SUBSCRIPTIONS)
+    policies = workdir / f"{run}-policies.yaml"
+    policies.write_text(f"topics:\n  {burst}:\n    subscriptions:\n{subs}")
+    port = free_ports(1 + workers)
+    worker_ports = [port] if workers == 1 else [port + 1 + i for i in range(workers)]
+    sidecar = start_sidecar(
+        bootstrap, policies, workdir / f"{run}-state", port, f"bench-{run}", workdir / f"{run}.log",
+        "--workers", str(workers),
+    )  # fmt: skip
+    rss = RssSampler(sidecar.pid).start()
+    metrics = MetricsRecorder(worker_ports).start()
+    wm = Watermarks(bootstrap)
+    figures: dict[str, float] = {"workers": workers}
+    try:
+        figures["settle_s"] = round(settle(worker_ports, partitions + wm.partitions(CONTROL_TOPIC)), 1)
+        # Due burst: produced and indexed well before T, then all due at T.
+        due_ms = now_ms() + 10_000 + records * 1_000 // 20_000
+        run_load(load_argv(bootstrap, burst, records, "deliver-at", due_ms, 0), workdir / f"{run}-burst-load.log")
+        due_mono = time.monotonic() + (due_ms - now_ms()) / 1000
+        outbound = [f"{burst}.{s}" for s in SUBSCRIPTIONS]
+        progress = wait_for_outbound(wm, outbound, records, timeout_s=180 + records / 2_000, alive=sidecar.alive)
+        if progress.done_s is None:
+            raise RuntimeError(f"burst not delivered: {progress.counts}; log {sidecar.log}")
+        figures["index_rate"] = round(metrics.rate("delay_sidecar_messages_delayed_total", records) or 0)
+        figures["burst_drain_per_sub"] = round(records / (progress.done_s - due_mono))
+        figures["burst_first_s_after_due"] = round((progress.first_s or due_mono) - due_mono, 2)
+        # Passthrough: a backlog the workers do not read until the policies name its topic.
+        run_load(load_argv(bootstrap, passthrough, records), workdir / f"{run}-pass-load.log")
+        both = "".join(f"  {t}:\n    subscriptions:\n{subs}" for t in (burst, passthrough))
+        policies.write_text(f"topics:\n{both}")
+        os.kill(sidecar.pid, signal.SIGHUP)  # every worker reloads now, so they rejoin in one rebalance
+        outbound = [f"{passthrough}.{s}" for s in SUBSCRIPTIONS]
+        progress = wait_for_outbound(wm, outbound, records, timeout_s=120 + records / 2_000, alive=sidecar.alive)
+        if progress.first_s is None or progress.done_s is None:
+            raise RuntimeError(f"passthrough not delivered: {progress.counts}; log {sidecar.log}")
+        figures["passthrough_per_sub"] = round(records / (progress.done_s - progress.first_s))
+    finally:
+        metrics.stop()
+        wm.close()
+        sidecar.stop()
+        figures["peak_rss_mib"] = round(rss.stop(), 1)
+    return figures
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--records", type=int, default=200_000, help="records per phase and run")
+    parser.add_argument("--partitions", type=int, default=4, help="partitions of each inbound topic")
+    parser.add_argument("--rounds", type=int, default=2, help="pairs of runs (1 then 2 workers, then 2 then 1)")
+    args = parser.parse_args(argv)
+    command = shlex.join([".venv/bin/python", "-m", "bench.scaling", *(sys.argv[1:] if argv is None else argv)])
+    workdir = Path(tempfile.mkdtemp(prefix="bench-scaling-"))
+    order = [w for r in range(args.rounds) for w in ((1, 2) if r % 2 == 0 else (2, 1))]
+    rows = []
+    try:
+        with EmbeddedBroker(workdir / "broker", port=free_port()) as broker:
+            env = environment(broker.bootstrap_servers, command)
+            for workers in order:
+                print(f"[scaling] --workers {workers} ...", file=sys.stderr, flush=True)
+                rows.append(one_run(broker.bootstrap_servers, workdir, workers, args.records, args.partitions))
+                print(f"[scaling] {rows[-1]}", file=sys.stderr, flush=True)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    print(f"- date: {env['date']}\n- commit: `{env['commit']}`\n- command: `{command}`")
+    print(f"- machine: {os.cpu_count()} cores, {env['cpu']}, load average at start {env['load_average_at_start']}")
+    print(f"- {args.records:,} records per phase, {args.partitions} partitions per topic, 2 subscriptions\n")
+    print("| run | workers | intake, delayed (rec/s) | due burst drain (rec/s per sub) | passthrough backlog "
+          "(rec/s per sub) | peak RSS, all processes (MiB) |")  # fmt: skip
+    print("| ---: | ---: | ---: | ---: | ---: | ---: |")
+    for i, row in enumerate(rows, 1):
+        print(
+            f"| {i} | {int(row['workers'])} | {row['index_rate']:,.0f} | {row['burst_drain_per_sub']:,.0f} | "
+            f"{row['passthrough_per_sub']:,.0f} | {row['peak_rss_mib']:,.0f} |"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,233 @@
+"""`run --workers N`: N sidecar processes in one consumer group on one host, kept running.
+
+Python runs the loop on one core per process, so a host's cores are used by several processes in
+one group, not by threads. The group spreads the partitions over the workers; the supervisor only
+starts them, restarts one that dies, and stops them all.
+
+- Worker i runs `delay-sidecar run --workers 1` with the supervisor's settings (passed in the
+  environment, so secrets never appear in a process listing) and its own state dir
+  (<state-dir>/worker-<i>), static instance id (<instance-id>-<i>) and metrics port
+  (<metrics-port> + 1 + i, or 0). A restarted worker has the same id and state dir, so the group
+  gives it its partitions back at once, without a rebalance.
+- A worker that exits while the supervisor is not stopping is restarted at once, with a log line
+  and `delay_sidecar_workers_restarted_total`. One that dies again within CRASH_LOOP_S of its
+  start is restarted after a pause that doubles up to BACKOFF_MAX_S, so a bad setting does not spin.
+- Workers die with the supervisor (parent-death signal), even on kill -9, and get SIGTERM: they
+  checkpoint and exit as on any stop. The embedded broker is started once, here, and dies with
+  the supervisor in the same way.
+- The supervisor's own metrics port serves its counters; each worker serves its own.
+"""
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+from pydantic import SecretStr
+
+from sidecar.broker import EmbeddedBroker
+from sidecar.broker.lifeline import die_with_parent
+from sidecar.http import StatusServer
+from sidecar.metrics import PREFIX
+from sidecar.policy import load_policies
+from sidecar.settings import ENV_PREFIX, RunSettings, default_instance_id
+
+logger = logging.getLogger(__name__)
+
+POLL_S = 0.2
+CRASH_LOOP_S = 10.0
+BACKOFF_S = 1.0
+BACKOFF_MAX_S = 30.0
+# A worker's clean stop is a last checkpoint and a group leave: seconds. One that takes longer
+# than this is killed; at-least-once delivery makes that safe, but it may send some records twice.
+STOP_GRACE_S = 120.0
+# Set per worker on the command line, which wins over the environment.
+PER_WORKER = {"workers", "state_dir", "instance_id", "metrics_port", "bootstrap_servers"}
+
+
+def worker_state_dir(state_dir: Path, index: int) -> Path:
+    return state_dir / f"worker-{index}"
+
+
+def worker_metrics_port(metrics_port: int, index: int) -> int:
+    """0 (no endpoint) stays 0; otherwise the ports after the supervisor's own."""
+    return metrics_port + 1 + index if metrics_port else 0
+
+
+def worker_environment(settings: RunSettings) -> dict[str, str]:
+    """The settings as DELAY_SIDECAR_* variables, for a worker to read back as they are here."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX)}
+    for name in RunSettings.model_fields:
+        value: Any = getattr(settings, name)
+        if name in PER_WORKER or value is None:
+            continue
+        if isinstance(value, SecretStr):
+            value = value.get_secret_value()
+        elif isinstance(value, bool):
+            value = "true" if value else "false"
+        env[ENV_PREFIX + name.upper()] = str(value)
+    return env
+
+
+@dataclass
+class Worker:
+    index: int
+    argv: list[str]
+    process: subprocess.Popen[bytes] | None = None
+    started: float = 0.0
+    backoff: float = 0.0
+    restart_at: float | None = None
+    restarts: int = field(default=0)
+
+
+class SupervisorMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.restarted = Counter(
+            PREFIX + "workers_restarted",
+            "Worker processes that exited while the supervisor was not stopping, and were started again",
+            ["worker"],
+            registry=self.registry,
+        )
+        self.running = Gauge(PREFIX + "workers_running", "Worker processes running", registry=self.registry)
+        self.configured = Gauge(
+            PREFIX + "workers", "Worker processes the supervisor keeps running", registry=self.registry
+        )
+
+
+class Supervisor:
+    def __init__(self, settings: RunSettings) -> None:
+        self.settings = settings
+        self.metrics = SupervisorMetrics()
+        self._stop = threading.Event()
+        self._workers: list[Worker] = []
+
+    def stop(self) -> None:
+        """Safe in a signal handler: the main loop does the stopping."""
+        self._stop.set()
+
+    def reload_policies(self) -> None:
+        for worker in self._workers:
+            if worker.process is not None and worker.process.poll() is None:
+                worker.process.send_signal(signal.SIGHUP)
+
+    def run(self) -> None:
+        """Run in the main thread: the workers' parent-death signal fires when the thread that
+        started them ends, and this thread is the one that restarts them."""
+        settings = self.settings
+        load_policies(Path(settings.policies))  # a bad file fails here, not in a loop of worker restarts
+        with ExitStack() as stack:
+            bootstrap = settings.bootstrap_servers
+            if not bootstrap:
+                broker = EmbeddedBroker(settings.state_dir / "broker", port=settings.broker_port)
+                stack.callback(broker.stop)
+                bootstrap = broker.start()
+            if settings.metrics_port:
+                status = StatusServer(
+                    settings.metrics_host, settings.metrics_port, self.metrics.registry, self._health, self._policy
+                )
+                status.start()
+                stack.callback(status.stop)
+            self._workers = [self._worker(i, bootstrap) for i in range(settings.workers)]
+            self.metrics.configured.set(len(self._workers))
+            stack.callback(self._stop_workers)
+            env = worker_environment(settings)
+            for worker in self._workers:
+                self._start(worker, env)
+            logger.info("workers started workers=%d bootstrap_servers=%s", len(self._workers), bootstrap)
+            while not self._stop.wait(POLL_S):
+                self._watch(env)
+
+    def _worker(self, index: int, bootstrap: str) -> Worker:
+        s = self.settings
+        base = s.instance_id or default_instance_id(s.state_dir)
+        argv = [
+            sys.executable, "-m", "sidecar", "run", "--workers", "1",
+            "--bootstrap-servers", bootstrap,
+            "--state-dir", str(worker_state_dir(s.state_dir, index)),
+            "--instance-id", f"{base}-{index}",
+            "--metrics-port", str(worker_metrics_port(s.metrics_port, index)),
+        ]  # fmt: skip
+        return Worker(index, argv)
+
+    def _start(self, worker: Worker, env: dict[str, str]) -> None:
+        worker.process = subprocess.Popen(
+            worker.argv,
+            env=env,
+            process_group=0,  # Ctrl-C reaches the supervisor alone, which stops the workers in order
+            preexec_fn=die_with_parent(signal.SIGTERM),  # noqa: PLW1509 - see sidecar/broker/lifeline.py
+        )
+        worker.started, worker.restart_at = time.monotonic(), None
+        self.metrics.running.set(self._running())
+        logger.info("worker started worker=%d pid=%d", worker.index, worker.process.pid)
+
+    def _watch(self, env: dict[str, str]) -> None:
+        now = time.monotonic()
+        for worker in self._workers:
+            process = worker.process
+            if worker.restart_at is not None:
+                if now >= worker.restart_at:
+                    self._start(worker, env)
+                continue
+            if process is None or process.poll() is None or self._stop.is_set():
+                continue
+            worker.restarts += 1
+            self.metrics.restarted.labels(str(worker.index)).inc()
+            crash_loop = now - worker.started < CRASH_LOOP_S
+            pause = worker.backoff if crash_loop else 0.0
+            worker.backoff = min(max(worker.backoff * 2, BACKOFF_S), BACKOFF_MAX_S) if crash_loop else 0.0
+            logger.error(
+                "worker exited; restarting it worker=%d pid=%d exit_code=%s restarts=%d restart_in_s=%.1f",
+                worker.index, process.pid, process.returncode, worker.restarts, pause,
+            )  # fmt: skip
+            worker.restart_at = now + pause
+            if pause == 0.0:
+                self._start(worker, env)
+        self.metrics.running.set(self._running())
+
+    def _running(self) -> int:
+        return sum(1 for w in self._workers if w.process is not None and w.process.poll() is None)
+
+    def _health(self) -> tuple[bool, list[str], dict[str, Any]]:
+        running = self._running()
+        reasons = [] if running == len(self._workers) else [f"{running} of {len(self._workers)} workers running"]
+        return not reasons, reasons, {"workers": len(self._workers), "running": running}
+
+    def _policy(self, topic: str) -> dict[str, Any]:
+        ports = ", ".join(str(worker_metrics_port(self.settings.metrics_port, w.index)) for w in self._workers)
+        return {"topic": topic, "error": f"the supervisor applies no policies; ask a worker's port ({ports})"}
+
+    def _stop_workers(self) -> None:
+        """SIGTERM to all at once, so they checkpoint in parallel; a worker that hangs is killed."""
+        live = [w.process for w in self._workers if w.process is not None and w.process.poll() is None]
+        for process in live:
+            process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE_S
+        for process in live:
+            try:
+                process.wait(max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                logger.error("worker did not stop; killing it pid=%d grace_s=%.0f", process.pid, STOP_GRACE_S)
+                process.kill()
+                process.wait()
+        self.metrics.running.set(0)
+        logger.info("workers stopped workers=%d", len(live))
+
+
+def supervise_until_signalled(supervisor: Supervisor) -> None:
+    def on_signal(signum: int, frame: object) -> None:
+        logger.info("stopping signal=%s", signal.Signals(signum).name)
+        supervisor.stop()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGHUP, lambda signum, frame: supervisor.reload_policies())
+    supervisor.run()
