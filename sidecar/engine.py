@@ -70,6 +70,7 @@ class Sidecar:
         control_topic: str = "delay-sidecar.control",
         read_ahead_ms: int = 10_000,
         payload_cache: PayloadCache | None = None,
+        producer: dict[str, Any] | None = None,
         assignment_strategy: str = "roundrobin",
     ) -> None:
         self._policies = policies
@@ -97,7 +98,7 @@ class Sidecar:
         if instance_id:
             group["group.instance.id"] = instance_id
         self._consumer = Consumer(consumer_config(client_config, **group), logger=librdkafka)
-        self._writer = writer = Writer(client_config, librdkafka)
+        self._writer = writer = Writer(client_config, librdkafka, producer)
         self._admin = TopicAdmin(client_config, (control_topic, f"{control_topic}.dlt"), new_topic_partitions)
         retention = self._admin.retention_ms
         self._ahead_reader = LogReader(client_config, self._stop)

@@ -130,6 +130,16 @@ class RunSettings(KafkaSettings):
         "cache; later ones are read back from the log ahead of their deliver-at",
     )
     batch_size: int = Field(10_000, ge=1, description="Most records read per poll of the inbound topics")
+    compression_type: Literal["none", "gzip", "snappy", "lz4", "zstd"] = Field(
+        "lz4", description="Compression of the records the sidecar writes (librdkafka compression.type)"
+    )
+    linger_ms: int = Field(
+        5,
+        ge=0,
+        le=900_000,
+        description="How long the producer waits to fill a batch (librdkafka linger.ms): more throughput in "
+        "bursts, that much more lateness",
+    )
     new_topic_partitions: int = Field(
         3, ge=1, description="Partitions of inbound topics the sidecar creates because they did not exist"
     )

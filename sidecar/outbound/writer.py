@@ -21,7 +21,10 @@ ANY_PARTITION = -1
 
 
 class Writer:
-    def __init__(self, client_config: dict[str, Any], librdkafka_logger: logging.Logger) -> None:
+    def __init__(
+        self, client_config: dict[str, Any], librdkafka_logger: logging.Logger, tuning: dict[str, Any] | None = None
+    ) -> None:
+        """`tuning`: librdkafka producer settings the operator chose (compression, linger)."""
         self._errors: list[str] = []
         self._same_partition: set[str] = set()
         self.producer = Producer(
@@ -34,6 +37,7 @@ class Writer:
                 "queue.buffering.max.messages": 1_000_000,
                 "delivery.report.only.error": True,
                 "on_delivery": self._on_delivery,
+                **(tuning or {}),
             },
             logger=librdkafka_logger,
         )
