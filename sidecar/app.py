@@ -174,6 +174,7 @@ class SidecarApp:
                     control_topic=settings.control_topic,
                     read_ahead_ms=settings.read_ahead_ms,
                     payload_cache=payload_cache,
+                    exactly_once=settings.processing_guarantee == "exactly-once",
                 )
 
             if settings.metrics_port:

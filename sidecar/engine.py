@@ -24,6 +24,7 @@ from sidecar.control.redelivery import Redelivery
 from sidecar.dispatch.dispatcher import Dispatcher
 from sidecar.dispatch.payload_cache import PayloadCache
 from sidecar.dispatch.reader import LogReader
+from sidecar.errors import BrokerError
 from sidecar.inbound.receiver import Receiver
 from sidecar.kafka_io import LIBRDKAFKA, Connectivity, consume_batch, consumer_config
 from sidecar.metrics import Metrics
@@ -64,6 +65,7 @@ class Sidecar:
         control_topic: str = "delay-sidecar.control",
         read_ahead_ms: int = 10_000,
         payload_cache: PayloadCache | None = None,
+        exactly_once: bool = False,
     ) -> None:
         self._policies = policies
         self.metrics = metrics = metrics or Metrics()
@@ -89,15 +91,21 @@ class Sidecar:
         }
         if instance_id:
             group["group.instance.id"] = instance_id
+        if exactly_once:
+            group["isolation.level"] = "read_committed"  # accepted nacks of aborted transactions are not ours
         self._consumer = Consumer(consumer_config(client_config, **group), logger=librdkafka)
-        self._writer = writer = Writer(client_config, librdkafka)
+        # One transactional.id per instance: its next producer fences this one (see writer.py).
+        transactional_id = f"{group_id}-{instance_id or 'default'}" if exactly_once else None
+        self._writer = writer = Writer(client_config, librdkafka, transactional_id)
         self._admin = TopicAdmin(client_config, (control_topic, f"{control_topic}.dlt"), new_topic_partitions)
         retention = self._admin.retention_ms
         self._ahead_reader = LogReader(client_config, self._stop)
         # Due reads are never interrupted: their entries are already popped, and a stop must
         # deliver them before its final checkpoint makes the pops durable.
         self._reader = LogReader(client_config, threading.Event())
-        self._assignment = assignment = Assignment(tracker_factory, control_topic, self._checkpoint, self._forget)
+        self._assignment = assignment = Assignment(
+            tracker_factory, control_topic, self._checkpoint, self._forget, writer.abort if exactly_once else None
+        )
         states = assignment.states
         self._nacks = LatestNacks()
         self._delivery = Delivery(writer, states, self._current_routes, retention, metrics, clock)
@@ -139,6 +147,11 @@ class Sidecar:
                     self._apply(policies)
                 self._dispatch_due()  # due first: after a restart, what fell due while down goes out first
                 records = consume_batch(self._consumer, self._batch_size, self._wait_s())
+                if self._assignment.lost:
+                    raise BrokerError(
+                        "partitions were lost to the group (this member was away longer than the session "
+                        "timeout); their transaction was aborted and the engine starts again from the commit"
+                    )
                 if records:
                     self._receiver.take(records)
                 self._watch_connectivity(records)
@@ -226,8 +239,13 @@ class Sidecar:
         if state.control:
             self._nacks.forget_partition(state.partition)
 
-    def _dispatch_due(self) -> None:
+    def _delivering(self) -> list[PartitionState]:
+        """Partitions that may deliver now: in exactly-once mode, not those still replaying."""
         states = self._assignment.states.values()
+        return [s for s in states if not (s.exact and s.replaying)]
+
+    def _dispatch_due(self) -> None:
+        states = self._delivering()
         if not self._redelivery.dispatch_due([s for s in states if s.control]):
             self._stalled_until = time.monotonic() + STALL_WAIT_S
         self._dispatcher.turn({(s.topic, s.partition): s.tracker for s in states if not s.control})
@@ -235,7 +253,7 @@ class Sidecar:
 
     def _wait_s(self) -> float:
         """How long intake may block: until the dispatcher's next delivery or read-ahead, or the next nack."""
-        states = self._assignment.states.values()
+        states = self._delivering()
         times = [t for s in states if s.control and (t := s.tracker.next_delivery_time()) is not None]
         wake = self._dispatcher.next_wake_ms({(s.topic, s.partition): s.tracker for s in states if not s.control})
         if wake is not None:

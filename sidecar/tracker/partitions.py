@@ -13,7 +13,14 @@ Kafka's committed offset and its metadata are the durable truth of a partition. 
 
 Local state (the bucket tracker's RocksDB) is used only when it matches the commit: its cursor and
 watermark at or past the committed ones. State left behind by an earlier owner of the partition is
-discarded, never merged.
+discarded, never merged. In exactly-once mode, local state ahead of the commit is discarded too:
+its pops may be deliveries of a transaction that was aborted, so only the commit says what was
+delivered, and local state must match it exactly.
+
+In exactly-once mode a partition whose index is being rebuilt (or, on the control topic, whose
+accepted nacks are being read again) delivers nothing until it is done: the log is read in offset
+order, not in delivery order, so the watermark could not describe deliveries made on the way, and
+a commit during the rebuild would cover records not read yet.
 """
 
 import bisect
@@ -168,6 +175,8 @@ class PartitionState:
     """Control partitions: the committed watermark; accepted nacks at or below it are done."""
     rule: IntakeRule | None = None
     """The rule live intake noted last (the hot path compares identity, not values)."""
+    exact: bool = False
+    """Exactly-once mode: local state is used only when it matches the commit exactly."""
 
     @property
     def name(self) -> str:
@@ -184,15 +193,21 @@ class PartitionState:
             self.committed = (committed, metadata.encode())
         cursor = tracker.index_cursor()
         if cursor is not None:
-            if committed is None or (cursor >= committed and tracker.delivered_through() >= metadata.through):
+            if self._usable(cursor, committed, tracker.delivered_through(), metadata.through):
                 self.next_offset = cursor
                 return cursor
             logger.warning(
-                "local index is stale, discarding it partition=%s index_cursor=%d committed=%d "
-                "(another member owned the partition since this state dir was written)",
+                "local index is stale, discarding it partition=%s index_cursor=%d committed=%s "
+                "local_through=%d committed_through=%d (%s)",
                 self.name,
                 cursor,
                 committed,
+                tracker.delivered_through(),
+                metadata.through,
+                "exactly-once: its last checkpoint's transaction was not committed, or another member owned "
+                "the partition since"
+                if self.exact
+                else "another member owned the partition since this state dir was written",
             )
             tracker.clear()
         elif len(tracker):
@@ -210,12 +225,28 @@ class PartitionState:
             logger.info("index rebuild started partition=%s from=%d until=%d", self.name, earliest, committed)
         return earliest
 
-    def commit_point(self, earliest_pending: int | None) -> tuple[int, str] | None:
-        """(offset, metadata) to commit now, or None when there is nothing new to commit."""
-        if self.next_offset is None or self.rebuild is not None:
+    def _usable(self, cursor: int, committed: int | None, local_through: int, through: int) -> bool:
+        if self.exact:  # (the bucket tracker's "nothing delivered" is 0, the metadata's -1)
+            return committed is not None and cursor == committed and max(local_through, 0) == max(through, 0)
+        return committed is None or (cursor >= committed and local_through >= through)
+
+    @property
+    def replaying(self) -> bool:
+        """Reading the log again after a restart: a rebuild, or accepted nacks below the commit."""
+        return self.rebuild is not None or (
+            self.control and self.next_offset is not None and self.next_offset < self.replay_until
+        )
+
+    def commit_point(self, earliest_pending: int | None, exact: bool = False) -> tuple[int, str] | None:
+        """(offset, metadata) to commit now, or None when there is nothing new to commit.
+
+        `exact`: the commit is a transaction's, which the local index need not have reached (see
+        checkpoint.py); a partition still replaying delivered nothing and is not committed.
+        """
+        if self.next_offset is None or self.rebuild is not None or (exact and self.replaying):
             return None  # nothing read yet, or a rebuild that a crash would simply start again
         tracker = self.tracker
-        if tracker.durable and tracker.index_cursor() != self.next_offset:
+        if not exact and tracker.durable and tracker.index_cursor() != self.next_offset:
             return None  # the index is not durable up to here: the commit must not pass it
         earliest = earliest_pending if earliest_pending is not None else self.next_offset
         self.rules.prune(earliest)
@@ -228,7 +259,8 @@ class Assignment:
 
     `on_assign` opens each partition's tracker and seeks to where `PartitionState.start` says.
     `on_revoke` checkpoints first (the partition goes to another member with nothing left
-    uncommitted); `on_lost` does not (another member may own it already).
+    uncommitted); `on_lost` does not (another member may own it already), and in exactly-once
+    mode aborts the open transaction and has the engine start again.
     """
 
     def __init__(
@@ -237,8 +269,13 @@ class Assignment:
         control_topic: str,
         checkpoint: Callable[[], None],
         forget: Callable[[PartitionState], None],
+        abort: Callable[[], None] | None = None,
     ) -> None:
         self.states: dict[tuple[str, int], PartitionState] = {}
+        self._abort = abort
+        """Exactly-once mode: drops the open transaction when partitions are lost."""
+        self.lost = False
+        """Set when partitions were lost in exactly-once mode: the engine must start again."""
         self._factory = tracker_factory
         self._control_topic = control_topic
         self._checkpoint = checkpoint
@@ -254,7 +291,8 @@ class Assignment:
             state = self.states.get(key)
             if state is None:
                 tracker = self._factory(tp.topic, tp.partition)
-                state = PartitionState(tp.topic, tp.partition, tracker, control=tp.topic == self._control_topic)
+                control = tp.topic == self._control_topic
+                state = PartitionState(tp.topic, tp.partition, tracker, control=control, exact=self._abort is not None)
                 self.states[key] = state
             committed = tp.offset if tp.offset >= 0 else None
             start = state.start(committed, CommitMetadata.decode(tp.metadata))
@@ -270,6 +308,11 @@ class Assignment:
         logger.info("partitions revoked partitions=%s", _names(partitions))
 
     def on_lost(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        if self._abort is not None:
+            # Another member may own them and deliver what this transaction holds: abort it. Its
+            # pops of the partitions kept are undone only by starting again from the commit.
+            self._abort()
+            self.lost = True
         self._drop(partitions)
         logger.warning("partitions lost partitions=%s", _names(partitions))
 
