@@ -265,8 +265,10 @@ class Sidecar:
 
     def _checkpoint(self) -> None:
         states = list(self._assignment.states.values())
+        started = time.monotonic()
         if checkpoint(self._writer, states, self._consumer):
             self.metrics.commits.inc()
+        self.metrics.checkpoint_latency.observe(time.monotonic() - started)
         self._dispatcher.checkpointed({(s.topic, s.partition): s.tracker for s in states if not s.control})
         self.degraded = publish_index_gauges(self.metrics, states, list(self._routes))
         self._admin.refresh_retention(list(self._routes))
