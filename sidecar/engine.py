@@ -24,7 +24,6 @@ from sidecar.control.redelivery import Redelivery
 from sidecar.dispatch.dispatcher import Dispatcher
 from sidecar.dispatch.payload_cache import PayloadCache
 from sidecar.dispatch.reader import LogReader
-from sidecar.errors import BrokerError
 from sidecar.inbound.receiver import Receiver
 from sidecar.kafka_io import LIBRDKAFKA, Connectivity, consume_batch, consumer_config
 from sidecar.metrics import Metrics
@@ -147,11 +146,8 @@ class Sidecar:
                     self._apply(policies)
                 self._dispatch_due()  # due first: after a restart, what fell due while down goes out first
                 records = consume_batch(self._consumer, self._batch_size, self._wait_s())
-                if self._assignment.lost:
-                    raise BrokerError(
-                        "partitions were lost to the group (this member was away longer than the session "
-                        "timeout); their transaction was aborted and the engine starts again from the commit"
-                    )
+                if self._assignment.error is not None:
+                    raise self._assignment.error
                 if records:
                     self._receiver.take(records)
                 self._watch_connectivity(records)

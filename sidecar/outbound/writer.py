@@ -79,8 +79,8 @@ class Writer:
         if not self._open:
             return
         self._open = False
-        self.producer.purge()
         try:
+            self.producer.purge()
             self.producer.abort_transaction(TRANSACTION_TIMEOUT_S)
         except KafkaException as e:
             # Fenced or failed: the broker aborts it anyway, when the next producer of this id starts.
@@ -152,6 +152,15 @@ class Writer:
                 return
             except BufferError:
                 self.producer.poll(0.05)  # the local queue is full: let the broker catch up
+            except KafkaException as e:
+                if self.transactional and e.args[0].code() == KafkaError._FATAL:
+                    # A transactional producer turns fatal when a newer one of its id fenced it.
+                    raise Fenced(
+                        f"the transactional producer failed for good ({e.args[0]}): another sidecar started "
+                        f"with transactional.id {self.transactional_id!r} and fenced this one. This engine "
+                        "stops writing and starts again"
+                    ) from e
+                raise
 
     def dead_letter(self, topic: str, record: Message, code: str, message: str) -> None:
         """`record` unchanged on `topic`, with the error code and message and its origin."""

@@ -34,6 +34,7 @@ from typing import Any
 
 from confluent_kafka import Consumer, TopicPartition
 
+from sidecar.errors import BrokerError
 from sidecar.policy.routes import IntakeRule
 from sidecar.tracker.base import KEY_SHIFT, NOTHING_DELIVERED, DelayedDeliveryTracker, pack
 
@@ -274,8 +275,9 @@ class Assignment:
         self.states: dict[tuple[str, int], PartitionState] = {}
         self._abort = abort
         """Exactly-once mode: drops the open transaction when partitions are lost."""
-        self.lost = False
-        """Set when partitions were lost in exactly-once mode: the engine must start again."""
+        self.error: Exception | None = None
+        """Why the engine must start again, found in a callback: raised from there, an exception
+        would reach librdkafka's C code and come out of poll as a bare SystemError."""
         self._factory = tracker_factory
         self._control_topic = control_topic
         self._checkpoint = checkpoint
@@ -303,7 +305,10 @@ class Assignment:
 
     def on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         if not self.failed:
-            self._checkpoint()
+            try:
+                self._checkpoint()
+            except Exception as e:  # a fenced producer, a broker gone: the engine raises it after poll
+                self.failed, self.error = True, e
         self._drop(partitions)
         logger.info("partitions revoked partitions=%s", _names(partitions))
 
@@ -312,7 +317,11 @@ class Assignment:
             # Another member may own them and deliver what this transaction holds: abort it. Its
             # pops of the partitions kept are undone only by starting again from the commit.
             self._abort()
-            self.lost = True
+            self.failed = True
+            self.error = BrokerError(
+                "partitions were lost to the group (this member was away longer than the session timeout); "
+                "their transaction was aborted and the engine starts again from the commit"
+            )
         self._drop(partitions)
         logger.warning("partitions lost partitions=%s", _names(partitions))
 

@@ -115,3 +115,34 @@ def test_a_zombie_with_stale_group_metadata_cannot_commit_offsets(
             zombie.commit_transaction(30)
     finally:
         second.close()
+
+
+def test_a_read_committed_fetch_past_an_aborted_transaction_still_returns_later_commits(
+    embedded_broker: bool, kafka: str, kafka_helper: KafkaHelper, topic_factory: Callable[..., str]
+) -> None:
+    """After a crash, the sidecar's next producer has the same transactional.id, so the same
+    producer id: its commits must reach a consumer that already read past the abort marker.
+
+    KNOWN NOIDA-DB DEFECT (xfail on the embedded broker): its fetch responses list aborted
+    transactions that ended before the fetch offset, and librdkafka then drops every later batch
+    of that producer id in the response. Real Kafka lists only those overlapping the fetched range.
+    """
+    if embedded_broker:
+        pytest.xfail("noida-db lists aborted transactions that ended before the fetch offset")
+    topic = topic_factory("aborted")
+    producer = Producer({"bootstrap.servers": kafka, "transactional.id": f"tx-{uuid.uuid4().hex[:8]}"})
+    producer.init_transactions(30)
+    for value, commit in ((b"committed 1", True), (b"aborted", False), (b"committed 2", True)):
+        producer.begin_transaction()
+        producer.produce(topic, value)
+        producer.flush(30)
+        producer.commit_transaction(30) if commit else producer.abort_transaction(30)
+    # Offsets: 0 record, 1 commit marker, 2 aborted record, 3 abort marker, 4 record, 5 marker.
+    consumer = Consumer({"bootstrap.servers": kafka, "group.id": f"g-{uuid.uuid4().hex[:8]}",
+                         "isolation.level": "read_committed", "enable.partition.eof": True})  # fmt: skip
+    consumer.assign([TopicPartition(topic, 0, 4)])
+    try:
+        seen = poll_until(consumer, lambda seen: any(m.error() is not None for m in seen))
+        assert [m.value() for m in seen if m.error() is None] == [b"committed 2"]
+    finally:
+        consumer.close()
