@@ -83,6 +83,9 @@ class Audit:
     nacks_redelivered: int = 0
     nacks_missing_or_early: int = 0
     redeliveries_unasked: int = 0
+    written: dict[str, int] = field(default_factory=dict)
+    """Distinct records written at least once, committed or not (read_uncommitted): a record lost
+    read_committed but written was lost by the reader, not by the sidecar."""
 
     @property
     def anomalies(self) -> int:
@@ -331,7 +334,13 @@ def run(plan: Plan, workdir: Path, log: Any = print) -> Outcome:
         if sidecar.stop() != 0:
             outcome.notes.append(f"the sidecar did not exit 0; see {sidecar.log}")
         outcome.audit = audit(bootstrap, plan.records, nacks.sent)
-        written = sum(len(read_all(bootstrap, f"{TOPIC}.{s}", committed_only=False)) for s in SUBSCRIPTIONS)
+        uncommitted = {s: read_all(bootstrap, f"{TOPIC}.{s}", committed_only=False) for s in SUBSCRIPTIONS}
+        for sub, found in uncommitted.items():
+            firsts = [dict(m.headers() or []) for m in found]
+            outcome.audit.written[sub] = len(
+                {(h[ORIGIN_PARTITION], h[ORIGIN_OFFSET]) for h in firsts if not int(h.get(REDELIVERY_COUNT, b"0"))}
+            )
+        written = sum(len(found) for found in uncommitted.values())
         outcome.aborted_records = written - sum(len(read_all(bootstrap, f"{TOPIC}.{s}")) for s in SUBSCRIPTIONS)
     finally:
         nacks.stop()
@@ -373,6 +382,10 @@ def table(outcome: Outcome, command: str) -> str:
         ("zombie fenced", {None: "no zombie", True: "yes", False: "**no**"}[outcome.zombie_fenced]),
         ("records written in aborted transactions (invisible to read_committed)", f"{outcome.aborted_records:,}"),
         ("lost (shared / exclusive)", f"{a.lost.get('shared', 0)} / {a.lost.get('excl', 0)}"),
+        (
+            "written at least once, read_uncommitted (shared / exclusive)",
+            f"{a.written.get('shared', 0):,} / {a.written.get('excl', 0):,}",
+        ),
         ("duplicated (shared / exclusive)", f"{a.duplicated.get('shared', 0)} / {a.duplicated.get('excl', 0)}"),
         ("early (shared / exclusive)", f"{a.early.get('shared', 0)} / {a.early.get('excl', 0)}"),
         (
