@@ -26,6 +26,7 @@ import random
 import shlex
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import threading
@@ -47,6 +48,7 @@ from sidecar.broker.embedded import EmbeddedBroker, free_port
 from sidecar.client import Nacker
 from sidecar.outbound.records import DELIVER_AT, ORIGIN_OFFSET, ORIGIN_PARTITION, REDELIVERY_COUNT
 
+ROOT = Path(__file__).resolve().parents[1]
 TOPIC, PARTITIONS, CONTROL = "chaos", 2, "delay-sidecar.control"
 # noida-db lists aborted transactions that ended before a fetch's offset, and librdkafka then drops
 # the later records of that producer (tests/broker/test_transactions.py): readers here start at
@@ -70,6 +72,7 @@ class Plan:
     zombie: bool = True
     commit_interval_ms: int = 500
     nack_fraction: float = 0.05
+    spark_audit: bool = False
 
 
 @dataclass
@@ -110,6 +113,8 @@ class Outcome:
     aborted_records: int = 0
     wall_s: float = 0.0
     notes: list[str] = field(default_factory=list)
+    spark: str = ""
+    """The Spark audit's exit code and summary, when it ran."""
 
 
 class Sidecar:
@@ -342,6 +347,8 @@ def run(plan: Plan, workdir: Path, log: Any = print) -> Outcome:
             )
         written = sum(len(found) for found in uncommitted.values())
         outcome.aborted_records = written - sum(len(read_all(bootstrap, f"{TOPIC}.{s}")) for s in SUBSCRIPTIONS)
+        if plan.spark_audit:
+            outcome.spark = spark_audit(bootstrap, policies, workdir)
     finally:
         nacks.stop()
         for s in [sidecar, *others]:
@@ -349,6 +356,16 @@ def run(plan: Plan, workdir: Path, log: Any = print) -> Outcome:
         broker.stop()
     outcome.wall_s = time.monotonic() - started
     return outcome
+
+
+def spark_audit(bootstrap: str, policies: Path, workdir: Path) -> str:
+    """`delay-sidecar audit` (read_committed by default) over the run: its exit code and summary."""
+    argv = [sys.executable, "-m", "sidecar", "audit", "--bootstrap-servers", bootstrap, "--policies", str(policies),
+            "--output-dir", str(workdir / "audit"), "--control-topic", CONTROL]  # fmt: skip
+    started = time.monotonic()
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=1200, check=False, cwd=ROOT)
+    lines = [line for line in done.stdout.splitlines() if line.strip()][-25:]
+    return f"exit {done.returncode} after {time.monotonic() - started:.0f} s\n" + "\n".join(lines)
 
 
 def zombie(first: Sidecar, second: Sidecar) -> bool:
@@ -397,6 +414,8 @@ def table(outcome: Outcome, command: str) -> str:
     ]
     lines = ["| | |", "| --- | --- |", *(f"| {k} | {v} |" for k, v in rows)]
     lines += [f"\nnote: {n}" for n in outcome.notes]
+    if outcome.spark:
+        lines += ["\nSpark audit (`delay-sidecar audit`, read_committed):\n```", outcome.spark, "```"]
     return "\n".join(lines)
 
 
@@ -411,10 +430,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-state-loss", action="store_true")
     parser.add_argument("--no-zombie", action="store_true")
     parser.add_argument("--json", type=Path, help="also write the outcome as JSON")
+    parser.add_argument("--spark-audit", action="store_true", help="also run delay-sidecar audit over the run")
     args = parser.parse_args(argv)
     command = shlex.join([".venv/bin/python", "-m", "bench.chaos", *(sys.argv[1:] if argv is None else argv)])
     plan = Plan(args.records, args.kills, args.window_s, args.seed, not args.no_broker_restart,
-                not args.no_state_loss, not args.no_zombie, nack_fraction=args.nack_fraction)  # fmt: skip
+                not args.no_state_loss, not args.no_zombie, nack_fraction=args.nack_fraction,
+                spark_audit=args.spark_audit)  # fmt: skip
     workdir = Path(tempfile.mkdtemp(prefix="bench-chaos-"))
     try:
         outcome = run(plan, workdir, log=lambda line: print(line, file=sys.stderr, flush=True))
