@@ -73,10 +73,24 @@ class Progress:
     first_s: float | None = None
     done_s: float | None = None
     counts: dict[str, int] = field(default_factory=dict)
+    first_counts: float = 0.0
+    """Records per topic (mean over the topics) already there at first_s."""
 
     @property
     def completed(self) -> bool:
         return self.done_s is not None
+
+    def rate(self, expected: int) -> float | None:
+        """Records/s per topic from the first poll that saw records to the one that saw them all.
+
+        Counted from the records already there at the first poll rather than from zero: a fast
+        relay writes many between two polls, and crediting them to the interval after made its
+        rate look several times too high at small sizes. None when every record came in one poll.
+        """
+        if self.first_s is None or self.done_s is None or self.done_s <= self.first_s:
+            return None
+        carried = expected - self.first_counts
+        return carried / (self.done_s - self.first_s) if carried > 0 else None
 
 
 def wait_for_outbound(
@@ -100,6 +114,7 @@ def wait_for_outbound(
         progress.counts = counts
         if progress.first_s is None and any(counts.values()):
             progress.first_s = stamp
+            progress.first_counts = sum(counts.values()) / len(counts)
         if all(n >= expected for n in counts.values()):
             progress.done_s = stamp
             return progress

@@ -98,27 +98,22 @@ def start_sidecar(
     raise RuntimeError(f"the sidecar's metrics endpoint did not answer within 60 s:\n{child.tail()}")
 
 
-def start_relay(bootstrap: str, inbound: str, outbound: str, group: str, log: Path) -> Child:
+def start_relay(bootstrap: str, inbound: str, outbound: list[str], group: str, log: Path) -> Child:
+    each = [arg for topic in outbound for arg in ("--outbound", topic)]
     return Child(
-        [
-            sys.executable,
-            "-m",
-            "bench.relay",
-            "--bootstrap",
-            bootstrap,
-            "--inbound",
-            inbound,
-            "--outbound",
-            outbound,
-            "--group",
-            group,
-        ],
+        [sys.executable, "-m", "bench.relay", "--bootstrap", bootstrap, "--inbound", inbound, *each, "--group", group],
         log,
     )
 
 
 def load_argv(
-    bootstrap: str, topic: str, records: int, mode: str = "none", base_ms: int = 0, window_ms: int = 0
+    bootstrap: str,
+    topic: str,
+    records: int,
+    mode: str = "none",
+    base_ms: int = 0,
+    window_ms: int = 0,
+    rate: float = 0.0,
 ) -> list[str]:
     return [
         sys.executable,
@@ -136,6 +131,8 @@ def load_argv(
         str(base_ms),
         "--window-ms",
         str(window_ms),
+        "--rate",
+        str(rate),
     ]
 
 

@@ -1,12 +1,14 @@
 """The ceiling: the leanest at-least-once Kafka relay Python can run with confluent-kafka.
 
-Consume the inbound topic in batches, produce each record (key, value, headers) to one outbound
-topic, and every `--commit-interval-ms` flush the producer and commit the consumed offsets. No
+Consume the inbound topic in batches, produce each record (key, value, headers) to every outbound
+topic given (one: the bare ceiling; two: the same-I/O relay, which writes as many records per input
+as the sidecar does for two subscriptions, so a ratio against it shows what the sidecar's own work
+costs rather than its fan-out), and every `--commit-interval-ms` flush the producer and commit the consumed offsets. No
 per-record Python beyond the produce call and an error check. The producer settings are the
 sidecar's (idempotence, lz4, linger 5 ms), so the comparison isolates what the sidecar does per
 record, not client tuning.
 
-Usage: python -m bench.relay --bootstrap HOST:PORT --inbound T --outbound O --group G
+Usage: python -m bench.relay --bootstrap HOST:PORT --inbound T --outbound O [--outbound O2 ...] --group G
 Runs until SIGTERM or SIGINT, then flushes and commits once more.
 """
 
@@ -23,7 +25,7 @@ from confluent_kafka import Consumer, Producer
 BATCH = 10_000
 
 
-def relay(bootstrap: str, inbound: str, outbound: str, group: str, commit_interval_ms: int = 1000) -> int:
+def relay(bootstrap: str, inbound: str, outbound: list[str], group: str, commit_interval_ms: int = 1000) -> int:
     stopping = False
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
@@ -61,11 +63,13 @@ def relay(bootstrap: str, inbound: str, outbound: str, group: str, commit_interv
         records = consume(BATCH, 0.1)
         for m in records:
             if m.error() is None:
-                try:
-                    produce(outbound, m.value(), m.key(), headers=m.headers())
-                except BufferError:
-                    producer.poll(0.05)
-                    produce(outbound, m.value(), m.key(), headers=m.headers())
+                value, key, headers = m.value(), m.key(), m.headers()
+                for topic in outbound:
+                    try:
+                        produce(topic, value, key, headers=headers)
+                    except BufferError:
+                        producer.poll(0.05)
+                        produce(topic, value, key, headers=headers)
         if records:
             relayed += len(records)
             dirty = True
@@ -85,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--bootstrap", required=True)
     parser.add_argument("--inbound", required=True)
-    parser.add_argument("--outbound", required=True)
+    parser.add_argument("--outbound", required=True, action="append", help="repeat for several (each record to each)")
     parser.add_argument("--group", required=True)
     parser.add_argument("--commit-interval-ms", type=int, default=1000)
     args = parser.parse_args(argv)

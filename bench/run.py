@@ -1,7 +1,7 @@
 """End-to-end benchmark of the delay sidecar against a bare Kafka relay (the ceiling).
 
-Usage: .venv/bin/python -m bench [--quick] [--records N] [--scenarios ceiling,passthrough,...]
-                                 [--plot] [--profile delayed,...] [--out bench/results/e2e.json]
+Usage: .venv/bin/python -m bench [--quick] [--records N] [--scenarios ceiling,relay-2,passthrough,...]
+                                 [--fixed-rate R] [--plot] [--profile delayed,...] [--out bench/results/e2e.json]
 
 Starts a fresh embedded broker (noida-db), runs the scenarios in order, prints a markdown table and
 writes it with every figure to bench/results/e2e.json (and a lateness chart with --plot). The
@@ -23,8 +23,9 @@ from types import FrameType
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.context import Context, Result, Sizes
 from bench.report import environment, markdown, plot, write_json
-from bench.scenarios import EXTRA_SCENARIOS, RUNNERS, SCENARIOS, Context, Result, Sizes
+from bench.scenarios import EXTRA_SCENARIOS, RUNNERS, SCENARIOS
 from sidecar.broker.embedded import EmbeddedBroker, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,7 +34,7 @@ DEFAULT_OUT = ROOT / "bench" / "results" / "e2e.json"
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="small sizes (a smoke test, well under a minute)")
+    parser.add_argument("--quick", action="store_true", help="small sizes (a smoke test, about a minute)")
     parser.add_argument("--records", type=int, help="records of every scenario (the burst gets half)")
     parser.add_argument(
         "--scenarios",
@@ -43,6 +44,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--window-s", type=float, help="delays of the delayed scenario are uniform in [0, this)")
     parser.add_argument("--fixed-delay-s", type=float, help="fixed_delivery_delay of the fixed-delay topic")
+    parser.add_argument("--fixed-rate", type=float, help="produce rate of fixed-40k in records/s (default 40,000)")
     parser.add_argument("--partitions", type=int, help="partitions of each inbound topic (default 3)")
     parser.add_argument("--plot", action="store_true", help="also draw lateness over time (PNG next to the JSON)")
     parser.add_argument("--profile", default="", help="scenarios whose sidecar py-spy samples (py-spy installed)")
@@ -63,6 +65,8 @@ def sizes_for(args: argparse.Namespace) -> Sizes:
         sizes.window_ms = int(args.window_s * 1000)
     if args.fixed_delay_s is not None:
         sizes.fixed_delay_ms = int(args.fixed_delay_s * 1000)
+    if args.fixed_rate is not None:
+        sizes.fixed_rate = args.fixed_rate
     if args.partitions:
         sizes.partitions = args.partitions
     return sizes

@@ -1,9 +1,15 @@
 """The end-to-end scenarios. Each one uses fresh topics and a fresh consumer group on the shared broker.
 
-Throughput is timed from the first record on the outbound topics to the last (high watermarks polled
-every 50 ms), so process start-up and the group join are left out; they are reported separately.
+Throughput of the relays and pass-through is timed from the first record on the outbound topics to the
+last (high watermarks polled every 50 ms, 10 ms for the relays, counting from the records already there
+at the first poll), so process start-up and the group join are left out; they are reported separately.
 Lateness is read from the outbound topics after the run: record timestamp (set by the sidecar's
 producer when it delivers) minus the `delay-deliver-at` header.
+
+Every sidecar rate is set against two relays measured in the same run: the bare ceiling (one output
+per input) and the same-I/O relay `relay-2` (one output per input and subscription, headers copied),
+which is what issue 13's targets are expressed in (bench/relays.py). Run them first: later scenarios
+read their rates from the Context (bench/context.py).
 """
 
 from __future__ import annotations
@@ -11,18 +17,16 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
+from bench.context import SUBSCRIPTIONS, Context, Result, finish, rounded
+from bench.load import VALUE_BYTES
 from bench.probe import (
     Deliveries,
     MetricsRecorder,
     RssSampler,
-    Watermarks,
-    create_topic,
     now_ms,
     read_deliveries,
     wait_for_outbound,
@@ -34,107 +38,34 @@ from bench.procs import (
     run_load,
     start_load,
     start_profiler,
-    start_relay,
     start_sidecar,
 )
+from bench.relays import ceiling, relay_2
 from sidecar.broker.embedded import free_port
 
-SUBSCRIPTIONS = ("billing", "shipping")
-SCENARIOS = ("ceiling", "passthrough", "delayed", "burst", "fixed")
+# Issue 13's set; the relays first, since every later scenario is reported as a ratio to them.
+SCENARIOS = (
+    "ceiling",
+    "relay-2",
+    "passthrough",
+    "delayed",
+    "delayed-small-cache",
+    "fixed-40k",
+    "fixed",
+    "burst",
+)
 # Run only when named: the delayed scenario again without the payload cache, for a comparison in one run.
 EXTRA_SCENARIOS = ("delayed-nocache",)
 NO_CACHE = ("--payload-cache-bytes", "0")
+SMALL_CACHE_SHARE = 0.10
+"""delayed-small-cache: the cache budget as a share of the data, so most payloads take the read-back path."""
+RECORD_OVERHEAD_BYTES = 80
+"""Key, deliver-at header and per-entry overhead added to each value when sizing the data (an estimate)."""
 
 
-@dataclass
-class Sizes:
-    ceiling: int = 1_000_000
-    passthrough: int = 1_000_000
-    delayed: int = 1_000_000
-    burst: int = 500_000
-    fixed: int = 1_000_000
-    window_ms: int = 60_000
-    """Delays of the delayed scenario are uniform in [0, window)."""
-    fixed_delay_ms: int = 20_000
-    partitions: int = 3
-    startup_s: float = 8.0
-    """Allowance for the sidecar's start and group join, in the lead time of pre-produced delayed records."""
-    produce_rate: float = 60_000.0
-    index_rate: float = 25_000.0
-    """Conservative rates used only to choose when pre-produced delayed records start to fall due."""
-
-    @classmethod
-    def quick(cls) -> Sizes:
-        return cls(
-            ceiling=30_000,
-            passthrough=30_000,
-            delayed=30_000,
-            burst=20_000,
-            fixed=30_000,
-            window_ms=5_000,
-            fixed_delay_ms=3_000,
-            startup_s=6.0,
-        )
-
-    def scaled(self, records: int) -> Sizes:
-        """Every scenario at `records`, the burst at half (the full run's proportions)."""
-        self.ceiling = self.passthrough = self.delayed = self.fixed = records
-        self.burst = max(records // 2, 1)
-        return self
-
-    def lead_ms(self, records: int) -> int:
-        return int(1000 * (self.startup_s + records / self.produce_rate + records / self.index_rate))
-
-
-@dataclass
-class Result:
-    name: str
-    records: int
-    subscriptions: int
-    completed: bool = False
-    delivered: dict[str, int] = field(default_factory=dict)
-    figures: dict[str, Any] = field(default_factory=dict)
-    notes: list[str] = field(default_factory=list)
-    series: dict[str, list[float]] = field(default_factory=dict)
-    """Lateness over time: per second of deliver-at since the first one, p50/p99/max in ms."""
-
-    def as_json(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "records": self.records,
-            "subscriptions": self.subscriptions,
-            "completed": self.completed,
-            "delivered": self.delivered,
-            "figures": self.figures,
-            "notes": self.notes,
-            "lateness_series": self.series,
-        }
-
-
-@dataclass
-class Context:
-    bootstrap: str
-    workdir: Path
-    sizes: Sizes
-    profile: set[str] = field(default_factory=set)
-    ceiling_rate: float | None = None
-    watermarks: Watermarks | None = None
-
-    def wm(self) -> Watermarks:
-        if self.watermarks is None:
-            self.watermarks = Watermarks(self.bootstrap)
-        return self.watermarks
-
-    def topic(self, name: str, partitions: int | None = None) -> str:
-        topic = f"bench.{name}-{uuid.uuid4().hex[:6]}"
-        create_topic(self.bootstrap, topic, partitions or self.sizes.partitions)
-        return topic
-
-    def log(self, name: str) -> Path:
-        return self.workdir / f"{name}.log"
-
-    def ratio(self, rate: float | None) -> float | None:
-        return rate / self.ceiling_rate if rate and self.ceiling_rate else None
+def data_bytes(records: int, value_bytes: int = VALUE_BYTES) -> int:
+    """The payload data of a run: records x (value bytes + RECORD_OVERHEAD_BYTES)."""
+    return records * (value_bytes + RECORD_OVERHEAD_BYTES)
 
 
 def _policies(ctx: Context, name: str, topic: str, fixed_delay_ms: int = 0) -> Path:
@@ -187,6 +118,9 @@ class _Sidecar:
         result.figures["peak_rss_mib"] = round(self.rss.stop(), 1)
         result.figures["payload_reads_cache"] = int(self.metrics.last("payload_reads_cache"))
         result.figures["payload_reads_log"] = int(self.metrics.last("payload_reads_log"))
+        # Whether the read-back path was exercised at all: records due within --read-ahead-ms of their
+        # intake stay in memory, so at small sizes even a tiny cache budget leaves the log unread.
+        result.figures["read_back_share"] = round(result.figures["payload_reads_log"] / result.records, 3)
         result.figures["cache_counted_peak_mib"] = round(
             self.metrics.peak("delay_sidecar_payload_cache_bytes") / 2**20, 1
         )
@@ -220,13 +154,17 @@ def _lateness(ctx: Context, result: Result, topics: list[str]) -> Deliveries:
         lateness_read=len(late),
     )
     first_due = int(due.min())
-    second = (due - first_due) // 1000
+    # Seconds, unless everything fell due within a few (fixed at full speed, the burst): one point
+    # per second would then be one or two points, a chart with no line.
+    bucket_ms = 1000 if int(due.max()) - first_due >= 10_000 else 100
+    result.figures["lateness_bucket_s"] = bucket_ms / 1000
+    second = (due - first_due) // bucket_ms
     order = np.argsort(second, kind="stable")
     second, late_sorted = second[order], late[order]
     bounds = np.flatnonzero(np.diff(second)) + 1
     series: dict[str, list[float]] = {"second": [], "p50_ms": [], "p99_ms": [], "max_ms": [], "count": []}
     for chunk_s, chunk in zip(np.split(second, bounds), np.split(late_sorted, bounds), strict=True):
-        series["second"].append(float(chunk_s[0]))
+        series["second"].append(float(chunk_s[0]) * bucket_ms / 1000)
         series["p50_ms"].append(float(np.percentile(chunk, 50)))
         series["p99_ms"].append(float(np.percentile(chunk, 99)))
         series["max_ms"].append(float(chunk.max()))
@@ -247,40 +185,7 @@ def _delivery_rate(result: Result, deliveries: Deliveries, records: int) -> floa
     return records / span_s if span_s > 0 else None
 
 
-def _finish(result: Result, progress_counts: dict[str, int], records: int) -> None:
-    result.delivered = progress_counts
-    result.completed = bool(progress_counts) and all(n >= records for n in progress_counts.values())
-    extra = {t: n - records for t, n in progress_counts.items() if n > records}
-    if extra:
-        # In exactly-once mode each transaction also leaves a commit marker, which takes an offset.
-        result.notes.append(f"high watermarks past the records produced (duplicates, or commit markers): {extra}")
-
-
 # ----------------------------------------------------------------------------------------- scenarios
-
-
-def ceiling(ctx: Context) -> Result:
-    n = ctx.sizes.ceiling
-    result = Result("ceiling", n, 1)
-    inbound = ctx.topic("ceiling")
-    outbound = f"{inbound}.out"
-    create_topic(ctx.bootstrap, outbound, ctx.sizes.partitions)
-    load = run_load(load_argv(ctx.bootstrap, inbound, n), ctx.log("ceiling-load"))
-    result.figures["produce_rate"] = round(load["rate"])
-    started = time.monotonic()
-    relay = start_relay(ctx.bootstrap, inbound, outbound, f"bench-relay-{uuid.uuid4().hex[:6]}", ctx.log("relay"))
-    rss = RssSampler(relay.pid).start()
-    progress = wait_for_outbound(ctx.wm(), [outbound], n, timeout_s=120 + n / 5_000, alive=relay.alive)
-    relay.stop()
-    result.figures["peak_rss_mib"] = round(rss.stop(), 1)
-    _finish(result, progress.counts, n)
-    if progress.first_s is not None and progress.done_s is not None and progress.done_s > progress.first_s:
-        rate = n / (progress.done_s - progress.first_s)
-        result.figures["delivery_rate_per_sub"] = round(rate)
-        result.figures["startup_s"] = round(progress.first_s - started, 2)
-        ctx.ceiling_rate = rate
-        result.figures["x_ceiling"] = 1.0
-    return result
 
 
 def passthrough(ctx: Context) -> Result:
@@ -296,12 +201,12 @@ def passthrough(ctx: Context) -> Result:
         )
     finally:
         sidecar.stop(result)
-    _finish(result, progress.counts, n)
-    result.figures["index_rate"] = _round(sidecar.metrics.rate("delay_sidecar_messages_in_total", n))
-    if progress.first_s is not None and progress.done_s is not None and progress.done_s > progress.first_s:
-        rate = n / (progress.done_s - progress.first_s)
+    finish(result, progress.counts, n)
+    result.figures["index_rate"] = rounded(sidecar.metrics.rate("delay_sidecar_messages_in_total", n))
+    rate = progress.rate(n)
+    if rate is not None and progress.first_s is not None:
         result.figures["delivery_rate_per_sub"] = round(rate)
-        result.figures["x_ceiling"] = _round(ctx.ratio(rate), 3)
+        ctx.ratios(result, rate)
         result.figures["startup_s"] = round(progress.first_s - sidecar.started, 2)
     return result
 
@@ -315,8 +220,10 @@ def _delayed_run(
     load_log: str,
     fixed_delay_ms: int = 0,
     extra: tuple[str, ...] = (),
+    rate: float = 0.0,
 ) -> tuple[Result, Deliveries | None]:
-    """Pre-produce (deliver-at headers) or produce live (fixed delay), run the sidecar until all are out."""
+    """Pre-produce (deliver-at headers) or produce live (fixed delay, at `rate`/s or 0: full speed),
+    run the sidecar until all are out."""
     result = Result(name, n, len(SUBSCRIPTIONS))
     inbound = ctx.topic(name)
     if not fixed_delay_ms:
@@ -326,7 +233,7 @@ def _delayed_run(
     try:
         if fixed_delay_ms:
             # Live: the producer runs beside the sidecar; records fall due fixed_delay after publish.
-            process = start_load(load_argv(ctx.bootstrap, inbound, n), ctx.log(load_log))
+            process = start_load(load_argv(ctx.bootstrap, inbound, n, rate=rate), ctx.log(load_log))
             load = finish_load(process)
             result.figures["produce_rate"] = round(load["rate"])
             due_end_ms = int(load["end_ms"]) + fixed_delay_ms
@@ -343,18 +250,18 @@ def _delayed_run(
         )
     finally:
         sidecar.stop(result)
-    _finish(result, progress.counts, n)
-    result.figures["index_rate"] = _round(sidecar.metrics.rate("delay_sidecar_messages_in_total", n))
+    finish(result, progress.counts, n)
+    result.figures["index_rate"] = rounded(sidecar.metrics.rate("delay_sidecar_messages_in_total", n))
     delayed = sidecar.metrics.last("delay_sidecar_messages_delayed_total")
-    result.figures["indexed_before_due"] = _round(delayed / n, 4)
+    result.figures["indexed_before_due"] = rounded(delayed / n, 4)
     if delayed < n:
         result.notes.append(f"{n - int(delayed)} records were already due when the sidecar read them")
     if not result.completed:
         return result, None
     deliveries = _lateness(ctx, result, _outbound(inbound))
-    rate = _delivery_rate(result, deliveries, n)
-    result.figures["delivery_rate_per_sub"] = _round(rate)
-    result.figures["x_ceiling"] = _round(ctx.ratio(rate), 3)
+    delivery_rate = _delivery_rate(result, deliveries, n)
+    result.figures["delivery_rate_per_sub"] = rounded(delivery_rate)
+    ctx.ratios(result, delivery_rate)
     result.figures["due_rate"] = round(n / (window_ms / 1000)) if window_ms else None
     return result, deliveries
 
@@ -372,6 +279,20 @@ def delayed_nocache(ctx: Context) -> Result:
     return delayed(ctx, "delayed-nocache", NO_CACHE)
 
 
+def delayed_small_cache(ctx: Context) -> Result:
+    """The read-back path: a cache budget of SMALL_CACHE_SHARE of the data, so most payloads come from the log."""
+    budget = int(SMALL_CACHE_SHARE * data_bytes(ctx.sizes.delayed))
+    result = delayed(ctx, "delayed-small-cache", ("--payload-cache-bytes", str(budget)))
+    result.figures["cache_budget_mib"] = round(budget / 2**20, 2)
+    share = result.figures.get("read_back_share", 0.0)
+    if share < 0.5:
+        result.notes.append(
+            f"only {share:.0%} of payloads were read back from the log: most fell due within --read-ahead-ms "
+            "of their intake and stayed in memory, so this run says little about the read-back path"
+        )
+    return result
+
+
 def burst(ctx: Context) -> Result:
     sizes = ctx.sizes
     n = sizes.burst
@@ -383,12 +304,15 @@ def burst(ctx: Context) -> Result:
     return result
 
 
-def fixed(ctx: Context) -> Result:
+def fixed(ctx: Context, name: str = "fixed", rate: float = 0.0) -> Result:
+    """A fixed-delay topic fed live, at full speed (rate 0) or at `rate` records/s."""
     sizes = ctx.sizes
     result, deliveries = _delayed_run(
-        ctx, "fixed", sizes.fixed, 0, 0, "fixed-load", fixed_delay_ms=sizes.fixed_delay_ms
+        ctx, name, sizes.fixed, 0, 0, f"{name}-load", fixed_delay_ms=sizes.fixed_delay_ms, rate=rate
     )
     result.figures["fixed_delay_s"] = sizes.fixed_delay_ms / 1000
+    if rate:
+        result.figures["target_produce_rate"] = round(rate)
     if deliveries is not None and len(deliveries.deliver_at_ms):
         due = np.frombuffer(deliveries.deliver_at_ms, dtype=np.int64)
         span_s = (int(due.max()) - int(due.min())) / 1000
@@ -396,17 +320,18 @@ def fixed(ctx: Context) -> Result:
     return result
 
 
+def fixed_paced(ctx: Context) -> Result:
+    return fixed(ctx, "fixed-40k", ctx.sizes.fixed_rate)
+
+
 RUNNERS: dict[str, Callable[[Context], Result]] = {
     "ceiling": ceiling,
+    "relay-2": relay_2,
     "passthrough": passthrough,
     "delayed": delayed,
-    "burst": burst,
+    "delayed-small-cache": delayed_small_cache,
+    "fixed-40k": fixed_paced,
     "fixed": fixed,
+    "burst": burst,
     "delayed-nocache": delayed_nocache,
 }
-
-
-def _round(value: float | None, digits: int = 0) -> float | None:
-    if value is None:
-        return None
-    return round(value, digits) if digits else float(round(value))

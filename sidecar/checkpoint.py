@@ -38,7 +38,7 @@ def checkpoint(writer: Writer, states: Iterable[PartitionState], consumer: Consu
     points: list[tuple[PartitionState, tuple[int, str]]] = []
     for state in states:
         if state.next_offset is not None and state.rebuild is None:
-            state.tracker.checkpoint(state.next_offset)
+            state.tracker.checkpoint(state.next_offset, state.runs_text())
         point = state.commit_point(state.tracker.earliest_pending_offset(), exact)
         if point is not None:
             points.append((state, point))

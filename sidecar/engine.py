@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from confluent_kafka import Consumer
+from confluent_kafka import Consumer, Message
 
 from sidecar.broker.admin import TopicAdmin
 from sidecar.checkpoint import checkpoint
@@ -24,6 +24,7 @@ from sidecar.control.redelivery import Redelivery
 from sidecar.dispatch.dispatcher import Dispatcher
 from sidecar.dispatch.payload_cache import PayloadCache
 from sidecar.dispatch.reader import LogReader
+from sidecar.dispatch.trail import TrailReader
 from sidecar.inbound.receiver import Receiver
 from sidecar.kafka_io import LIBRDKAFKA, Connectivity, consume_batch, consumer_config
 from sidecar.metrics import Metrics
@@ -34,6 +35,7 @@ from sidecar.policy.routes import Routes
 from sidecar.tracker import DelayedDeliveryTracker
 from sidecar.tracker.gauges import publish_index_gauges
 from sidecar.tracker.partitions import Assignment, PartitionState
+from sidecar.tracker.runs import Runs
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +44,9 @@ TrackerFactory = Callable[[str, int], DelayedDeliveryTracker]
 # is noticed. Due deliveries wake the loop earlier by shortening the wait.
 MAX_WAIT_S = 0.1
 STALL_WAIT_S = 0.05
+# Inbound records judged between two looks at due deliveries: about 15 ms of intake, so a batch of
+# 10,000 does not hold up a due record for the 100 ms it takes to judge.
+INTAKE_SLICE = 2_000
 # A loop turn normally takes milliseconds; one this long is blocked on a broker that does not answer.
 STUCK_S = 15.0
 TOPIC_REMOVED = "TOPIC_REMOVED"
@@ -108,8 +113,16 @@ class Sidecar:
         states = assignment.states
         self._nacks = LatestNacks()
         self._delivery = Delivery(writer, states, self._current_routes, retention, metrics, clock)
+        trail = TrailReader(client_config, self._rejudge, self._lost)
         self._dispatcher = Dispatcher(
-            self._ahead_reader, self._reader, self._delivery.delayed, clock, read_ahead_ms, payload_cache, metrics
+            self._ahead_reader,
+            self._reader,
+            self._delivery.delayed,
+            clock,
+            read_ahead_ms,
+            payload_cache,
+            metrics,
+            trail,
         )
         self._acceptance = Acceptance(
             control_topic, group_id, writer, self._reader, states, self._current_routes, self._nacks, metrics, clock
@@ -148,8 +161,10 @@ class Sidecar:
                 records = consume_batch(self._consumer, self._batch_size, self._wait_s())
                 if self._assignment.error is not None:
                     raise self._assignment.error
-                if records:
-                    self._receiver.take(records)
+                for start in range(0, len(records), INTAKE_SLICE):
+                    if start:
+                        self._dispatch_due(read_ahead=False)  # what fell due meanwhile goes out first
+                    self._receiver.take(records[start : start + INTAKE_SLICE])
                 self._watch_connectivity(records)
                 if time.monotonic() - last_checkpoint >= self._commit_interval_s:
                     self._checkpoint()
@@ -217,7 +232,8 @@ class Sidecar:
             drained = self._dispatcher.drain(
                 (topic, state.partition),
                 state.tracker,
-                lambda record, deliver_at: self._writer.dead_letter(
+                runs=state.runs,
+                send=lambda record, deliver_at: self._writer.dead_letter(
                     routes.route.dead_letter_topic,
                     record,
                     TOPIC_REMOVED,
@@ -240,24 +256,38 @@ class Sidecar:
         states = self._assignment.states.values()
         return [s for s in states if not (s.exact and s.replaying)]
 
-    def _dispatch_due(self) -> None:
+    def _dispatch_due(self, read_ahead: bool = True) -> None:
         states = self._delivering()
         if not self._redelivery.dispatch_due([s for s in states if s.control]):
             self._stalled_until = time.monotonic() + STALL_WAIT_S
-        self._dispatcher.turn({(s.topic, s.partition): s.tracker for s in states if not s.control})
+        trackers = {(s.topic, s.partition): s.tracker for s in states if not s.control}
+        self._dispatcher.turn(trackers, read_ahead, self._runs())
         self._writer.poll()
 
     def _wait_s(self) -> float:
         """How long intake may block: until the dispatcher's next delivery or read-ahead, or the next nack."""
         states = self._delivering()
         times = [t for s in states if s.control and (t := s.tracker.next_delivery_time()) is not None]
-        wake = self._dispatcher.next_wake_ms({(s.topic, s.partition): s.tracker for s in states if not s.control})
+        trackers = {(s.topic, s.partition): s.tracker for s in states if not s.control}
+        wake = self._dispatcher.next_wake_ms(trackers, self._runs())
         if wake is not None:
             times.append(wake)
         wait = MAX_WAIT_S if not times else min(max((min(times) - self.clock.now_ms()) / 1000, 0.0), MAX_WAIT_S)
         # A tracker whose next segment failed to load reports a due entry it cannot pop yet: wait
         # for its retry rather than spin.
         return max(wait, self._stalled_until - time.monotonic())
+
+    def _runs(self) -> dict[tuple[str, int], Runs[Message]]:
+        return {(s.topic, s.partition): s.runs for s in self._delivering() if s.runs}
+
+    def _rejudge(self, partition: tuple[str, int], record: Message) -> int | None:
+        return self._receiver.rejudge(partition, record)
+
+    def _lost(self, partition: str, count: int) -> None:
+        topic = partition.rsplit("/", 1)[0]
+        self.metrics.lost.labels(topic).inc(count)
+        logger.error("run members missing from the log partition=%s records=%d; raise the topic's retention.ms "
+                     "above its longest delay", partition, count)  # fmt: skip
 
     def _checkpoint(self) -> None:
         states = list(self._assignment.states.values())

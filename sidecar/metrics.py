@@ -70,7 +70,8 @@ class Metrics:
         )
         self.payload_reads = Counter(
             PREFIX + "payload_reads",
-            "Payloads of due records fetched before delivery, by source: the local payload cache or the inbound log",
+            "Payloads of due records fetched before delivery, by source: the local payload cache, the inbound "
+            "log read back by offset, or a run read back in order (run)",
             ["topic", "source"],
             registry=r,
         )
@@ -134,5 +135,5 @@ class Metrics:
         for topic in topics:
             for metric in (self.messages_in, self.messages_delayed, self.replayed, self.lost):
                 self.child(metric, topic)
-            for source in ("cache", "log"):
+            for source in ("cache", "log", "run"):
                 self.child(self.payload_reads, topic, source)

@@ -25,8 +25,11 @@ from confluent_kafka import Message
 from sidecar.clock import Clock
 from sidecar.dispatch.payload_cache import PayloadCache
 from sidecar.dispatch.reader import LogReader, ReadInterrupted, TopicPartitionKey
+from sidecar.dispatch.trail import Member, TrailReader
 from sidecar.metrics import Metrics
 from sidecar.tracker import DelayedDeliveryTracker, Due
+from sidecar.tracker.base import KEY_SHIFT, pack
+from sidecar.tracker.runs import Runs, step_joins
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +51,12 @@ STALL_WAIT_MS = 50
 # a new pass starts only when what was read ahead covers less than half the window: with random
 # delays a pass reads through most of the log, so each pass should cover a lot of due time.
 LOOK_AHEAD_EVERY_MS = 100
+# How soon the loop looks again while a run's next members are still being read.
+TRAIL_POLL_MS = 20
+# Due time looked at per read-ahead step (see _start_read_ahead).
+PEEK_STEP_MS = 1_000
+# An offset above any real one: the horizon Due(T, SEEN_ALL) says every entry due by T was seen.
+SEEN_ALL = (1 << 63) - 1
 # Later than any deliver-at (year 9999): draining pops every entry.
 DRAIN_UNTIL_MS = 253_402_300_800_000
 
@@ -62,7 +71,9 @@ class Dispatcher:
         read_ahead_ms: int = 10_000,
         payloads: PayloadCache | None = None,
         metrics: Metrics | None = None,
+        trail: TrailReader | None = None,
     ) -> None:
+        self._trail = trail
         self._payloads = payloads
         self._metrics = metrics
         self._ahead_reader = ahead
@@ -91,11 +102,21 @@ class Dispatcher:
             return True
         return False
 
-    def next_wake_ms(self, trackers: dict[TopicPartitionKey, DelayedDeliveryTracker]) -> int | None:
+    def next_wake_ms(
+        self,
+        trackers: dict[TopicPartitionKey, DelayedDeliveryTracker],
+        runs: dict[TopicPartitionKey, Runs[Message]] | None = None,
+    ) -> int | None:
         """When the loop must run next: now while reading ahead, else the next delivery or read-ahead."""
         if self._read is not None:
             return 0
         times = [t for tracker in trackers.values() if (t := tracker.next_delivery_time()) is not None]
+        for partition, partition_runs in (runs or {}).items():
+            member = self._trail.next_time(partition) if self._trail is not None else None
+            if member is not None:
+                times.append(member)
+            elif partition_runs.pending:
+                times.append(self._clock.now_ms() + TRAIL_POLL_MS)  # members to read
         if not times:
             return None
         if self.read_ahead_ms > 0:
@@ -105,26 +126,49 @@ class Dispatcher:
     def forget(self, partition: TopicPartitionKey) -> None:
         """The partition was revoked: drop what was read ahead for it."""
         self._horizon.pop(partition, None)
+        if self._trail is not None:
+            self._trail.forget(partition)
         self._cache = {key: record for key, record in self._cache.items() if key[0] != partition}
 
     # ----------------------------------------------------------------- one turn of the loop
 
-    def turn(self, trackers: dict[TopicPartitionKey, DelayedDeliveryTracker]) -> None:
-        self._deliver_due(trackers)
+    def turn(
+        self,
+        trackers: dict[TopicPartitionKey, DelayedDeliveryTracker],
+        read_ahead: bool = True,
+        runs: dict[TopicPartitionKey, Runs[Message]] | None = None,
+    ) -> None:
+        """Deliver what is due; then, unless told not to, spend a slice of time reading ahead.
+
+        `runs`: the partitions with pending runs (tracker/runs.py), read back by the trail reader."""
+        runs = runs or {}
+        if self._trail is not None and (runs or self._trail.reading):
+            self._trail.fill(runs, self._clock.now_ms())
+        self._deliver_due(trackers, runs)
+        if not read_ahead:
+            return
         if self._read is None and self.read_ahead_ms > 0 and self._clock.now_ms() >= self._next_look_ms:
             self._start_read_ahead(trackers)
         if self._read is not None:
             self._continue_read_ahead()
 
-    def _deliver_due(self, trackers: dict[TopicPartitionKey, DelayedDeliveryTracker]) -> None:
+    def _deliver_due(
+        self, trackers: dict[TopicPartitionKey, DelayedDeliveryTracker], runs: dict[TopicPartitionKey, Runs[Message]]
+    ) -> None:
         """Pop every due partition first, so what is not read ahead is fetched in one read for all."""
         popped: dict[TopicPartitionKey, list[Due]] = {}
         missing: dict[TopicPartitionKey, list[Due]] = {}
         cache = self._cache
         for partition, tracker in trackers.items():
-            if not tracker.has_message_available():
+            partition_runs = runs.get(partition)
+            if partition_runs:
+                due = self._pop_with_runs(partition, tracker, partition_runs)
+                if not due:
+                    continue
+            elif not tracker.has_message_available():
                 continue
-            due = tracker.pop_due(MAX_POP)
+            else:
+                due = tracker.pop_due(MAX_POP)
             if not due:
                 self._stalled_until_ms = self._clock.now_ms() + STALL_WAIT_MS
                 continue
@@ -140,6 +184,48 @@ class Dispatcher:
                 cache[(partition, offset)] = record
         for partition, due in popped.items():
             self._deliver(partition, [(at, offset, cache.pop((partition, offset))) for at, offset in due])
+
+    def _pop_with_runs(
+        self, partition: TopicPartitionKey, tracker: DelayedDeliveryTracker, runs: Runs[Message]
+    ) -> list[Due]:
+        """Index entries and run members that are due, merged in key order: the delivered watermark
+        stays exact. A member's record comes with it (into the cache, where delivery looks)."""
+        assert self._trail is not None
+        members, cache = self._trail.members(partition), self._cache
+        now = self._clock.now_ms()
+        out: list[Due] = []
+        taken = 0
+        while len(out) < MAX_POP:
+            bound = pack(members[0][0], members[0][1]) if members else runs.lower_bound()
+            if tracker.has_message_available():
+                out += tracker.pop_due(MAX_POP - len(out), below_key=bound)
+            if not members or members[0][0] > now:
+                break
+            # Members up to the next index entry (one that failed to load included) go out in a row.
+            head = tracker.next_key()
+            limit = head if head is not None else DRAIN_UNTIL_MS << KEY_SHIFT
+            last: Member | None = None
+            while members and len(out) < MAX_POP:
+                member = members[0]
+                deliver_at, offset = member[0], member[1]
+                if deliver_at > now or (deliver_at << KEY_SHIFT | offset) >= limit:
+                    break
+                members.popleft()
+                cache[(partition, offset)] = member[2]
+                out.append(Due(deliver_at, offset))
+                run = member[3]
+                run.next, run.floor = offset + 1, deliver_at
+                run.members -= 1
+                last = member
+                taken += 1
+            if last is None:
+                self._stalled_until_ms = now + STALL_WAIT_MS  # an entry before it waits for its segment
+                break
+            runs.drop_done()
+            tracker.note_delivered(pack(last[0], last[1]))
+        if taken and self._metrics is not None:
+            self._metrics.child(self._metrics.payload_reads, partition[0], "run").inc(taken)
+        return out
 
     def _fetch(
         self,
@@ -190,24 +276,38 @@ class Dispatcher:
             self._metrics.payload_cache_bytes.set(self._payloads.budget.used)
 
     def _start_read_ahead(self, trackers: dict[TopicPartitionKey, DelayedDeliveryTracker]) -> None:
+        """Peek at the next PEEK_STEP_MS of due time per partition and start reading their payloads.
+
+        One step at a time: a peek collects and sorts every entry up to its limit, so a whole
+        window at once (170,000 entries at 16,667 due/s) would hold up deliveries for a turn.
+        """
         now = self._clock.now_ms()
         until = now + self.read_ahead_ms
         room = MAX_CACHED - len(self._cache)
         wanted: dict[TopicPartitionKey, list[Due]] = {}
+        more = False
         for partition, tracker in trackers.items():
             next_time = tracker.next_delivery_time()
             if room <= 0 or next_time is None or next_time > until:
                 continue
-            upcoming = tracker.peek(self._horizon.get(partition), until, room)
-            if not upcoming:
-                continue
-            self._horizon[partition] = upcoming[-1]
+            after = self._horizon.get(partition)
+            seen = after.deliver_at if after is not None else now
+            step = min(until, max(seen, next_time) + PEEK_STEP_MS)
+            upcoming = tracker.peek(after, step, room)
+            if len(upcoming) >= room:
+                self._horizon[partition] = upcoming[-1]
+            else:  # everything due by `step` is seen, even where nothing is due
+                self._horizon[partition] = Due(step, SEEN_ALL)
+            more = more or self._horizon[partition].deliver_at < until
             absent = [d for d in upcoming if (partition, d.offset) not in self._cache]
             if absent:
                 wanted[partition] = absent
                 room -= len(absent)
         if wanted:
             self._read = self._fetch(self._ahead_reader, wanted)
+        if more and room > 0:
+            self._next_look_ms = now  # the next step, once this one is read
+            return
         covered = min((h.deliver_at for h in self._horizon.values()), default=now)
         self._next_look_ms = max(now + LOOK_AHEAD_EVERY_MS, covered - self.read_ahead_ms // 2)
 
@@ -225,14 +325,30 @@ class Dispatcher:
         self._read = None
 
     def drain(
-        self, partition: TopicPartitionKey, tracker: DelayedDeliveryTracker, send: Callable[[Message, int], None]
+        self,
+        partition: TopicPartitionKey,
+        tracker: DelayedDeliveryTracker,
+        send: Callable[[Message, int], None],
+        runs: Runs[Message] | None = None,
     ) -> int:
-        """Pop every entry, due or not, and hand each record to `send(record, deliver_at)`.
+        """Pop every entry and run member, due or not, and hand each record to `send(record, deliver_at)`.
 
         For a topic that left the policies: its pending records are dead-lettered, not dropped.
         """
         self.forget(partition)
         count = 0
+        for run in list(runs.runs) if runs is not None and self._trail is not None else []:
+            assert self._trail is not None
+            top = run.floor
+            for _, _, record in self._due_reader.read({partition: list(range(run.next, run.last + 1))}):
+                member_at = self._trail.rejudge(partition, record) if record is not None else None
+                if record is not None and member_at is not None and step_joins(top, member_at):
+                    send(record, member_at)
+                    count += 1
+                    top = member_at
+        if runs is not None:
+            runs.runs.clear()
+            runs.close()
         while due := tracker.pop_due(MAX_POP, until_ms=DRAIN_UNTIL_MS):
             at = {d.offset: d.deliver_at for d in due}
             for _, offset, record in self._due_reader.read({partition: list(at)}):
@@ -244,6 +360,8 @@ class Dispatcher:
         return count
 
     def close(self) -> None:
+        if self._trail is not None:
+            self._trail.close()
         if self._read is not None:
             self._read.close()  # counts what it read
         self._read = None

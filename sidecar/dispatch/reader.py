@@ -27,6 +27,8 @@ DEFAULT_MAX_GAP = 2_000
 # A read that gets nothing (no record, no end of partition) for this long gives up: the engine
 # starts again from its last checkpoint, and /healthz says why, rather than wait in silence forever.
 READ_ERROR_DEADLINE_S = 30.0
+# Partitions kept assigned between reads; past this the reader starts afresh.
+MAX_ASSIGNED = 256
 
 
 class ReadInterrupted(SidecarError):
@@ -43,6 +45,8 @@ class LogReader:
     def __init__(self, client_config: dict[str, Any], stop: threading.Event, max_gap: int = DEFAULT_MAX_GAP) -> None:
         self._stop = stop
         self._max_gap = max_gap
+        self._positions: dict[TopicPartitionKey, int] = {}
+        """Partitions assigned (paused between reads) and the offset each delivers next."""
         self._consumer = Consumer(
             consumer_config(
                 client_config,
@@ -72,9 +76,11 @@ class LogReader:
         cursors = {key: _Cursor(sorted(set(offsets))) for key, offsets in wanted.items() if offsets}
         if not cursors:
             return
-        self._consumer.assign([TopicPartition(t, p, c.offsets[0]) for (t, p), c in cursors.items()])
+        self._position(cursors)
+        positions = self._positions
         progressed = time.monotonic()
         last_error: KafkaError | None = None
+        done = False
         try:
             while cursors:
                 if self._stop.is_set():
@@ -86,10 +92,12 @@ class LogReader:
                     )
                 for record in consume_batch(self._consumer, 10_000, 0.1):
                     key = (record.topic(), record.partition())
+                    error = record.error()
+                    if error is None:
+                        positions[key] = record.offset() + 1
                     cursor = cursors.get(key)
                     if cursor is None:
                         continue
-                    error = record.error()
                     offsets = cursor.offsets
                     if error is not None:
                         if error.code() != KafkaError._PARTITION_EOF:
@@ -97,6 +105,7 @@ class LogReader:
                                 logger.warning("log read error topic=%s partition=%d error=%s", key[0], key[1], error)
                             last_error = error
                             continue
+                        positions[key] = record.offset()
                         progressed = time.monotonic()
                         if record.offset() <= offsets[cursor.index]:
                             # Everything still wanted lies at or past the end of the log.
@@ -116,9 +125,37 @@ class LogReader:
                             self._consumer.seek(TopicPartition(key[0], key[1], offsets[cursor.index]))
                     if cursor.index == len(offsets):
                         del cursors[key]
-                        self._consumer.incremental_unassign([TopicPartition(key[0], key[1])])
+                        self._consumer.pause([TopicPartition(key[0], key[1])])
+            done = True
         finally:
+            if not done:  # interrupted mid-read: start the next read from scratch
+                self._consumer.unassign()
+                positions.clear()
+
+    def _position(self, cursors: dict[TopicPartitionKey, _Cursor]) -> None:
+        """Read on from where the last read stopped, when the first wanted offset lies ahead within a
+        gap worth reading through; seek otherwise. Due offsets mostly rise from one read to the next,
+        and a fresh assignment costs a fetch that starts over (on the embedded broker, one that
+        returns the rest of the log)."""
+        positions = self._positions
+        if len(positions) > MAX_ASSIGNED:
             self._consumer.unassign()
+            positions.clear()
+        fresh = []
+        for (topic, partition), cursor in cursors.items():
+            first = cursor.offsets[0]
+            at = positions.get((topic, partition))
+            tp = TopicPartition(topic, partition, first)
+            if at is None:
+                fresh.append(tp)
+                positions[(topic, partition)] = first
+                continue
+            self._consumer.resume([TopicPartition(topic, partition)])
+            if not at <= first <= at + self._max_gap:
+                self._consumer.seek(tp)
+                positions[(topic, partition)] = first
+        if fresh:
+            self._consumer.incremental_assign(fresh)
 
     def watermarks(self, topic: str, partition: int) -> tuple[int, int]:
         """(low, high) offsets of an inbound partition, asked of the broker."""

@@ -33,3 +33,26 @@ def judge(rule: IntakeRule, headers: Headers, publish_ms: int) -> Fate:
         return Fate(None, rejected)
     deliver_at = decision.deliver_at if rule.delayed else None
     return Fate(deliver_at, None, decision.overridden, decision.disabled, decision.miscased)
+
+
+class Judge:
+    """`judge`, with a shortcut for records without headers: their fate depends on the rule alone
+    (deliver-at is the publish time plus a constant, or none, or a rejection), so it is worked out
+    once per rule. Fixed-delay topics judge every record twice (at intake and when a run is read
+    back), and their records seldom carry headers."""
+
+    _KEEP = 64
+
+    def __init__(self) -> None:
+        self._plain: dict[int, tuple[IntakeRule, Fate]] = {}
+
+    def __call__(self, rule: IntakeRule, headers: Headers, publish_ms: int) -> Fate:
+        if headers is not None:
+            return judge(rule, headers, publish_ms)
+        entry = self._plain.get(id(rule))
+        if entry is None or entry[0] is not rule:
+            if len(self._plain) >= self._KEEP:  # rules are made per batch: keep the recent ones
+                self._plain.clear()
+            entry = self._plain[id(rule)] = (rule, judge(rule, None, 0))
+        fate = entry[1]
+        return fate if fate.deliver_at is None else Fate(fate.deliver_at + publish_ms)

@@ -17,10 +17,10 @@ from sidecar.control.acceptance import Acceptance
 from sidecar.control.commands import AcceptedNack
 from sidecar.control.redelivery import Redelivery
 from sidecar.dispatch.dispatcher import Dispatcher
-from sidecar.dispatch.payload_cache import PayloadCache
+from sidecar.dispatch.payload_cache import CacheBatch, PayloadCache
 from sidecar.dispatch.reader import TopicPartitionKey
 from sidecar.errors import BrokerError
-from sidecar.inbound.intake import Fate, judge
+from sidecar.inbound.intake import Fate, Judge, judge
 from sidecar.metrics import Metrics
 from sidecar.outbound.delivery import Delivery
 from sidecar.outbound.writer import Writer
@@ -59,6 +59,7 @@ class Receiver:
         self._redelivery = redelivery
         self._metrics = metrics
         self._clock = clock
+        self._judge = Judge()
 
     def take(self, records: list[Message]) -> None:
         now = self._clock.now_ms()
@@ -68,6 +69,7 @@ class Receiver:
         counts_delayed: Counter[str] = Counter()
         sent: defaultdict[str, Counter[str]] = defaultdict(Counter)
         nacks_due: list[tuple[int, int, AcceptedNack]] = []
+        offered: dict[TopicPartitionKey, PartitionState] = {}
         # Payloads of records indexed for later, in one write per batch (kept in memory when near due).
         payloads = self._payloads.batch(now) if self._payloads is not None else None
         for record in records:
@@ -89,7 +91,8 @@ class Receiver:
                 continue  # the topic left the policies; its pending records were dead-lettered
             counts_in[topic] += 1
             publish_ms = record.timestamp()[1]
-            if publish_ms <= 0:
+            stamped = publish_ms > 0
+            if not stamped:
                 publish_ms = now
             if state.rebuild is not None:
                 self._rebuild_one(record, state, state.rebuild, routes, publish_ms, sent[topic])
@@ -102,7 +105,7 @@ class Receiver:
                 state.rules.note(offset, rule)
                 state.rule = rule
             headers = record.headers()
-            fate = NOW if headers is None and routes.plain else judge(rule, headers, publish_ms)
+            fate = NOW if headers is None and routes.plain else self._judge(rule, headers, publish_ms)
             state.next_offset = offset + 1
             if fate.rejected is not None:
                 route = routes.route
@@ -119,17 +122,29 @@ class Receiver:
             deliver_at = fate.deliver_at
             if deliver_at is None:
                 self._delivery.send(routes.delayed, record, publish_ms, subs)
-            elif state.tracker.add(offset, deliver_at):
-                counts_delayed[topic] += 1
-                near = self._dispatcher.near(deliver_at, now)
-                kept = near and self._dispatcher.keep_payload((topic, partition), offset, record)
-                if not kept and payloads is not None:
-                    payloads.add(topic, partition, offset, deliver_at, record, headers)
             else:
-                self._delivery.send(routes.delayed, record, deliver_at, subs)
+                runs = state.runs
+                joined = False
+                if deliver_at > now and stamped:
+                    joined, dropped = runs.offer(offset, deliver_at, record)
+                    if dropped:
+                        self._index(state, routes, dropped, now, payloads, subs)
+                    if joined:
+                        counts_delayed[topic] += 1
+                        offered[(topic, partition)] = state
+                elif runs.open and runs.would_join(deliver_at):
+                    # Due already, so not a member; a reread would count it as one: the run ends before it.
+                    self._index(state, routes, runs.close(), now, payloads, subs)
+                if not joined and self._index(state, routes, [(offset, deliver_at, record)], now, payloads, subs):
+                    counts_delayed[topic] += 1
             if routes.ordered:
                 # Exclusive and failover subscriptions ignore delays: their deliver-at is the publish time.
                 self._delivery.send(routes.ordered, record, publish_ms, subs)
+        for state in offered.values():
+            if dropped := state.runs.settle():
+                routes = routes_now.get(state.topic)
+                if routes is not None:
+                    self._index(state, routes, dropped, now, payloads, sent[state.topic])
         if payloads is not None:
             payloads.write()
         if nacks_due:
@@ -142,6 +157,42 @@ class Receiver:
         for topic, subs in sent.items():
             for sub, n in subs.items():
                 self._metrics.child(self._metrics.delivered, topic, sub).inc(n)
+
+    def rejudge(self, partition: TopicPartitionKey, record: Message) -> int | None:
+        """The deliver-at intake gave `record` (for reading runs back), or None: not delayed, or no timestamp."""
+        state = self._partitions.get(partition)
+        routes = self._routes().get(partition[0])
+        publish_ms = record.timestamp()[1]
+        if state is None or routes is None or publish_ms <= 0:
+            return None
+        rule = state.rules.at(record.offset()) or routes.rule(self._retention_ms.get(partition[0]))
+        return self._judge(rule, record.headers(), publish_ms).deliver_at
+
+    def _index(
+        self,
+        state: PartitionState,
+        routes: Routes,
+        records: list[tuple[int, int, Message]],
+        now: int,
+        payloads: CacheBatch | None,
+        sent: Counter[str],
+    ) -> int:
+        """Index delayed records one by one, keeping their payloads; one due now is sent now.
+
+        Returns how many were indexed."""
+        tracker, indexed = state.tracker, 0
+        hold_from = state.runs.lower_bound()
+        partition = (state.topic, state.partition)
+        for offset, deliver_at, record in records:
+            if tracker.add(offset, deliver_at, hold_from):
+                indexed += 1
+                near = self._dispatcher.near(deliver_at, now)
+                kept = near and self._dispatcher.keep_payload(partition, offset, record)
+                if not kept and payloads is not None:
+                    payloads.add(state.topic, state.partition, offset, deliver_at, record, record.headers())
+            else:
+                self._delivery.send(routes.delayed, record, deliver_at, sent)
+        return indexed
 
     def _rebuild_one(
         self,

@@ -10,12 +10,14 @@ Kafka's committed offset and its metadata are the durable truth of a partition. 
 - `rules`: the intake rules in force over [earliest, committed), by first offset. A rebuild judges
   each record with the rule of its first intake, and a due record goes to the subscriptions it was
   owed then.
+- `runs`: the monotone runs still pending (tracker/runs.py), which no local index holds.
 
 Local state (the bucket tracker's RocksDB) is used only when it matches the commit: its cursor and
-watermark at or past the committed ones. State left behind by an earlier owner of the partition is
-discarded, never merged. In exactly-once mode, local state ahead of the commit is discarded too:
-its pops may be deliveries of a transaction that was aborted, so only the commit says what was
-delivered, and local state must match it exactly.
+watermark at or past the committed ones. It keeps the runs of its checkpoint too, which may be one
+ahead of the commit. State left behind by an earlier owner of the partition is discarded, never
+merged. In exactly-once mode, local state ahead of the commit is discarded too: its pops may be
+deliveries of a transaction that was aborted, so only the commit says what was delivered (and
+which runs are pending), and local state must match it exactly.
 
 In exactly-once mode a partition whose index is being rebuilt (or, on the control topic, whose
 accepted nacks are being read again) delivers nothing until it is done: the log is read in offset
@@ -32,11 +34,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from confluent_kafka import Consumer, TopicPartition
+from confluent_kafka import Consumer, Message, TopicPartition
 
 from sidecar.errors import BrokerError
 from sidecar.policy.routes import IntakeRule
 from sidecar.tracker.base import KEY_SHIFT, NOTHING_DELIVERED, DelayedDeliveryTracker, pack
+from sidecar.tracker.runs import Runs
 
 logger = logging.getLogger(__name__)
 
@@ -52,11 +55,15 @@ class CommitMetadata:
     earliest: int | None = None
     through: int = NOTHING_DELIVERED
     rules: tuple[tuple[int, IntakeRule], ...] = ()
+    runs: tuple[list[int], ...] = ()
+    """Encoded runs (runs.Run.encode)."""
 
     def encode(self) -> str:
         data: dict[str, Any] = {"v": METADATA_VERSION, "earliest": self.earliest}
         if self.through != NOTHING_DELIVERED:
             data["through"] = [self.through >> KEY_SHIFT, self.through & _MASK]
+        if self.runs:
+            data["runs"] = list(self.runs)
         rules = [rule.encode(offset) for offset, rule in self.rules]
         while True:
             data["rules"] = rules
@@ -85,7 +92,8 @@ class CommitMetadata:
         watermark = NOTHING_DELIVERED
         if isinstance(through, list) and len(through) == 2 and all(isinstance(v, int) for v in through):
             watermark = pack(through[0], through[1])
-        return cls(earliest if isinstance(earliest, int) else None, watermark, tuple(rules))
+        runs = tuple(run.encode() for run in Runs[Message].decode(data.get("runs")).runs)
+        return cls(earliest if isinstance(earliest, int) else None, watermark, tuple(rules), runs)
 
 
 class RuleHistory:
@@ -176,8 +184,12 @@ class PartitionState:
     """Control partitions: the committed watermark; accepted nacks at or below it are done."""
     rule: IntakeRule | None = None
     """The rule live intake noted last (the hot path compares identity, not values)."""
+    runs: Runs[Message] = field(default_factory=Runs)
     exact: bool = False
     """Exactly-once mode: local state is used only when it matches the commit exactly."""
+
+    def runs_text(self) -> str:
+        return json.dumps(self.runs.encode(), separators=(",", ":"))
 
     @property
     def name(self) -> str:
@@ -193,9 +205,15 @@ class PartitionState:
         if committed is not None:
             self.committed = (committed, metadata.encode())
         cursor = tracker.index_cursor()
+        self.runs = Runs[Message].decode(list(metadata.runs))
         if cursor is not None:
             if self._usable(cursor, committed, tracker.delivered_through(), metadata.through):
                 self.next_offset = cursor
+                stored = tracker.stored_runs()
+                # As of the local checkpoint, which may be one ahead of the commit (never in
+                # exactly-once mode, where the commit's runs are the truth).
+                if stored is not None and not self.exact:
+                    self.runs = Runs[Message].decode(json.loads(stored))
                 return cursor
             logger.warning(
                 "local index is stale, discarding it partition=%s index_cursor=%d committed=%s "
@@ -219,6 +237,7 @@ class PartitionState:
         if committed is None or earliest is None or earliest >= committed:
             self.replay_until = committed or 0
             return committed
+        self.runs = Runs()  # the rebuild indexes their members one by one
         if self.control:
             self.replay_until, self.replay_through = committed, metadata.through
         else:
@@ -249,9 +268,13 @@ class PartitionState:
         tracker = self.tracker
         if not exact and tracker.durable and tracker.index_cursor() != self.next_offset:
             return None  # the index is not durable up to here: the commit must not pass it
-        earliest = earliest_pending if earliest_pending is not None else self.next_offset
+        runs = self.runs
+        earliest = min(
+            (o for o in (earliest_pending, runs.earliest_offset()) if o is not None), default=self.next_offset
+        )
         self.rules.prune(earliest)
-        point = (self.next_offset, CommitMetadata(earliest, tracker.delivered_through(), self.rules.items()).encode())
+        metadata = CommitMetadata(earliest, tracker.delivered_through(), self.rules.items(), tuple(runs.encode()))
+        point = (self.next_offset, metadata.encode())
         return None if point == self.committed else point
 
 

@@ -40,9 +40,15 @@ def test_quick_run_delivers_every_record_and_prints_the_table(tmp_path: Path) ->
         assert scenario["completed"], scenario
         assert all(n == scenario["records"] for n in scenario["delivered"].values()), scenario
         assert scenario["figures"].get("peak_rss_mib"), scenario
-    for name in ("delayed", "burst", "fixed"):
+    for name in ("delayed", "delayed-small-cache", "fixed-40k", "fixed", "burst"):
         [scenario] = [s for s in results["scenarios"] if s["name"] == name]
         assert scenario["figures"]["early_records"] == 0, "a record was delivered before its deliver-at"
         assert scenario["figures"]["lateness_read"] == 2 * scenario["records"]
+        assert scenario["lateness_series"]["second"], f"{name} has no lateness over time for the chart"
+    # Every sidecar scenario is set against both relays, and the targets table comes out of them.
+    for scenario in results["scenarios"][2:]:
+        assert "x_ceiling" in scenario["figures"] and "x_same_io_relay" in scenario["figures"], scenario
+    # The absolute rows only: relative ones need a relay rate, which 30,000 records may not give.
+    assert {t["target"].split(":")[0] for t in results["targets"]} >= {"delayed", "delayed-small-cache", "fixed-40k"}
     assert results["table"] in done.stdout
     assert out.with_suffix(".png").exists()

@@ -32,6 +32,12 @@ COUNT = 2_000
 LEAD_MS = 15_000
 
 
+def scattered(due: int) -> list[int]:
+    """Deliver-at times over 2 s in no rising order: records that form no run (tracker/runs.py), so
+    each one is indexed and its payload cached."""
+    return [due + (i * 7_919) % 2_000 for i in range(COUNT)]
+
+
 def reads(port: int, topic: str, source: str) -> float:
     return scrape(port, "delay_sidecar_payload_reads_total", topic=topic, source=source)
 
@@ -61,7 +67,7 @@ def test_cached_payloads_are_delivered_without_a_read_back(
     args = run_args(kafka, policies, tmp_path / "state", port, f"g-{topic}", "--read-ahead-ms", read_ahead_ms)
     sidecar = SidecarProcess(args, tmp_path / "log")
     due = int(time.time() * 1000) + LEAD_MS
-    produce_due(kafka_helper, topic, [due + i % 2_000 for i in range(COUNT)])
+    produce_due(kafka_helper, topic, scattered(due))
     try:
         sidecar.start()
         wait_for(delivered_all(kafka_helper, topic), 60, "every record delivered")
@@ -93,7 +99,7 @@ def test_payloads_not_cached_are_read_back_from_the_log(
     args = run_args(kafka, policies, tmp_path / "state", port, f"g-{topic}", *limit)
     sidecar = SidecarProcess(args, tmp_path / "log")
     due = int(time.time() * 1000) + LEAD_MS
-    produce_due(kafka_helper, topic, [due + i % 2_000 for i in range(COUNT)])
+    produce_due(kafka_helper, topic, scattered(due))
     try:
         sidecar.start()
         wait_for(delivered_all(kafka_helper, topic), 60, "every record delivered")
@@ -125,7 +131,7 @@ def test_a_lost_cache_loses_nothing_and_delivers_nothing_early(
     state = tmp_path / "state"
     sidecar = SidecarProcess(run_args(kafka, policies, state, port, f"g-{topic}"), tmp_path / "log")
     due = int(time.time() * 1000) + LEAD_MS
-    produce_due(kafka_helper, topic, [due + i % 2_000 for i in range(COUNT)], partitions=2)
+    produce_due(kafka_helper, topic, scattered(due), partitions=2)
     try:
         sidecar.start()
         wait_for(lambda: scrape(port, "delay_sidecar_tracked_messages", topic=topic) == COUNT, 30, "a checkpoint")

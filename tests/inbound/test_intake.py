@@ -1,6 +1,9 @@
 """judge(): the one decision of a record's fate, pure, for live intake and rebuild alike."""
 
-from sidecar.inbound.intake import Fate, judge
+from hypothesis import given
+from hypothesis import strategies as st
+
+from sidecar.inbound.intake import Fate, Judge, judge
 from sidecar.policy.model import EffectiveDelay, Sourced
 from sidecar.policy.routes import IntakeRule
 
@@ -53,3 +56,22 @@ def test_a_recorded_rule_judges_as_the_live_one_did() -> None:
     assert offset == 42 and recorded.key == live.key
     for headers in ([("deliver-after", b"5s")], [("deliver-after", b"2m")], None, [("deliver-at", b"x")]):
         assert outcome(judge(recorded, headers, PUBLISH)) == outcome(judge(live, headers, PUBLISH))
+
+
+@given(
+    st.booleans(),
+    st.integers(0, 100_000),
+    st.integers(0, 100_000),
+    st.one_of(st.none(), st.integers(-1, 100_000)),
+    st.sampled_from([(), ("a",)]),
+    st.integers(1, 2**42),
+)
+def test_the_shortcut_for_records_without_headers_decides_as_judge(
+    enabled: bool, fixed: int, max_ms: int, retention: int | None, delayed: tuple[str, ...], publish: int
+) -> None:
+    r = rule(enabled, fixed, max_ms, retention, delayed)
+    shortcut, full = Judge(), judge(r, None, publish)
+    assert outcome(shortcut(r, None, publish)) == outcome(full)
+    assert outcome(shortcut(r, None, publish + 7)) == outcome(judge(r, None, publish + 7))  # from the memo
+    headers = [("deliver-after", b"5s")]
+    assert outcome(shortcut(r, headers, publish)) == outcome(judge(r, headers, publish))

@@ -139,7 +139,7 @@ class BucketTracker(DelayedDeliveryTracker):
 
     # -- the tracker contract ---------------------------------------------------------------
 
-    def add(self, offset: int, deliver_at: int, deliver_now: bool = True) -> bool:
+    def add(self, offset: int, deliver_at: int, hold_from: int | None = None, deliver_now: bool = True) -> bool:
         mutable = self._mutable
         # An offset above every indexed one (the consumer moving on: nearly every add) cannot be
         # indexed yet, so only a replayed or re-added offset pays for the bitmap lookups.
@@ -156,7 +156,7 @@ class BucketTracker(DelayedDeliveryTracker):
         now = self.clock.now_ms()
         if deliver_at <= now and deliver_now:
             head = self.next_delivery_time()
-            if head is None or deliver_at < head:
+            if (head is None or deliver_at < head) and (hold_from is None or deliver_at << _SHIFT | offset < hold_from):
                 # Due, and nothing indexed comes first: delivered now, as if popped.
                 self._popped, self._popped_at = deliver_at << _SHIFT | offset, deliver_at
                 return False
@@ -182,9 +182,11 @@ class BucketTracker(DelayedDeliveryTracker):
         at = min(head >> _SHIFT, mutable.unsorted_min_at)
         return None if at == NO_AT else at
 
-    def pop_due(self, max_messages: int, until_ms: int | None = None) -> list[Due]:
+    def pop_due(self, max_messages: int, until_ms: int | None = None, below_key: int | None = None) -> list[Due]:
         now = self.clock.now_ms() if until_ms is None else until_ms
         limit = (now + 1) << _SHIFT
+        if below_key is not None and below_key < limit:
+            limit = below_key
         mutable, sealed, store = self._mutable, self._sealed, self._store
         if mutable.unsorted_min_at <= now:
             mutable.merge_unsorted()
@@ -286,6 +288,19 @@ class BucketTracker(DelayedDeliveryTracker):
     def delivered_through(self) -> int:
         return self._popped
 
+    def next_key(self) -> int | None:
+        heap, mutable = self._sealed.heap, self._mutable
+        head = heap[0][0] if heap else NO_KEY
+        if mutable.sorted_keys:
+            head = min(head, mutable.sorted_keys[0])
+        if mutable.unsorted_min_at != NO_AT:
+            head = min(head, mutable.unsorted_min_at << _SHIFT)
+        return None if head == NO_KEY else head
+
+    def note_delivered(self, key: int) -> None:
+        if key > self._popped:
+            self._popped, self._popped_at = key, key >> _SHIFT
+
     def restore_delivered_through(self, key: int) -> None:
         self._store.delivered_through = self._popped = max(key, 0)
         self._popped_at = self._popped >> _SHIFT
@@ -295,7 +310,10 @@ class BucketTracker(DelayedDeliveryTracker):
         """True while a storage operation failed and waits for a retry; indexes are in memory."""
         return bool(self._store.failing) or self._store.clear_pending
 
-    def checkpoint(self, index_cursor: int) -> None:
+    def stored_runs(self) -> str | None:
+        return self._store.runs
+
+    def checkpoint(self, index_cursor: int, runs: str | None = None) -> None:
         """Make adds and pops durable and record index_cursor, in one atomic batch.
 
         On a storage failure the tracker degrades instead of raising: `index_cursor()` keeps
@@ -309,7 +327,9 @@ class BucketTracker(DelayedDeliveryTracker):
         popped = self._popped
         batch = SnapshotBatch(
             "checkpoint",
-            partition_meta=store.root(self._sealed.ids(), index_cursor=index_cursor, delivered_through=popped),
+            partition_meta=store.root(
+                self._sealed.ids(), index_cursor=index_cursor, delivered_through=popped, runs=runs
+            ),
         )
         chunk, replaces_log, wal_stored = self._mutable.wal_chunk()
         if chunk is not None:
@@ -327,7 +347,7 @@ class BucketTracker(DelayedDeliveryTracker):
             store.write(batch)
         except StorageError:
             return
-        store.durable_cursor, store.delivered_through = index_cursor, popped
+        store.durable_cursor, store.delivered_through, store.runs = index_cursor, popped, runs
         if chunk is not None:
             store.wal_seq += 1
         self._mutable.checkpointed(chunk is not None, wal_stored)

@@ -166,6 +166,8 @@ def encode_partition_meta(meta: PartitionMeta) -> bytes:
         "next_bucket_id": meta.next_bucket_id,
         "wal_seq": meta.wal_seq,
     }
+    if meta.runs is not None:
+        doc["runs"] = meta.runs
     return json.dumps(doc, separators=(",", ":")).encode()
 
 
@@ -182,6 +184,7 @@ def decode_partition_meta(data: bytes) -> PartitionMeta:
         bucket_ids=[int(b) for b in doc["buckets"]],
         next_bucket_id=int(doc["next_bucket_id"]),
         wal_seq=int(doc["wal_seq"]),
+        runs=doc["runs"] if isinstance(doc.get("runs"), str) else None,
     )
 
 
