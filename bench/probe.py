@@ -258,7 +258,8 @@ def read_deliveries(bootstrap: str, topic: str, watermarks: Watermarks, into: De
             "bootstrap.servers": bootstrap,
             "group.id": f"bench-reader-{uuid.uuid4().hex[:8]}",
             "enable.auto.commit": False,
-            "enable.partition.eof": False,
+            # In exactly-once mode a partition ends with a transaction marker, which no record reaches.
+            "enable.partition.eof": True,
         }
     )
     remaining = {p: end for p, end in enumerate(ends) if end > 0}
@@ -269,6 +270,8 @@ def read_deliveries(bootstrap: str, topic: str, watermarks: Watermarks, into: De
         while remaining and time.monotonic() < deadline:
             for m in consumer.consume(10_000, 0.5):
                 if m.error() is not None:
+                    if m.offset() >= remaining.get(m.partition(), m.offset() + 1):
+                        remaining.pop(m.partition(), None)  # end of partition: read up to its end
                     continue
                 for name, value in reversed(m.headers() or ()):
                     if name == DELIVER_AT:

@@ -196,6 +196,7 @@ class SidecarApp:
                     payload_cache=payload_cache,
                     producer={"compression.type": settings.compression_type, "linger.ms": settings.linger_ms},
                     assignment_strategy=settings.assignment_strategy,
+                    exactly_once=settings.processing_guarantee == "exactly-once",
                 )
 
             if settings.metrics_port:

@@ -8,16 +8,25 @@
    the metadata (earliest pending offset, delivered watermark, intake rules). A partition whose
    tracker could not make itself durable up to that offset is not committed this time.
 
-A crash between 2 and 3 leaves local state one checkpoint ahead of Kafka; the restart uses it
-(PartitionState.start), since everything it covers was acknowledged in step 1. Deliveries alone
-change the watermark, so a checkpoint commits after deliveries even when nothing new was read.
+At least once: a crash between 2 and 3 leaves local state one checkpoint ahead of Kafka; the
+restart uses it (PartitionState.start), since everything it covers was acknowledged in step 1.
+Deliveries alone change the watermark, so a checkpoint commits after deliveries even when nothing
+new was read.
+
+Exactly once: step 3 is the commit of the transaction that holds every record written since the
+last checkpoint, with the offsets and metadata sent into it (KIP-447). The records and the commit
+become visible together or not at all, so a crash between 2 and 3 aborts the records, and the
+local state written in 2 is ahead of the truth: the restart does not use it (PartitionState.start
+requires local state to match the commit exactly). Every partition is committed at its next
+offset, a degraded index included: the records it delivered are in this transaction, and its
+local state is simply rebuilt from the commit after a crash.
 """
 
 from collections.abc import Iterable
 
 from confluent_kafka import Consumer, TopicPartition
 
-from sidecar.errors import BrokerError
+from sidecar.errors import BrokerError, SidecarError
 from sidecar.outbound.writer import Writer
 from sidecar.tracker.partitions import PartitionState
 
@@ -25,18 +34,24 @@ from sidecar.tracker.partitions import PartitionState
 def checkpoint(writer: Writer, states: Iterable[PartitionState], consumer: Consumer) -> int:
     """Run one checkpoint; returns the number of partitions committed."""
     writer.flush()
+    exact = writer.transactional
     points: list[tuple[PartitionState, tuple[int, str]]] = []
     for state in states:
         if state.next_offset is not None and state.rebuild is None:
             state.tracker.checkpoint(state.next_offset, state.runs_text())
-        point = state.commit_point(state.tracker.earliest_pending_offset())
+        point = state.commit_point(state.tracker.earliest_pending_offset(), exact)
         if point is not None:
             points.append((state, point))
-    if not points:
+    if not points and not exact:
         return 0
     offsets = [TopicPartition(s.topic, s.partition, offset, metadata=meta) for s, (offset, meta) in points]
     try:
-        consumer.commit(offsets=offsets, asynchronous=False)
+        if exact:
+            writer.commit(offsets, consumer.consumer_group_metadata())
+        else:
+            consumer.commit(offsets=offsets, asynchronous=False)
+    except SidecarError:
+        raise
     except Exception as e:
         raise BrokerError(f"committing inbound offsets failed: {e}; a restart resumes at the last commit") from e
     for state, point in points:

@@ -29,6 +29,7 @@ __all__ = [
     "delay_headers",
     "deliver_at",
     "origin",
+    "outbound_consumer_config",
     "redelivery_count",
 ]
 
@@ -51,6 +52,22 @@ _DURATION = re.compile(r"[0-9]+(?:ms|s|m|h|d)?")
 _DECIMAL = re.compile(r"[0-9]+")
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _ONE_MS = timedelta(milliseconds=1)
+
+
+def outbound_consumer_config(bootstrap_servers: str, group_id: str, **overrides: Any) -> dict[str, Any]:
+    """Settings of a consumer of an outbound topic, for confluent_kafka.Consumer.
+
+    `isolation.level` is read_committed: in exactly-once mode the sidecar writes in transactions,
+    and a read_uncommitted consumer would also see the records of transactions it aborted (after a
+    crash or when fenced), as duplicates. Overrides win, so a caller can still choose otherwise.
+    """
+    return {
+        "bootstrap.servers": bootstrap_servers,
+        "group.id": group_id,
+        "isolation.level": "read_committed",
+        **overrides,
+    }
+
 
 HeaderValue = str | bytes | None
 # Both shapes confluent-kafka's own type stubs allow, so a typed `confluent_kafka.Message` fits `Record`.

@@ -72,6 +72,7 @@ class Sidecar:
         payload_cache: PayloadCache | None = None,
         producer: dict[str, Any] | None = None,
         assignment_strategy: str = "roundrobin",
+        exactly_once: bool = False,
     ) -> None:
         self._policies = policies
         self.metrics = metrics = metrics or Metrics()
@@ -97,8 +98,12 @@ class Sidecar:
         }
         if instance_id:
             group["group.instance.id"] = instance_id
+        if exactly_once:
+            group["isolation.level"] = "read_committed"  # accepted nacks of aborted transactions are not ours
         self._consumer = Consumer(consumer_config(client_config, **group), logger=librdkafka)
-        self._writer = writer = Writer(client_config, librdkafka, producer)
+        # One transactional.id per instance: its next producer fences this one (see writer.py).
+        transactional_id = f"{group_id}-{instance_id or 'default'}" if exactly_once else None
+        self._writer = writer = Writer(client_config, librdkafka, transactional_id, producer)
         self._admin = TopicAdmin(client_config, (control_topic, f"{control_topic}.dlt"), new_topic_partitions)
         retention = self._admin.retention_ms
         self._ahead_reader = LogReader(client_config, self._stop)
@@ -110,6 +115,7 @@ class Sidecar:
             control_topic,
             self._checkpoint,
             self._forget,
+            writer.abort if exactly_once else None,
             incremental=assignment_strategy == "cooperative-sticky",
             on_handoff=self._on_handoff,
         )
@@ -168,6 +174,8 @@ class Sidecar:
                     self._apply(policies)
                 self._dispatch_due()  # due first: after a restart, what fell due while down goes out first
                 records = consume_batch(self._consumer, self._batch_size, self._wait_s())
+                if self._assignment.error is not None:
+                    raise self._assignment.error
                 for start in range(0, len(records), INTAKE_SLICE):
                     if start:
                         self._dispatch_due(read_ahead=False)  # what fell due meanwhile goes out first
@@ -266,8 +274,13 @@ class Sidecar:
         if state.control:
             self._nacks.forget_partition(state.partition)
 
-    def _dispatch_due(self, read_ahead: bool = True) -> None:
+    def _delivering(self) -> list[PartitionState]:
+        """Partitions that may deliver now: in exactly-once mode, not those still replaying."""
         states = self._assignment.states.values()
+        return [s for s in states if not (s.exact and s.replaying)]
+
+    def _dispatch_due(self, read_ahead: bool = True) -> None:
+        states = self._delivering()
         if not self._redelivery.dispatch_due([s for s in states if s.control]):
             self._stalled_until = time.monotonic() + STALL_WAIT_S
         trackers = {(s.topic, s.partition): s.tracker for s in states if not s.control}
@@ -279,7 +292,7 @@ class Sidecar:
 
     def _wait_s(self) -> float:
         """How long intake may block: until the dispatcher's next delivery or read-ahead, or the next nack."""
-        states = self._assignment.states.values()
+        states = self._delivering()
         times = [t for s in states if s.control and (t := s.tracker.next_delivery_time()) is not None]
         trackers = {(s.topic, s.partition): s.tracker for s in states if not s.control}
         wake = self._dispatcher.next_wake_ms(trackers, self._runs())
@@ -291,7 +304,7 @@ class Sidecar:
         return max(wait, self._stalled_until - time.monotonic())
 
     def _runs(self) -> dict[tuple[str, int], Runs[Message]]:
-        return {(s.topic, s.partition): s.runs for s in self._assignment.states.values() if s.runs}
+        return {(s.topic, s.partition): s.runs for s in self._delivering() if s.runs}
 
     def _rejudge(self, partition: tuple[str, int], record: Message) -> int | None:
         return self._receiver.rejudge(partition, record)
@@ -304,8 +317,10 @@ class Sidecar:
 
     def _checkpoint(self) -> None:
         states = list(self._assignment.states.values())
+        started = time.monotonic()
         if checkpoint(self._writer, states, self._consumer):
             self.metrics.commits.inc()
+        self.metrics.checkpoint_latency.observe(time.monotonic() - started)
         self._dispatcher.checkpointed({(s.topic, s.partition): s.tracker for s in states if not s.control})
         self.degraded = publish_index_gauges(self.metrics, states, list(self._routes))
         self._admin.refresh_retention(list(self._routes))

@@ -33,3 +33,7 @@ class RejectedRecord(SidecarError):
 class InvalidDelayHeader(RejectedRecord):
     def __init__(self, message: str) -> None:
         super().__init__("INVALID_DELAY_HEADER", message)
+
+
+class Fenced(BrokerError):
+    """Another producer took this instance's transactional.id: this engine must not write again."""

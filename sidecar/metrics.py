@@ -110,6 +110,12 @@ class Metrics:
             PREFIX + "assigned_partitions", "Partitions (inbound and control) this member owns now", registry=r
         )
         self.commits = Counter(PREFIX + "commits", "Checkpoints that committed inbound offsets", registry=r)
+        self.checkpoint_latency = Histogram(
+            PREFIX + "checkpoint_seconds",
+            "Time a checkpoint takes (flush, index, commit or transaction commit); the loop delivers nothing meanwhile",
+            buckets=OP_BUCKETS,
+            registry=r,
+        )
         self.buckets = Gauge(PREFIX + "bucket_count", "Buckets of the delayed index", ["topic"], registry=r)
         self.loaded_indexes = Gauge(
             PREFIX + "bucket_loaded_indexes", "Index entries held in memory", ["topic"], registry=r

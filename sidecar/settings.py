@@ -110,7 +110,16 @@ class RunSettings(KafkaSettings):
     bucket_max_buckets: int = Field(50, ge=1, description="Sealed buckets per partition before adjacent ones merge")
     control_topic: str = Field("delay-sidecar.control", description="Topic of nack commands")
     commit_interval_ms: int = Field(
-        1000, ge=10, description="How often delivered and indexed inbound offsets are committed"
+        1000,
+        ge=10,
+        description="How often delivered and indexed inbound offsets are committed; in exactly-once mode also "
+        "how often outbound records become visible to read_committed consumers",
+    )
+    processing_guarantee: Literal["exactly-once", "at-least-once"] = Field(
+        "at-least-once",
+        description="exactly-once: each checkpoint is one Kafka transaction (outbound, dead-letter and control "
+        "records with the inbound offsets), so read_committed consumers see each record once, across crashes; "
+        "at-least-once: plain writes and commits, a crash can send a record again",
     )
     read_ahead_ms: int = Field(
         10_000,

@@ -21,6 +21,7 @@ from sidecar.client import (
     delay_headers,
     deliver_at,
     origin,
+    outbound_consumer_config,
     redelivery_count,
 )
 
@@ -496,3 +497,12 @@ def test_retry_with_backoff_example(monkeypatch: pytest.MonkeyPatch) -> None:
     assert {sent_command(producer, i)["offset"] for i in range(len(producer.calls))} == {2}
     assert consumers[0].committed == [good, *failing]  # the fourth failure is given up on, and committed
     assert consumers[0].closed
+
+
+def test_outbound_consumers_read_committed_by_default() -> None:
+    config = outbound_consumer_config("h:9092", "billing", **{"auto.offset.reset": "earliest"})
+    assert config == {"bootstrap.servers": "h:9092", "group.id": "billing", "isolation.level": "read_committed",
+                      "auto.offset.reset": "earliest"}  # fmt: skip
+    assert outbound_consumer_config("h", "g", **{"isolation.level": "read_uncommitted"})["isolation.level"] == (
+        "read_uncommitted"
+    )

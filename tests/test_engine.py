@@ -24,6 +24,7 @@ from tests.kafka_helpers import (
     committed,
     deliveries,
     early,
+    outbound_end,
     settings_for,
     sidecar_process,
     wait_for,
@@ -170,7 +171,7 @@ def test_kill_9_with_1000_pending_loses_nothing_and_delivers_nothing_early(
     second = sidecar_process(args, log)
     try:
         for sub in ("billing", "shipping"):
-            wait_for(lambda s=sub: sum(kafka_helper.end_offsets(f"{topic}.{s}", 3)) >= 1000, 40, f"{sub} delivered")
+            wait_for(lambda s=sub: outbound_end(kafka_helper, f"{topic}.{s}", 3) >= 1000, 40, f"{sub} delivered")
     finally:
         second.send_signal(signal.SIGTERM)
         assert second.wait(30) == 0, log.read_text()[-3000:]
@@ -222,7 +223,7 @@ def test_a_removed_topic_dead_letters_its_pending_records_with_a_code(
         kafka_helper.flush()
         wait_for(lambda: sidecar.metric("delay_sidecar_messages_delayed_total", topic=topic) == 50, 30, "indexing")
         path.write_text(f"topics:\n  {other}:\n    subscriptions: {{a: {{}}}}\n")
-        wait_for(lambda: sum(kafka_helper.end_offsets(f"{topic}.dlt")) >= 50, 30, "the dead letters")
+        wait_for(lambda: outbound_end(kafka_helper, f"{topic}.dlt") >= 50, 30, "the dead letters")
     dead = kafka_helper.read_to_end(f"{topic}.dlt")
     assert sorted(deliveries(dead).values()) == [1] * 50
     assert {r.headers[ERROR_CODE] for r in dead} == {b"TOPIC_REMOVED"}
@@ -256,11 +257,11 @@ def test_changing_a_subscription_type_neither_loses_nor_repeats_records(
         path.write_text(policy("exclusive"))
         wait_for(lambda: generation() == 2, 30, "b exclusive")
         produce(100, "4s")  # b gets these at once, a at their deliver-at
-        wait_for(lambda: sum(kafka_helper.end_offsets(f"{topic}.b")) >= 200, 30, "b")
+        wait_for(lambda: outbound_end(kafka_helper, f"{topic}.b") >= 200, 30, "b")
         path.write_text(policy("shared"))
         wait_for(lambda: generation() == 3, 30, "b shared again")
         produce(200, "1s")  # owed to both again
-        wait_for(lambda: sum(kafka_helper.end_offsets(f"{topic}.a")) >= 300, 30, "a")
+        wait_for(lambda: outbound_end(kafka_helper, f"{topic}.a") >= 300, 30, "a")
         wait_for(lambda: sidecar.metric("delay_sidecar_tracked_messages", topic=topic) == 0, 30, "nothing pending")
     for sub in ("a", "b"):
         records = kafka_helper.read_to_end(f"{topic}.{sub}")
@@ -293,7 +294,7 @@ topics:
         for i in range(1_000):
             kafka_helper.produce(topic, f"p1-{i}".encode(), headers=[("deliver-at", due)], partition=1)
         kafka_helper.flush()
-        wait_for(lambda: sum(kafka_helper.end_offsets(f"{topic}.work", 3)) >= 4_000, 30, "deliveries")
+        wait_for(lambda: outbound_end(kafka_helper, f"{topic}.work", 3) >= 4_000, 30, "deliveries")
         wait_for(lambda: sidecar.metric("delay_sidecar_tracked_messages", topic=topic) == 0, 30, "nothing pending")
     for sub in ("audit", "work"):
         records = kafka_helper.read_to_end(f"{topic}.{sub}")

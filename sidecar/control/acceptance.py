@@ -86,7 +86,9 @@ class Acceptance:
         if done:
             self._nacks.claim(accepted.command, accepted.source)  # redelivered, or superseded, before
             return
-        if not state.tracker.add(offset, accepted.deliver_at):
+        # Exactly once: nothing is delivered while replaying (see tracker/partitions.py).
+        deliver_now = not (state.exact and offset < state.replay_until)
+        if not state.tracker.add(offset, accepted.deliver_at, deliver_now=deliver_now):
             due_now.append((offset, accepted))
 
     def _judge(self, record: Message) -> None:

@@ -208,7 +208,7 @@ class Receiver:
         fate = judge(rule, record.headers(), publish_ms)
         deliver_at = fate.deliver_at
         if deliver_at is not None and pack(deliver_at, offset) > rebuild.through:
-            if state.tracker.add(offset, deliver_at):
+            if state.tracker.add(offset, deliver_at, deliver_now=not state.exact):
                 rebuild.indexed += 1
             else:
                 self._delivery.send(routes.targets(rule), record, deliver_at, sent)

@@ -9,7 +9,7 @@ import logging
 from collections import Counter
 from collections.abc import Callable
 
-from confluent_kafka import Message
+from confluent_kafka import KafkaException, Message
 
 from sidecar.clock import Clock
 from sidecar.dispatch.reader import TopicPartitionKey
@@ -50,7 +50,7 @@ class Delivery:
         for sub, outbound in targets:
             try:
                 produce(outbound, value, key, headers=headers, partition=target(outbound, partition))
-            except BufferError:
+            except (BufferError, KafkaException):  # a full queue waits; a fenced producer raises Fenced
                 self._writer.send(outbound, key, value, headers, target(outbound, partition))
             if sent is not None:
                 sent[sub] += 1

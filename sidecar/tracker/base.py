@@ -39,8 +39,12 @@ class DelayedDeliveryTracker(ABC):
         self.clock = clock
 
     @abstractmethod
-    def add(self, offset: int, deliver_at: int, hold_from: int | None = None) -> bool:
+    def add(self, offset: int, deliver_at: int, hold_from: int | None = None, deliver_now: bool = True) -> bool:
         """Index a delayed position. False when the caller must deliver it now.
+
+        With `deliver_now` False a due position is indexed like any other (an exactly-once rebuild,
+        which delivers nothing until it has read every pending record); positions at or below the
+        watermark still return False.
 
         That is when it is due and nothing indexed comes before it (nor a pending run member: their
         smallest key is `hold_from`, see runs.py), or when it lies at or below

@@ -23,14 +23,15 @@ class InMemoryTracker(DelayedDeliveryTracker):
         self._pending = BitMap64()
         self._popped = NOTHING_DELIVERED
 
-    def add(self, offset: int, deliver_at: int, hold_from: int | None = None) -> bool:
+    def add(self, offset: int, deliver_at: int, hold_from: int | None = None, deliver_now: bool = True) -> bool:
         if offset in self._pending:
             return True
         key = deliver_at << _OFFSET_BITS | offset
         if key <= self._popped:
             return False
         if (
-            deliver_at <= self.clock.now_ms()
+            deliver_now
+            and deliver_at <= self.clock.now_ms()
             and (not self._heap or key < self._heap[0])
             and (hold_from is None or key < hold_from)
         ):

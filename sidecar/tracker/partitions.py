@@ -15,7 +15,14 @@ Kafka's committed offset and its metadata are the durable truth of a partition. 
 Local state (the bucket tracker's RocksDB) is used only when it matches the commit: its cursor and
 watermark at or past the committed ones. It keeps the runs of its checkpoint too, which may be one
 ahead of the commit. State left behind by an earlier owner of the partition is discarded, never
-merged.
+merged. In exactly-once mode, local state ahead of the commit is discarded too: its pops may be
+deliveries of a transaction that was aborted, so only the commit says what was delivered (and
+which runs are pending), and local state must match it exactly.
+
+In exactly-once mode a partition whose index is being rebuilt (or, on the control topic, whose
+accepted nacks are being read again) delivers nothing until it is done: the log is read in offset
+order, not in delivery order, so the watermark could not describe deliveries made on the way, and
+a commit during the rebuild would cover records not read yet.
 """
 
 import bisect
@@ -29,6 +36,7 @@ from typing import Any
 
 from confluent_kafka import Consumer, Message, TopicPartition
 
+from sidecar.errors import BrokerError
 from sidecar.policy.routes import IntakeRule
 from sidecar.tracker.base import KEY_SHIFT, NOTHING_DELIVERED, DelayedDeliveryTracker, pack
 from sidecar.tracker.runs import Runs
@@ -177,6 +185,8 @@ class PartitionState:
     rule: IntakeRule | None = None
     """The rule live intake noted last (the hot path compares identity, not values)."""
     runs: Runs[Message] = field(default_factory=Runs)
+    exact: bool = False
+    """Exactly-once mode: local state is used only when it matches the commit exactly."""
 
     def runs_text(self) -> str:
         return json.dumps(self.runs.encode(), separators=(",", ":"))
@@ -197,18 +207,26 @@ class PartitionState:
         cursor = tracker.index_cursor()
         self.runs = Runs[Message].decode(list(metadata.runs))
         if cursor is not None:
-            if committed is None or (cursor >= committed and tracker.delivered_through() >= metadata.through):
+            if self._usable(cursor, committed, tracker.delivered_through(), metadata.through):
                 self.next_offset = cursor
                 stored = tracker.stored_runs()
-                if stored is not None:  # as of the local checkpoint, which may be one ahead of the commit
+                # As of the local checkpoint, which may be one ahead of the commit (never in
+                # exactly-once mode, where the commit's runs are the truth).
+                if stored is not None and not self.exact:
                     self.runs = Runs[Message].decode(json.loads(stored))
                 return cursor
             logger.warning(
-                "local index is stale, discarding it partition=%s index_cursor=%d committed=%d "
-                "(another member owned the partition since this state dir was written)",
+                "local index is stale, discarding it partition=%s index_cursor=%d committed=%s "
+                "local_through=%d committed_through=%d (%s)",
                 self.name,
                 cursor,
                 committed,
+                tracker.delivered_through(),
+                metadata.through,
+                "exactly-once: its last checkpoint's transaction was not committed, or another member owned "
+                "the partition since"
+                if self.exact
+                else "another member owned the partition since this state dir was written",
             )
             tracker.clear()
         elif len(tracker):
@@ -227,12 +245,28 @@ class PartitionState:
             logger.info("index rebuild started partition=%s from=%d until=%d", self.name, earliest, committed)
         return earliest
 
-    def commit_point(self, earliest_pending: int | None) -> tuple[int, str] | None:
-        """(offset, metadata) to commit now, or None when there is nothing new to commit."""
-        if self.next_offset is None or self.rebuild is not None:
+    def _usable(self, cursor: int, committed: int | None, local_through: int, through: int) -> bool:
+        if self.exact:  # (the bucket tracker's "nothing delivered" is 0, the metadata's -1)
+            return committed is not None and cursor == committed and max(local_through, 0) == max(through, 0)
+        return committed is None or (cursor >= committed and local_through >= through)
+
+    @property
+    def replaying(self) -> bool:
+        """Reading the log again after a restart: a rebuild, or accepted nacks below the commit."""
+        return self.rebuild is not None or (
+            self.control and self.next_offset is not None and self.next_offset < self.replay_until
+        )
+
+    def commit_point(self, earliest_pending: int | None, exact: bool = False) -> tuple[int, str] | None:
+        """(offset, metadata) to commit now, or None when there is nothing new to commit.
+
+        `exact`: the commit is a transaction's, which the local index need not have reached (see
+        checkpoint.py); a partition still replaying delivered nothing and is not committed.
+        """
+        if self.next_offset is None or self.rebuild is not None or (exact and self.replaying):
             return None  # nothing read yet, or a rebuild that a crash would simply start again
         tracker = self.tracker
-        if tracker.durable and tracker.index_cursor() != self.next_offset:
+        if not exact and tracker.durable and tracker.index_cursor() != self.next_offset:
             return None  # the index is not durable up to here: the commit must not pass it
         runs = self.runs
         earliest = min(
@@ -249,7 +283,8 @@ class Assignment:
 
     `on_assign` opens each partition's tracker and seeks to where `PartitionState.start` says.
     `on_revoke` checkpoints first (the partition goes to another member with nothing left
-    uncommitted); `on_lost` does not (another member may own it already).
+    uncommitted); `on_lost` does not (another member may own it already), and in exactly-once
+    mode aborts the open transaction and has the engine start again.
     """
 
     def __init__(
@@ -258,10 +293,16 @@ class Assignment:
         control_topic: str,
         checkpoint: Callable[[], None],
         forget: Callable[[PartitionState], None],
+        abort: Callable[[], None] | None = None,
         incremental: bool = False,
         on_handoff: Callable[[str, int, int], None] | None = None,
     ) -> None:
         self.states: dict[tuple[str, int], PartitionState] = {}
+        self._abort = abort
+        """Exactly-once mode: drops the open transaction when partitions are lost."""
+        self.error: Exception | None = None
+        """Why the engine must start again, found in a callback: raised from there, an exception
+        would reach librdkafka's C code and come out of poll as a bare SystemError."""
         self._factory = tracker_factory
         self._control_topic = control_topic
         self._checkpoint = checkpoint
@@ -281,7 +322,8 @@ class Assignment:
             state = self.states.get(key)
             if state is None:
                 tracker = self._factory(tp.topic, tp.partition)
-                state = PartitionState(tp.topic, tp.partition, tracker, control=tp.topic == self._control_topic)
+                control = tp.topic == self._control_topic
+                state = PartitionState(tp.topic, tp.partition, tracker, control=control, exact=self._abort is not None)
                 self.states[key] = state
             committed = tp.offset if tp.offset >= 0 else None
             start = state.start(committed, CommitMetadata.decode(tp.metadata))
@@ -296,12 +338,24 @@ class Assignment:
 
     def on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         if not self.failed:
-            self._checkpoint()
+            try:
+                self._checkpoint()
+            except Exception as e:  # a fenced producer, a broker gone: the engine raises it after poll
+                self.failed, self.error = True, e
         self._drop(partitions)
         self._handoff("revoked", len(partitions))
         logger.info("partitions revoked partitions=%s", _names(partitions))
 
     def on_lost(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        if self._abort is not None:
+            # Another member may own them and deliver what this transaction holds: abort it. Its
+            # pops of the partitions kept are undone only by starting again from the commit.
+            self._abort()
+            self.failed = True
+            self.error = BrokerError(
+                "partitions were lost to the group (this member was away longer than the session timeout); "
+                "their transaction was aborted and the engine starts again from the commit"
+            )
         self._drop(partitions)
         self._handoff("lost", len(partitions))
         logger.warning("partitions lost partitions=%s", _names(partitions))

@@ -9,7 +9,16 @@ from confluent_kafka import Producer
 
 from sidecar.broker.embedded import free_port
 from sidecar.outbound.records import ORIGIN_OFFSET, ORIGIN_PARTITION, REDELIVERY_COUNT
-from tests.kafka_helpers import KafkaHelper, SidecarProcess, committed, deliveries, early, scrape, wait_for
+from tests.kafka_helpers import (
+    KafkaHelper,
+    SidecarProcess,
+    committed,
+    deliveries,
+    early,
+    outbound_end,
+    scrape,
+    wait_for,
+)
 
 TopicFactory = Callable[..., str]
 PolicyFile = Callable[[str], Path]
@@ -40,7 +49,7 @@ def test_an_accepted_nack_survives_kill_9_without_local_state_and_comes_back_onc
     nacked = range(4_980, 5_001)
     try:
         sidecar.start()
-        wait_for(lambda: sum(kafka_helper.end_offsets(f"{topic}.billing")) == 5_000, 60, "first deliveries")
+        wait_for(lambda: outbound_end(kafka_helper, f"{topic}.billing") == 5_000, 60, "first deliveries")
         producer = Producer({"bootstrap.servers": kafka})
         for offset in nacked:
             nack(producer, control, topic, offset, 6_000)
@@ -50,7 +59,7 @@ def test_an_accepted_nack_survives_kill_9_without_local_state_and_comes_back_onc
         wait_for(lambda: control_end() == 2 * len(nacked), 30, "the nacks accepted and committed")
         sidecar.kill()
         sidecar.start()  # the in-memory index is gone: the accepted nacks must come back from Kafka
-        wait_for(lambda: sum(kafka_helper.end_offsets(f"{topic}.billing")) >= 5_000 + len(nacked), 60, "redeliveries")
+        wait_for(lambda: outbound_end(kafka_helper, f"{topic}.billing") >= 5_000 + len(nacked), 60, "redeliveries")
         wait_for(lambda: scrape(port, "delay_sidecar_redeliveries_total", subscription="billing") == len(nacked),
                  30, "the redeliveries counted")  # fmt: skip
 

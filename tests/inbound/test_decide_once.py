@@ -9,7 +9,7 @@ from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, C
 
 from sidecar.broker.embedded import free_port
 from sidecar.outbound.records import DELIVER_AT, ERROR_CODE, ORIGIN_OFFSET
-from tests.kafka_helpers import KafkaHelper, SidecarProcess, deliveries, early, scrape, wait_for
+from tests.kafka_helpers import KafkaHelper, SidecarProcess, deliveries, early, outbound_end, scrape, wait_for
 
 TopicFactory = Callable[..., str]
 PolicyFile = Callable[[str], Path]
@@ -58,7 +58,7 @@ def test_a_policy_change_after_a_lost_state_dir_applies_only_to_new_records(
         admin.incremental_alter_configs([config])[config].result(10)
         sidecar.start()
         for topic, n in ((max_topic, 100), (fixed_topic, 100), (kept_topic, 1)):
-            wait_for(lambda t=topic, n=n: sum(kafka_helper.end_offsets(f"{t}.a")) >= n, 60, f"{topic} delivered")
+            wait_for(lambda t=topic, n=n: outbound_end(kafka_helper, f"{t}.a") >= n, 60, f"{topic} delivered")
         wait_for(lambda: scrape(port, "delay_sidecar_tracked_messages", topic=kept_topic) == 0, 30, "a checkpoint")
         assert sidecar.stop() == 0, sidecar.tail()
     finally:

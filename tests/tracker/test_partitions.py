@@ -120,3 +120,54 @@ def test_a_commit_only_when_something_changed_and_never_past_the_durable_index()
     assert s.commit_point(None) is None
     s.next_offset = 4  # read on, but the tracker's checkpoint did not happen: not durable
     assert s.commit_point(None) is None
+
+
+def test_exactly_once_discards_local_state_ahead_of_the_commit() -> None:
+    """A crash after the tracker checkpoint and before commit_transaction: the pops in local state
+    were deliveries of an aborted transaction. Using the state would lose them; it is rebuilt."""
+    storage = FakeSnapshotStorage()
+    tracker = bucket(storage)
+    clock = tracker.clock
+    assert isinstance(clock, ManualClock)
+    assert tracker.add(5, clock.now_ms() + 100)
+    tracker.add(6, FAR)
+    tracker.checkpoint(10)  # committed as (10, earliest 5, nothing delivered)
+    committed = CommitMetadata(5, NOTHING_DELIVERED)
+    clock.advance(200)
+    assert [d.offset for d in tracker.pop_due(10)] == [5]
+    tracker.checkpoint(10)  # then the crash: the transaction with offset 5's delivery is aborted
+    exact = PartitionState("orders", 0, bucket(storage), exact=True)
+    assert exact.start(10, committed) == 5  # rebuilt from the commit: offset 5 is delivered again
+    assert exact.rebuild is not None and exact.rebuild.through == NOTHING_DELIVERED and len(exact.tracker) == 0
+    tracker = bucket(storage)
+    tracker.add(6, FAR)
+    tracker.checkpoint(12)  # local cursor ahead of the commit, watermark equal: not trusted either
+    assert PartitionState("orders", 0, bucket(storage), exact=True).start(10, CommitMetadata(6)) == 6
+
+
+def test_exactly_once_uses_local_state_that_matches_the_commit() -> None:
+    storage = FakeSnapshotStorage()
+    tracker = bucket(storage)
+    tracker.add(5, FAR)
+    tracker.checkpoint(10)
+    assert PartitionState("orders", 0, bucket(storage), exact=True).start(10, CommitMetadata(5)) == 10
+    fresh = PartitionState("orders", 0, bucket(storage), exact=True)
+    assert fresh.start(None, CommitMetadata()) is None  # nothing committed: the state is not ours
+    assert fresh.tracker.index_cursor() is None
+
+
+def test_an_exactly_once_rebuild_indexes_due_records_instead_of_delivering_them() -> None:
+    """Read in offset order, a rebuild's deliveries would not follow the watermark's order."""
+    clock = ManualClock(start_ms=1_000)
+    for tracker in (InMemoryTracker(clock), bucket(FakeSnapshotStorage())):
+        tracker.clock = clock
+        assert tracker.add(1, 500, deliver_now=False)
+        assert tracker.add(2, 400, deliver_now=False)
+        assert [d.offset for d in tracker.pop_due(10)] == [2, 1]
+        assert not tracker.add(3, 300, deliver_now=False)  # at or below the watermark: done already
+    s = PartitionState("orders", 0, InMemoryTracker(clock), control=True, exact=True)
+    s.start(100, CommitMetadata(40, NOTHING_DELIVERED))
+    s.next_offset = 41
+    assert s.replaying and s.commit_point(None, exact=True) is None
+    s.next_offset = 100
+    assert not s.replaying and s.commit_point(None, exact=True) is not None

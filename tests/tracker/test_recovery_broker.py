@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from sidecar.broker.embedded import free_port
-from tests.kafka_helpers import KafkaHelper, deliveries, early, scrape, sidecar_process, wait_for
+from tests.kafka_helpers import KafkaHelper, deliveries, early, outbound_end, scrape, sidecar_process, wait_for
 
 TopicFactory = Callable[..., str]
 PolicyFile = Callable[[str], Path]
@@ -60,7 +60,7 @@ def test_kill_9_mid_delivery_loses_nothing_and_restarts_without_rereading(
         wait_for(lambda: scrape(port, "delay_sidecar_messages_in_total", topic=topic) == COUNT, 30, "indexing")
         wait_for(lambda: scrape(port, "delay_sidecar_bucket_count", topic=topic) > 2, 10, "sealed buckets")
         # Mid-way: some records are delivered, most are not.
-        wait_for(lambda: kafka_helper.end_offsets(f"{topic}.a", 1)[0] > 1000, 30, "first deliveries")
+        wait_for(lambda: outbound_end(kafka_helper, f"{topic}.a") > 1000, 30, "first deliveries")
         os.kill(first.pid, signal.SIGKILL)
         first.wait(10)
     finally:

@@ -139,7 +139,7 @@ class BucketTracker(DelayedDeliveryTracker):
 
     # -- the tracker contract ---------------------------------------------------------------
 
-    def add(self, offset: int, deliver_at: int, hold_from: int | None = None) -> bool:
+    def add(self, offset: int, deliver_at: int, hold_from: int | None = None, deliver_now: bool = True) -> bool:
         mutable = self._mutable
         # An offset above every indexed one (the consumer moving on: nearly every add) cannot be
         # indexed yet, so only a replayed or re-added offset pays for the bitmap lookups.
@@ -154,7 +154,7 @@ class BucketTracker(DelayedDeliveryTracker):
             # earlier pop, and keeping it would break the popped-prefix invariant durability rests on.
             return False
         now = self.clock.now_ms()
-        if deliver_at <= now:
+        if deliver_at <= now and deliver_now:
             head = self.next_delivery_time()
             if (head is None or deliver_at < head) and (hold_from is None or deliver_at << _SHIFT | offset < hold_from):
                 # Due, and nothing indexed comes first: delivered now, as if popped.
