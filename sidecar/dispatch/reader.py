@@ -156,6 +156,8 @@ class LogReader:
                 positions[(topic, partition)] = first
         if fresh:
             self._consumer.incremental_assign(fresh)
+            # A partition paused before it was unassigned comes back paused: librdkafka keeps that.
+            self._consumer.resume([TopicPartition(tp.topic, tp.partition) for tp in fresh])
 
     def watermarks(self, topic: str, partition: int) -> tuple[int, int]:
         """(low, high) offsets of an inbound partition, asked of the broker."""

@@ -126,6 +126,8 @@ class TrailReader:
         tp = TopicPartition(partition[0], partition[1], offset)
         if not lane.assigned:
             self._consumer.incremental_assign([tp])
+            # A partition paused before it was unassigned comes back paused: librdkafka keeps that.
+            self._consumer.resume([TopicPartition(*partition)])
             lane.assigned = True
         else:
             if lane.paused:
