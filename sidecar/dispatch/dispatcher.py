@@ -213,9 +213,7 @@ class Dispatcher:
                 members.popleft()
                 cache[(partition, offset)] = member[2]
                 out.append(Due(deliver_at, offset))
-                run = member[3]
-                run.next, run.floor = offset + 1, deliver_at
-                run.members -= 1
+                member[3].delivered(offset, deliver_at)
                 last = member
                 taken += 1
             if last is None:

@@ -73,6 +73,11 @@ class Run:
         """Read again from the first undelivered member (a new owner, or buffers dropped)."""
         self.read_next, self.read_top = self.next, self.floor
 
+    def delivered(self, offset: int, deliver_at: int) -> None:
+        """The member at `offset` went out: reading resumes after it."""
+        self.next, self.floor = offset + 1, deliver_at
+        self.members -= 1
+
     def lower_bound(self) -> int:
         """No undelivered member has a smaller key (deliver-at, offset)."""
         return pack(self.floor, self.next)
@@ -164,12 +169,6 @@ class Runs(Generic[R]):
 
     def earliest_offset(self) -> int | None:
         return next((run.next for run in self.runs if run.members), None)
-
-    def delivered(self, run: Run, offset: int, deliver_at: int) -> None:
-        """A member of `run` (the first run with members) went out."""
-        run.next, run.floor = offset + 1, deliver_at
-        run.members -= 1
-        self.drop_done()
 
     def drop_done(self) -> None:
         """Forget runs with nothing left to deliver that intake can no longer extend."""

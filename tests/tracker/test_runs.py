@@ -96,7 +96,8 @@ def test_delivery_moves_the_run_and_its_lower_bound() -> None:
     runs, _, _ = intake([(o, 1_000 + o) for o in range(100)])
     run = runs.runs[0]
     assert runs.lower_bound() == pack(1_000, 0)
-    runs.delivered(run, 0, 1_000)
+    run.delivered(0, 1_000)
+    runs.drop_done()
     assert (run.next, run.floor, run.members) == (1, 1_000, 99)
     assert runs.lower_bound() == pack(1_000, 1) and runs.earliest_offset() == 1
 
