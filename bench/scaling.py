@@ -23,7 +23,6 @@ import os
 import shlex
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 import time
@@ -46,23 +45,10 @@ from bench.probe import (
 from bench.procs import load_argv, run_load, start_sidecar
 from bench.report import environment
 from bench.scenarios import SUBSCRIPTIONS
-from sidecar.broker.embedded import EmbeddedBroker, free_port
+from sidecar.broker.embedded import EmbeddedBroker, free_port, free_ports
 
 CONTROL_TOPIC = "delay-sidecar.control"
 SETTLE_S = 2.0
-
-
-def free_ports(count: int) -> int:
-    """The first of `count` consecutive free ports: the supervisor's and one per worker after it."""
-    while True:
-        base = free_port()
-        try:
-            for port in range(base, base + count):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
 
 
 def settle(ports: list[int], partitions: int, timeout_s: float = 120.0) -> float:

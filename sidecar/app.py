@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from confluent_kafka.admin import AdminClient
 
@@ -301,8 +301,15 @@ class SidecarApp:
         return sidecar.running and not reasons, reasons, details
 
 
-def run_until_signalled(app: SidecarApp) -> None:
-    """Run in the main thread; SIGTERM and Ctrl-C stop the loop cleanly, with a last checkpoint."""
+class Signalled(Protocol):
+    def run(self) -> None: ...
+    def stop(self) -> None: ...
+    def reload_policies(self) -> None: ...
+
+
+def run_until_signalled(app: Signalled) -> None:
+    """Run in the main thread; SIGTERM and Ctrl-C stop cleanly (a sidecar with a last checkpoint,
+    a supervisor with its workers), SIGHUP reloads the policies."""
 
     def on_signal(signum: int, frame: object) -> None:
         logger.info("stopping signal=%s", signal.Signals(signum).name)

@@ -21,7 +21,7 @@ from sidecar.errors import SidecarError
 from sidecar.logs import setup_logging
 from sidecar.policy.commands import PoliciesCommand
 from sidecar.settings import ENV_PREFIX, RunSettings
-from sidecar.supervisor import Supervisor, supervise_until_signalled
+from sidecar.supervisor import Supervisor
 from spark.command import AuditCommand
 
 logger = logging.getLogger(__name__)
@@ -33,7 +33,7 @@ class RunCommand(RunSettings):
     def cli_cmd(self) -> None:
         setup_logging(self.log_level)
         if self.workers > 1:
-            supervise_until_signalled(Supervisor(self))
+            run_until_signalled(Supervisor(self))
         else:
             run_until_signalled(SidecarApp(self))
 

@@ -220,14 +220,3 @@ class Supervisor:
                 process.wait()
         self.metrics.running.set(0)
         logger.info("workers stopped workers=%d", len(live))
-
-
-def supervise_until_signalled(supervisor: Supervisor) -> None:
-    def on_signal(signum: int, frame: object) -> None:
-        logger.info("stopping signal=%s", signal.Signals(signum).name)
-        supervisor.stop()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGHUP, lambda signum, frame: supervisor.reload_policies())
-    supervisor.run()

@@ -18,7 +18,7 @@ import psutil
 import pytest
 
 from sidecar import supervisor as supervision
-from sidecar.broker.embedded import free_port
+from sidecar.broker.embedded import free_port, free_ports
 from sidecar.settings import ENV_PREFIX, RunSettings
 from sidecar.supervisor import PER_WORKER, Supervisor, Worker, worker_environment
 from tests.kafka_helpers import (
@@ -37,19 +37,6 @@ from tests.kafka_helpers import (
 TopicFactory = Callable[..., str]
 PolicyFile = Callable[[str], Path]
 DEADLINE_S = 90.0
-
-
-def free_ports(count: int) -> int:
-    """The first of `count` consecutive free ports: the supervisor's and one per worker after it."""
-    while True:
-        base = free_port()
-        try:
-            for port in range(base, base + count):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
 
 
 def gone(process: psutil.Process) -> bool:

@@ -48,6 +48,19 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def free_ports(count: int) -> int:
+    """The first of `count` consecutive free ports (a supervisor's, then one per worker)."""
+    while True:
+        base = free_port()
+        try:
+            for port in range(base, base + count):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+
+
 def noida_binary() -> Path:
     binary = Path(str(files("noida_db").joinpath("noida-db")))
     if not binary.is_file():
