@@ -194,6 +194,7 @@ class SidecarApp:
                     control_topic=settings.control_topic,
                     read_ahead_ms=settings.read_ahead_ms,
                     payload_cache=payload_cache,
+                    monotone_runs=settings.monotone_runs,
                     producer={"compression.type": settings.compression_type, "linger.ms": settings.linger_ms},
                     assignment_strategy=settings.assignment_strategy,
                     exactly_once=settings.processing_guarantee == "exactly-once",

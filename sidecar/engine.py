@@ -71,6 +71,7 @@ class Sidecar:
         read_ahead_ms: int = 10_000,
         payload_cache: PayloadCache | None = None,
         producer: dict[str, Any] | None = None,
+        monotone_runs: bool = False,
         assignment_strategy: str = "roundrobin",
         exactly_once: bool = False,
     ) -> None:
@@ -147,7 +148,7 @@ class Sidecar:
         )
         self._receiver = Receiver(
             states, self._current_routes, retention, writer, self._delivery, self._dispatcher, self._acceptance,
-            self._redelivery, metrics, clock, payload_cache,
+            self._redelivery, metrics, clock, payload_cache, monotone_runs,
         )  # fmt: skip
         self.assigned = assignment.assigned
         """Set once the group gave this member partitions: it is serving."""

@@ -139,6 +139,11 @@ class RunSettings(KafkaSettings):
         "cache; later ones are read back from the log ahead of their deliver-at",
     )
     batch_size: int = Field(10_000, ge=1, description="Most records read per poll of the inbound topics")
+    monotone_runs: CliImplicitFlag[bool] = Field(
+        False,
+        description="Keep records whose deliver-at rises with the offset (fixed delays) as runs read back in "
+        "order, instead of indexing and caching each one (see the README before turning it on)",
+    )
     compression_type: Literal["none", "gzip", "snappy", "lz4", "zstd"] = Field(
         "lz4", description="Compression of the records the sidecar writes (librdkafka compression.type)"
     )

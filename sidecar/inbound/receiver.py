@@ -47,7 +47,10 @@ class Receiver:
         metrics: Metrics,
         clock: Clock,
         payloads: PayloadCache | None = None,
+        runs: bool = False,
     ) -> None:
+        """`runs`: form monotone runs at intake (runs already pending are delivered either way)."""
+        self._runs = runs
         self._payloads = payloads
         self._partitions = partitions
         self._routes = routes
@@ -125,7 +128,7 @@ class Receiver:
             else:
                 runs = state.runs
                 joined = False
-                if deliver_at > now and stamped:
+                if deliver_at > now and stamped and self._runs:
                     joined, dropped = runs.offer(offset, deliver_at, record)
                     if dropped:
                         self._index(state, routes, dropped, now, payloads, subs)

@@ -10,6 +10,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
+
 from sidecar.broker.embedded import free_port
 from tests.kafka_helpers import (
     KafkaHelper,
@@ -27,6 +29,7 @@ TopicFactory = Callable[..., str]
 PolicyFile = Callable[[str], Path]
 COUNT = 3_000
 FIXED_MS = 4_000
+RUNS = "--monotone-runs"
 
 
 def fixed_policies(policy_file: PolicyFile, topic: str) -> Path:
@@ -47,20 +50,29 @@ def run_reads(port: int, topic: str) -> float:
     return scrape(port, "delay_sidecar_payload_reads_total", topic=topic, source="run")
 
 
+@pytest.mark.parametrize("flag", [RUNS, "--no-monotone-runs"])
 def test_a_fixed_delay_topic_is_delivered_from_runs(
-    kafka: str, kafka_helper: KafkaHelper, topic_factory: TopicFactory, policy_file: PolicyFile, tmp_path: Path
+    flag: str,
+    kafka: str,
+    kafka_helper: KafkaHelper,
+    topic_factory: TopicFactory,
+    policy_file: PolicyFile,
+    tmp_path: Path,
 ) -> None:
+    """With --monotone-runs every record comes from a run; without, none does (the index and the cache)."""
     topic = topic_factory("run")
     port = free_port()
     sidecar = SidecarProcess(
-        run_args(kafka, fixed_policies(policy_file, topic), tmp_path / "state", port, f"g-{topic}"), tmp_path / "log"
+        run_args(kafka, fixed_policies(policy_file, topic), tmp_path / "state", port, f"g-{topic}", flag),
+        tmp_path / "log",
     )
     try:
         sidecar.start()
         now = int(time.time() * 1000)
         produce_stamped(kafka_helper, topic, [now + i // 3 for i in range(COUNT)])  # 1,000 ms of records
         wait_for(lambda: outbound_end(kafka_helper, f"{topic}.a") >= COUNT, 60, "every record delivered")
-        wait_for(lambda: run_reads(port, topic) == COUNT, 10, "every record read from a run")
+        expected = COUNT if flag == RUNS else 0
+        wait_for(lambda: run_reads(port, topic) == expected, 10, f"{expected} records read from runs")
         assert scrape(port, "delay_sidecar_payload_reads_total", topic=topic, source="cache") == 0
         assert sidecar.stop() == 0, sidecar.tail()
     finally:
@@ -74,7 +86,8 @@ def test_a_producer_clock_that_jumps_back_and_forth_loses_nothing_and_is_never_e
     topic = topic_factory("skew")
     port = free_port()
     sidecar = SidecarProcess(
-        run_args(kafka, fixed_policies(policy_file, topic), tmp_path / "state", port, f"g-{topic}"), tmp_path / "log"
+        run_args(kafka, fixed_policies(policy_file, topic), tmp_path / "state", port, f"g-{topic}", RUNS),
+        tmp_path / "log",
     )
     now = int(time.time() * 1000)
     stamps = [now + i for i in range(800)]
@@ -101,7 +114,7 @@ def test_a_run_interrupted_by_a_longer_delay(
     topic = topic_factory("long")
     port = free_port()
     policies = policy_file(f"topics:\n  {topic}:\n    subscriptions: {{a: {{}}}}\n")
-    sidecar = SidecarProcess(run_args(kafka, policies, tmp_path / "state", port, f"g-{topic}"), tmp_path / "log")
+    sidecar = SidecarProcess(run_args(kafka, policies, tmp_path / "state", port, f"g-{topic}", RUNS), tmp_path / "log")
     try:
         sidecar.start()
         base = int(time.time() * 1000) + 3_000
@@ -128,7 +141,7 @@ def test_runs_survive_kill_9_and_a_clean_restart(
     kill may repeat what was sent since the last checkpoint); a clean stop and start repeats nothing."""
     topic = topic_factory("runkill", partitions=2)
     port = free_port()
-    args = run_args(kafka, fixed_policies(policy_file, topic), tmp_path / "state", port, f"g-{topic}")
+    args = run_args(kafka, fixed_policies(policy_file, topic), tmp_path / "state", port, f"g-{topic}", RUNS)
     sidecar = SidecarProcess(args, tmp_path / "log")
     now = int(time.time() * 1000)
     stamps = [now + i for i in range(COUNT)]  # due over 3 s, from FIXED_MS on
