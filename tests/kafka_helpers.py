@@ -22,6 +22,10 @@ from sidecar.outbound.records import DELIVER_AT, ORIGIN_OFFSET, ORIGIN_PARTITION
 from sidecar.settings import RunSettings
 
 ROOT = Path(__file__).resolve().parent.parent
+TopicFactory = Callable[..., str]
+"""The `topic_factory` fixture: creates a topic no other test uses."""
+PolicyFile = Callable[[str], Path]
+"""The `policy_file` fixture: writes a policy YAML and returns its path."""
 # noida-db lists, in each fetch response, aborted transactions that ended before the fetch offset,
 # and librdkafka then drops the later batches of that producer id (tests/broker/test_transactions.py).
 # A reader from offset 0 that gets each partition in one fetch sees every abort marker in order.

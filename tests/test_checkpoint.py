@@ -8,7 +8,6 @@ import shutil
 import threading
 import time
 import uuid
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +22,9 @@ from sidecar.tracker.bucket import BucketTracker
 from sidecar.tracker.storage.fake import FakeSnapshotStorage
 from tests.kafka_helpers import (
     KafkaHelper,
+    PolicyFile,
     SidecarProcess,
+    TopicFactory,
     assert_once_each,
     committed,
     outbound_end,
@@ -32,9 +33,6 @@ from tests.kafka_helpers import (
     scrape,
     wait_for,
 )
-
-TopicFactory = Callable[..., str]
-PolicyFile = Callable[[str], Path]
 
 
 def test_deliveries_after_a_restart_are_checkpointed_without_new_inbound_records(

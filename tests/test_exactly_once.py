@@ -10,7 +10,6 @@ import random
 import signal
 import time
 import uuid
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -18,7 +17,9 @@ import pytest
 from sidecar.broker.embedded import free_port
 from tests.kafka_helpers import (
     KafkaHelper,
+    PolicyFile,
     SidecarProcess,
+    TopicFactory,
     assert_once_each,
     outbound_end,
     run_args,
@@ -26,8 +27,6 @@ from tests.kafka_helpers import (
     wait_for,
 )
 
-TopicFactory = Callable[..., str]
-PolicyFile = Callable[[str], Path]
 EXACTLY_ONCE = ("--processing-guarantee", "exactly-once")
 
 

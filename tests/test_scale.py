@@ -7,7 +7,6 @@ are never delivered by anyone (issue 15). Each test counts deliveries per record
 
 import time
 import uuid
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -19,7 +18,9 @@ from sidecar.group_leave import leave_group
 from sidecar.settings import RunSettings
 from tests.kafka_helpers import (
     KafkaHelper,
+    PolicyFile,
     SidecarProcess,
+    TopicFactory,
     assert_once_each,
     outbound_end,
     produce_due,
@@ -27,9 +28,6 @@ from tests.kafka_helpers import (
     scrape,
     wait_for,
 )
-
-TopicFactory = Callable[..., str]
-PolicyFile = Callable[[str], Path]
 
 
 def test_a_stop_with_leave_group_on_stop_hands_the_partitions_to_the_other_member(

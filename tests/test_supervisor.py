@@ -11,7 +11,7 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -24,7 +24,9 @@ from sidecar.supervisor import PER_WORKER, Supervisor, Worker, worker_environmen
 from tests.kafka_helpers import (
     ROOT,
     KafkaHelper,
+    PolicyFile,
     SidecarProcess,
+    TopicFactory,
     deliveries,
     early,
     outbound_end,
@@ -34,8 +36,6 @@ from tests.kafka_helpers import (
     wait_for,
 )
 
-TopicFactory = Callable[..., str]
-PolicyFile = Callable[[str], Path]
 DEADLINE_S = 90.0
 
 

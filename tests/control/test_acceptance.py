@@ -2,7 +2,6 @@
 
 import json
 import uuid
-from collections.abc import Callable
 from pathlib import Path
 
 from confluent_kafka import Producer
@@ -11,7 +10,9 @@ from sidecar.broker.embedded import free_port
 from sidecar.outbound.records import ORIGIN_OFFSET, ORIGIN_PARTITION, REDELIVERY_COUNT
 from tests.kafka_helpers import (
     KafkaHelper,
+    PolicyFile,
     SidecarProcess,
+    TopicFactory,
     committed,
     deliveries,
     early,
@@ -19,9 +20,6 @@ from tests.kafka_helpers import (
     scrape,
     wait_for,
 )
-
-TopicFactory = Callable[..., str]
-PolicyFile = Callable[[str], Path]
 
 
 def nack(producer: Producer, control: str, topic: str, offset: int, delay_ms: int) -> None:

@@ -5,17 +5,21 @@ import os
 import signal
 import time
 import uuid
-from collections.abc import Callable
 from pathlib import Path
 
 from confluent_kafka import Producer
 
 from sidecar.client import Nacker
 from sidecar.outbound.records import DELIVER_AT, ERROR_CODE, ORIGIN_OFFSET, REDELIVERY_COUNT
-from tests.kafka_helpers import KafkaHelper, Received, ThreadedSidecar, settings_for, sidecar_process
-
-TopicFactory = Callable[..., str]
-PolicyFile = Callable[[str], Path]
+from tests.kafka_helpers import (
+    KafkaHelper,
+    PolicyFile,
+    Received,
+    ThreadedSidecar,
+    TopicFactory,
+    settings_for,
+    sidecar_process,
+)
 
 
 class RecordView:

@@ -15,7 +15,9 @@ import pytest
 from sidecar.broker.embedded import free_port
 from tests.kafka_helpers import (
     KafkaHelper,
+    PolicyFile,
     SidecarProcess,
+    TopicFactory,
     assert_once_each,
     outbound_end,
     produce_due,
@@ -24,8 +26,6 @@ from tests.kafka_helpers import (
     wait_for,
 )
 
-TopicFactory = Callable[..., str]
-PolicyFile = Callable[[str], Path]
 COUNT = 2_000
 # Far enough ahead that intake (after the sidecar's start and group join) sees every record as not
 # yet near due, so each one either goes to the cache or is left for a read-back.

@@ -2,12 +2,9 @@
 come back to one that librdkafka still holds paused."""
 
 import threading
-from collections.abc import Callable
 
 from sidecar.dispatch.reader import LogReader, ReadInterrupted
-from tests.kafka_helpers import KafkaHelper
-
-TopicFactory = Callable[..., str]
+from tests.kafka_helpers import KafkaHelper, TopicFactory
 
 
 def test_reads_go_on_after_a_read_was_interrupted(

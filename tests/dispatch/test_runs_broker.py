@@ -7,7 +7,6 @@ delivery fails it, whatever path the records took.
 """
 
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -15,7 +14,9 @@ import pytest
 from sidecar.broker.embedded import free_port
 from tests.kafka_helpers import (
     KafkaHelper,
+    PolicyFile,
     SidecarProcess,
+    TopicFactory,
     assert_once_each,
     deliveries,
     early,
@@ -25,8 +26,6 @@ from tests.kafka_helpers import (
     wait_for,
 )
 
-TopicFactory = Callable[..., str]
-PolicyFile = Callable[[str], Path]
 COUNT = 3_000
 FIXED_MS = 4_000
 RUNS = "--monotone-runs"

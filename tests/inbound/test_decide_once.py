@@ -2,17 +2,23 @@
 with the rule recorded in the commit, not with a policy edited since."""
 
 import shutil
-from collections.abc import Callable
 from pathlib import Path
 
 from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource
 
 from sidecar.broker.embedded import free_port
 from sidecar.outbound.records import DELIVER_AT, ERROR_CODE, ORIGIN_OFFSET
-from tests.kafka_helpers import KafkaHelper, SidecarProcess, deliveries, early, outbound_end, scrape, wait_for
-
-TopicFactory = Callable[..., str]
-PolicyFile = Callable[[str], Path]
+from tests.kafka_helpers import (
+    KafkaHelper,
+    PolicyFile,
+    SidecarProcess,
+    TopicFactory,
+    deliveries,
+    early,
+    outbound_end,
+    scrape,
+    wait_for,
+)
 
 
 def policies(max_topic: str, fixed_topic: str, kept_topic: str, max_delay: str, fixed: str) -> str:

@@ -1,14 +1,10 @@
 """The delay-header rules a user trips over, through the running sidecar and a real broker."""
 
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 from sidecar.outbound.records import DELIVER_AT
-from tests.kafka_helpers import KafkaHelper, ThreadedSidecar, settings_for
-
-TopicFactory = Callable[..., str]
-PolicyFile = Callable[[str], Path]
+from tests.kafka_helpers import KafkaHelper, PolicyFile, ThreadedSidecar, TopicFactory, settings_for
 
 
 def test_every_past_deliver_at_goes_out_at_once_stamped_with_the_publish_time(

@@ -3,15 +3,11 @@
 import json
 import time
 import urllib.request
-from collections.abc import Callable
 from pathlib import Path
 
 from sidecar.broker.embedded import free_port
 from sidecar.outbound.records import DELIVER_AT, ERROR_CODE, ERROR_MESSAGE, ORIGIN_OFFSET, ORIGIN_TOPIC
-from tests.kafka_helpers import KafkaHelper, ThreadedSidecar, settings_for
-
-TopicFactory = Callable[..., str]
-PolicyFile = Callable[[str], Path]
+from tests.kafka_helpers import KafkaHelper, PolicyFile, ThreadedSidecar, TopicFactory, settings_for
 
 
 def test_over_max_delay_is_dead_lettered_with_code_message_and_origin(

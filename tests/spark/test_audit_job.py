@@ -3,7 +3,6 @@
 import json
 import time
 import uuid
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,10 +18,7 @@ from spark.audit_job import EXIT_ANOMALIES, EXIT_OK, EXIT_USAGE, audit, run_job
 from spark.command import AuditCommand
 from spark.settings import AuditSettings
 from tests.control.test_nack_flow import RecordView
-from tests.kafka_helpers import KafkaHelper, ThreadedSidecar, settings_for
-
-TopicFactory = Callable[..., str]
-PolicyFile = Callable[[str], Path]
+from tests.kafka_helpers import KafkaHelper, PolicyFile, ThreadedSidecar, TopicFactory, settings_for
 
 
 def parquet_rows(path: Path) -> list[dict[str, Any]]:

@@ -5,14 +5,21 @@ import re
 import shutil
 import signal
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 from sidecar.broker.embedded import free_port
-from tests.kafka_helpers import KafkaHelper, deliveries, early, outbound_end, scrape, sidecar_process, wait_for
+from tests.kafka_helpers import (
+    KafkaHelper,
+    PolicyFile,
+    TopicFactory,
+    deliveries,
+    early,
+    outbound_end,
+    scrape,
+    sidecar_process,
+    wait_for,
+)
 
-TopicFactory = Callable[..., str]
-PolicyFile = Callable[[str], Path]
 COUNT = 20_000
 
 
