@@ -287,8 +287,7 @@ class Sidecar:
         trackers = {(s.topic, s.partition): s.tracker for s in states if not s.control}
         self._dispatcher.turn(trackers, read_ahead, self._runs())
         if self._roll is not None and read_ahead:
-            cursors = {(s.topic, s.partition): s.next_offset for s in states if not s.control and s.next_offset}
-            self._roll.turn(trackers, cursors)
+            self._roll.turn(trackers, self._intake_cursors)
         self._writer.poll()
 
     def _wait_s(self) -> float:
@@ -306,6 +305,11 @@ class Sidecar:
 
     def _runs(self) -> dict[tuple[str, int], Runs[Message]]:
         return {(s.topic, s.partition): s.runs for s in self._delivering() if s.runs}
+
+    def _intake_cursors(self) -> dict[tuple[str, int], int]:
+        """The next offset intake reads, per inbound partition (for the horizon roll)."""
+        states = self._assignment.states.values()
+        return {(s.topic, s.partition): s.next_offset for s in states if not s.control and s.next_offset}
 
     def _rejudge(self, partition: tuple[str, int], record: Message) -> int | None:
         return self._receiver.rejudge(partition, record)

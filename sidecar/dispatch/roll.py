@@ -52,11 +52,11 @@ class HorizonRoll:
         self._cursors: dict[TopicPartitionKey, int] = {}
         """The next offset intake would read, per partition, at the previous roll."""
         self._pass: Generator[None] | None = None
-        self.rolled = 0
-        """Payloads written to the cache by the roll (for the log and the tests)."""
 
     def turn(
-        self, trackers: dict[TopicPartitionKey, DelayedDeliveryTracker], cursors: dict[TopicPartitionKey, int]
+        self,
+        trackers: dict[TopicPartitionKey, DelayedDeliveryTracker],
+        cursors: Callable[[], dict[TopicPartitionKey, int]],
     ) -> None:
         if self._pass is None:
             now = self._clock.now_ms()
@@ -64,7 +64,7 @@ class HorizonRoll:
                 return
             after, until = self._rolled_until, now + self._cache.horizon_ms
             below = self._cursors
-            self._cursors = dict(cursors)
+            self._cursors = cursors()  # asked only when a roll starts, not every turn
             self._rolled_until, self._next_roll_ms = until, now + self._step_ms
             if self._cache.budget.full or not below:
                 return
@@ -116,7 +116,6 @@ class HorizonRoll:
                             batch = self._cache.batch(now)
                         yield
         batch.write()
-        self.rolled += kept
         if judged:
             logger.info(
                 "payload cache roll window_ms=%d-%d read=%d cached=%d seconds=%.1f",
