@@ -63,6 +63,7 @@ NAMES = ("A", "B", "C")
 ORIGIN_PARTITION, ORIGIN_OFFSET, DELIVER_AT = "delay-origin-partition", "delay-origin-offset", "delay-deliver-at"
 _ASSIGNED = re.compile(r'^ts=(\S+) .*event="partitions assigned" partitions=(\S+)')
 _REBUILT = re.compile(r'^ts=(\S+) .*event="index rebuild done" partition=(\S+)')
+PAYLOAD_READS = "delay_sidecar_payload_reads_total{"
 _RESTART = re.compile(r'event="engine failed')
 
 
@@ -223,6 +224,8 @@ class Member:
     rebuilt: dict[int, int] = field(default_factory=dict)
     """Inbound partition -> epoch ms of its "index rebuild done" line."""
     restarts: int = 0
+    cpu_s: float = 0.0
+    """CPU time of the process, user and system, from its start to the end of the deliveries."""
 
 
 def parse_log(member: Member, topic: str, since_ms: int) -> None:
@@ -337,6 +340,9 @@ def one_run(
         )  # fmt: skip
         figures["all_delivered"] = progress.done_s is not None
         metrics = {m.name: scrape(m.port) for m in members}
+        for member in members:
+            cpu = psutil.Process(member.child.pid).cpu_times()
+            member.cpu_s = cpu.user + cpu.system
     finally:
         for member in members:
             member.child.stop()
@@ -414,6 +420,11 @@ def _summarise(
                 "added_p99_s": pct(added, 99),
                 "added_max_s": float(added.max()) if len(added) else float("nan"),
                 "restarts": member.restarts,
+                "delivered": metric_sum(samples, "delay_sidecar_messages_delivered_total"),
+                "payload_reads_log": sum(
+                    v for k, v in samples.items() if k.startswith(PAYLOAD_READS) and 'source="log"' in k
+                ),
+                "cpu_s": round(member.cpu_s, 1),
                 "assigned_at_ms": stamp,
             }
         )
@@ -445,6 +456,15 @@ def print_report(env: dict[str, Any], command: str, args: argparse.Namespace, ru
                 f"{share:.2f} | {restores} | {row['first_min_s']:.2f} / {row['first_max_s']:.2f} | "
                 f"{row['rebuilt_max_s']:.1f} | {row['added_p50_s']:.2f} / {row['added_p99_s']:.2f} / "
                 f"{row['added_max_s']:.2f} |"
+            )
+    print()
+    print("| variant | owner | records it delivered | payloads it read back from the log | CPU, s (from its start) |")
+    print("| --- | --- | ---: | ---: | ---: |")
+    for run in runs:
+        for row in run["members"]["rows"]:
+            print(
+                f"| {run['variant']} | {row['name']} | {row['delivered']:,.0f} | {row['payload_reads_log']:,.0f} | "
+                f"{row['cpu_s']:,.1f} |"
             )
     print()
     for run in runs:
