@@ -24,6 +24,7 @@ from sidecar.policy import PolicySet
 from sidecar.policy.commands import effective_policy_json
 from sidecar.policy.reload import PolicyWatcher, ReloadResult
 from sidecar.settings import RunSettings, default_instance_id
+from sidecar.state.mirror import MirroredStorage
 from sidecar.tracker import DelayedDeliveryTracker, InMemoryTracker
 from sidecar.tracker.bucket import BucketTracker
 from sidecar.tracker.storage import RocksDbSnapshotStorage, SnapshotStorage
@@ -103,10 +104,11 @@ def state_owner(settings: RunSettings, client_config: dict[str, Any]) -> str:
 
 
 def open_snapshot_storage(settings: RunSettings, owner: str) -> SnapshotStorage | None:
-    """The bucket tracker's RocksDB under the state dir."""
+    """The bucket tracker's RocksDB under the state dir, mirrored to the state topic if there is one."""
     if settings.tracker != "bucket":
         return None
-    return RocksDbSnapshotStorage(settings.state_dir / "index", owner=owner)
+    local = RocksDbSnapshotStorage(settings.state_dir / "index", owner=owner)
+    return MirroredStorage(local) if settings.state_topic_name else local
 
 
 def open_payload_cache(settings: RunSettings, owner: str) -> PayloadCache | None:
@@ -198,6 +200,8 @@ class SidecarApp:
                     producer={"compression.type": settings.compression_type, "linger.ms": settings.linger_ms},
                     assignment_strategy=settings.assignment_strategy,
                     exactly_once=settings.processing_guarantee == "exactly-once",
+                    state_topic=settings.state_topic_name,
+                    mirror=storage if isinstance(storage, MirroredStorage) else None,
                 )
 
             if settings.metrics_port:

@@ -8,6 +8,11 @@
    the metadata (earliest pending offset, delivered watermark, intake rules). A partition whose
    tracker could not make itself durable up to that offset is not committed this time.
 
+2b. With a state topic (state/topic.py), write each partition's new bucket snapshots and its
+   manifest there. They are not waited for: a manifest that trails the commit is still right,
+   only more of the log is read again at a handoff. In exactly-once mode they are part of the
+   transaction that step 3 commits.
+
 At least once: a crash between 2 and 3 leaves local state one checkpoint ahead of Kafka; the
 restart uses it (PartitionState.start), since everything it covers was acknowledged in step 1.
 Deliveries alone change the watermark, so a checkpoint commits after deliveries even when nothing
@@ -28,10 +33,13 @@ from confluent_kafka import Consumer, TopicPartition
 
 from sidecar.errors import BrokerError, SidecarError
 from sidecar.outbound.writer import Writer
+from sidecar.state.topic import StateTopic
 from sidecar.tracker.partitions import PartitionState
 
 
-def checkpoint(writer: Writer, states: Iterable[PartitionState], consumer: Consumer) -> int:
+def checkpoint(
+    writer: Writer, states: Iterable[PartitionState], consumer: Consumer, state_topic: StateTopic | None = None
+) -> int:
     """Run one checkpoint; returns the number of partitions committed."""
     writer.flush()
     exact = writer.transactional
@@ -39,6 +47,8 @@ def checkpoint(writer: Writer, states: Iterable[PartitionState], consumer: Consu
     for state in states:
         if state.next_offset is not None and state.rebuild is None:
             state.tracker.checkpoint(state.next_offset, state.runs_text())
+            if state_topic is not None:
+                state_topic.publish(state)
         point = state.commit_point(state.tracker.earliest_pending_offset(), exact)
         if point is not None:
             points.append((state, point))

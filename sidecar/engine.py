@@ -3,6 +3,8 @@
     inbound (receiver: intake.judge) -> tracker -> dispatch -> outbound (delivery, writer)
     control (acceptance)             -> tracker -> control (redelivery) -> outbound
     checkpoint.py: flush, tracker checkpoints, commit; tracker/partitions.py: what a commit means
+    state/: the state topic, where bucket snapshots go so a new owner of a partition need not
+    read its whole pending range again
 
 One thread keeps the commit rule simple to state and to check (see checkpoint.py).
 """
@@ -33,6 +35,8 @@ from sidecar.outbound.delivery import Delivery
 from sidecar.outbound.writer import Writer
 from sidecar.policy import PolicySet
 from sidecar.policy.routes import Routes
+from sidecar.state.mirror import MirroredStorage
+from sidecar.state.topic import StateTopic
 from sidecar.tracker import DelayedDeliveryTracker
 from sidecar.tracker.gauges import publish_index_gauges
 from sidecar.tracker.partitions import Assignment, PartitionState
@@ -74,7 +78,10 @@ class Sidecar:
         monotone_runs: bool = False,
         assignment_strategy: str = "roundrobin",
         exactly_once: bool = False,
+        state_topic: str | None = None,
+        mirror: MirroredStorage | None = None,
     ) -> None:
+        """`state_topic`, with `mirror` (the bucket tracker's storage): where bucket snapshots go for handoffs."""
         self._policies = policies
         self.metrics = metrics = metrics or Metrics()
         self.clock = clock = clock or SystemClock()
@@ -105,6 +112,9 @@ class Sidecar:
         # One transactional.id per instance: its next producer fences this one (see writer.py).
         transactional_id = f"{group_id}-{instance_id or 'default'}" if exactly_once else None
         self._writer = writer = Writer(client_config, librdkafka, transactional_id, producer)
+        self._state_topic = (
+            StateTopic(state_topic, client_config, writer, mirror, metrics) if state_topic and mirror else None
+        )
         self._admin = TopicAdmin(client_config, (control_topic, f"{control_topic}.dlt"), new_topic_partitions)
         retention = self._admin.retention_ms
         self._ahead_reader = LogReader(client_config, self._stop)
@@ -119,6 +129,7 @@ class Sidecar:
             writer.abort if exactly_once else None,
             incremental=assignment_strategy == "cooperative-sticky",
             on_handoff=self._on_handoff,
+            restore=self._state_topic.restore if self._state_topic is not None else None,
         )
         states = assignment.states
         self._nacks = LatestNacks()
@@ -165,6 +176,8 @@ class Sidecar:
         """Serve until stop() is called; raises SidecarError when the broker fails for good."""
         clean = False
         try:
+            if self._state_topic is not None:
+                self._state_topic.ensure()  # before the first assignment, which may read it
             self._apply(self._policies())
             self.running, self._state = True, ""
             last_checkpoint = time.monotonic()
@@ -198,6 +211,8 @@ class Sidecar:
                 if self._roll_reader is not None:
                     self._roll_reader.close()
                 self._reader.close()
+                if self._state_topic is not None:
+                    self._state_topic.close()
                 self._writer.close(clean)
 
     @property
@@ -274,6 +289,8 @@ class Sidecar:
             self._roll.forget((state.topic, state.partition))
         if state.control:
             self._nacks.forget_partition(state.partition)
+        if self._state_topic is not None:
+            self._state_topic.forget(state)
 
     def _delivering(self) -> list[PartitionState]:
         """Partitions that may deliver now: in exactly-once mode, not those still replaying."""
@@ -323,7 +340,7 @@ class Sidecar:
     def _checkpoint(self) -> None:
         states = list(self._assignment.states.values())
         started = time.monotonic()
-        if checkpoint(self._writer, states, self._consumer):
+        if checkpoint(self._writer, states, self._consumer, self._state_topic):
             self.metrics.commits.inc()
         self.metrics.checkpoint_latency.observe(time.monotonic() - started)
         self._dispatcher.checkpointed({(s.topic, s.partition): s.tracker for s in states if not s.control})

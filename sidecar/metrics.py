@@ -109,6 +109,20 @@ class Metrics:
         self.owned_partitions = Gauge(
             PREFIX + "assigned_partitions", "Partitions (inbound and control) this member owns now", registry=r
         )
+        self.state_restores = Counter(
+            PREFIX + "state_restores",
+            "Partitions taken over without usable local state: their index loaded from the state topic "
+            "(state-topic), or rebuilt from the earliest pending record because the state topic had none (replay)",
+            ["result"],
+            registry=r,
+        )
+        for result in ("state-topic", "replay"):
+            self.state_restores.labels(result)
+        self.state_records = Counter(
+            PREFIX + "state_records",
+            "Records written to the state topic (snapshots, manifests, tombstones)",
+            registry=r,
+        )
         self.commits = Counter(PREFIX + "commits", "Checkpoints that committed inbound offsets", registry=r)
         self.checkpoint_latency = Histogram(
             PREFIX + "checkpoint_seconds",

@@ -109,6 +109,12 @@ class RunSettings(KafkaSettings):
     bucket_max_indexes_per_segment: int = Field(5_000, ge=1, description="Most entries in one snapshot segment")
     bucket_max_buckets: int = Field(50, ge=1, description="Sealed buckets per partition before adjacent ones merge")
     control_topic: str = Field("delay-sidecar.control", description="Topic of nack commands")
+    state_topic: str | None = Field(
+        None,
+        description="Compacted topic that holds the bucket snapshots of the group's partitions, so a member "
+        "that takes a partition over reads only its unsealed tail from the log. Default: <group-id>.state; "
+        "'none': no state topic (a new owner reads the log again from the earliest pending record)",
+    )
     commit_interval_ms: int = Field(
         1000,
         ge=10,
@@ -158,3 +164,10 @@ class RunSettings(KafkaSettings):
         3, ge=1, description="Partitions of inbound topics the sidecar creates because they did not exist"
     )
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="Log level")
+
+    @property
+    def state_topic_name(self) -> str | None:
+        """The state topic in force: None with --state-topic none or the in-memory tracker."""
+        if self.tracker != "bucket" or (self.state_topic or "").lower() == "none":
+            return None
+        return self.state_topic or f"{self.group_id}.state"

@@ -165,6 +165,11 @@ class Rebuild:
         return done
 
 
+Restore = Callable[["PartitionState", int, CommitMetadata], int | None]
+"""Loads a partition's index from elsewhere (the state topic) given the commit: returns the offset
+from which the log must be read again, or None when nothing usable was found."""
+
+
 @dataclass
 class PartitionState:
     topic: str
@@ -195,10 +200,12 @@ class PartitionState:
     def name(self) -> str:
         return f"{self.topic}/{self.partition}"
 
-    def start(self, committed: int | None, metadata: CommitMetadata) -> int | None:
+    def start(self, committed: int | None, metadata: CommitMetadata, restore: "Restore | None" = None) -> int | None:
         """Where reading starts, after checking the local index against the commit.
 
-        None means "where the group's auto.offset.reset says" (nothing committed yet).
+        None means "where the group's auto.offset.reset says" (nothing committed yet). Without a
+        usable local index, `restore` may load one from the state topic; the log is then read
+        again only from the offset it returns (the unsealed tail), not from the earliest pending.
         """
         tracker = self.tracker
         self.rules = RuleHistory(metadata.rules)
@@ -237,13 +244,26 @@ class PartitionState:
         if committed is None or earliest is None or earliest >= committed:
             self.replay_until = committed or 0
             return committed
-        self.runs = Runs()  # the rebuild indexes their members one by one
         if self.control:
+            self.runs = Runs()
             self.replay_until, self.replay_through = committed, metadata.through
-        else:
-            self.rebuild = Rebuild(earliest, committed, metadata.through)
-            logger.info("index rebuild started partition=%s from=%d until=%d", self.name, earliest, committed)
-        return earliest
+            return earliest
+        tail = None
+        if restore is not None and not metadata.runs:  # run members are in no bucket: read them all again
+            tail = restore(self, committed, metadata)
+        self.runs = Runs()  # the rebuild indexes their members one by one
+        start = earliest if tail is None else max(earliest, min(tail, committed))
+        if start < committed:
+            self.rebuild = Rebuild(start, committed, metadata.through)
+            logger.info(
+                "index rebuild started partition=%s from=%d until=%d pending_from=%d source=%s",
+                self.name,
+                start,
+                committed,
+                earliest,
+                "log" if tail is None else "state-topic+log",
+            )
+        return start
 
     def _usable(self, cursor: int, committed: int | None, local_through: int, through: int) -> bool:
         if self.exact:  # (the bucket tracker's "nothing delivered" is 0, the metadata's -1)
@@ -296,8 +316,10 @@ class Assignment:
         abort: Callable[[], None] | None = None,
         incremental: bool = False,
         on_handoff: Callable[[str, int, int], None] | None = None,
+        restore: Restore | None = None,
     ) -> None:
         self.states: dict[tuple[str, int], PartitionState] = {}
+        self._restore = restore
         self._abort = abort
         """Exactly-once mode: drops the open transaction when partitions are lost."""
         self.error: Exception | None = None
@@ -326,7 +348,7 @@ class Assignment:
                 state = PartitionState(tp.topic, tp.partition, tracker, control=control, exact=self._abort is not None)
                 self.states[key] = state
             committed = tp.offset if tp.offset >= 0 else None
-            start = state.start(committed, CommitMetadata.decode(tp.metadata))
+            start = state.start(committed, CommitMetadata.decode(tp.metadata), self._restore)
             starts.append(TopicPartition(tp.topic, tp.partition, start if start is not None else tp.offset))
         if self._incremental:
             consumer.incremental_assign(starts)

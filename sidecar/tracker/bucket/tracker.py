@@ -41,7 +41,7 @@ from sidecar.tracker.bucket.immutable import NO_KEY
 from sidecar.tracker.bucket.mutable import NO_AT, MutableBucket
 from sidecar.tracker.bucket.stats import NullListener, TrackerListener, TrackerStats
 from sidecar.tracker.bucket.store import PartitionStore, release_memory
-from sidecar.tracker.storage.base import KEY_SHIFT, OFFSET_MASK, SnapshotBatch, SnapshotStorage
+from sidecar.tracker.storage.base import KEY_SHIFT, OFFSET_MASK, BucketWrite, SnapshotBatch, SnapshotStorage
 
 logger = logging.getLogger(__name__)
 
@@ -328,6 +328,30 @@ class BucketTracker(DelayedDeliveryTracker):
         ):
             out.append((mutable.bitmap.min(), mutable.bitmap.max()))
         return out
+
+    def sealed_layout(self) -> tuple[tuple[int, ...], int, int | None]:
+        """(live bucket ids, next bucket id, lowest offset of the mutable bucket): what a state-topic
+        manifest says of this index."""
+        mutable = self._mutable
+        lowest = mutable.bitmap.min() if mutable.bitmap else None
+        return tuple(self._sealed.ids()), self._store.next_bucket_id, lowest
+
+    def restore(self, buckets: list[BucketWrite], next_bucket_id: int, delivered_through: int) -> None:
+        """Replace this partition's index by sealed buckets taken from the state topic.
+
+        Everything up to `delivered_through` (the commit's watermark) counts as delivered. The
+        index has no cursor until the caller has read the log again from the manifest's tail.
+        Raises StorageError when the local store cannot take it.
+        """
+        store = self._store
+        store.durable_cursor, store.runs, store.wal_seq = None, None, 0
+        store.delivered_through = max(delivered_through, 0)
+        store.next_bucket_id = next_bucket_id
+        root = store.root([b.meta.bucket_id for b in buckets])
+        store.clear_pending = False
+        store.write(SnapshotBatch("restore", partition_meta=root, buckets=buckets, clear_partition=True))
+        self._reset_memory()
+        self._recover()
 
     def stored_runs(self) -> str | None:
         return self._store.runs

@@ -16,8 +16,9 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Literal
 
-OpKind = Literal["create", "merge", "delete", "checkpoint", "clear", "load"]
-"""Operation types, after Pulsar's bucket snapshot metrics (create / load / delete / merge)."""
+OpKind = Literal["create", "merge", "delete", "checkpoint", "clear", "load", "restore"]
+"""Operation types, after Pulsar's bucket snapshot metrics (create / load / delete / merge); `restore`
+writes an index taken from the state topic."""
 
 KEY_SHIFT = 64
 OFFSET_MASK = (1 << KEY_SHIFT) - 1

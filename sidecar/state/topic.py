@@ -1,0 +1,233 @@
+"""The state topic: a consumer group's bucket snapshots in a compacted Kafka topic, for handoffs.
+
+Kafka holds the index the way Kafka Streams holds a store's changelog and Pulsar holds bucket
+snapshots in BookKeeper (PIP-195). A member that takes over a partition without usable local
+state loads the partition's manifest and sealed buckets from here and reads the inbound log again
+only from the manifest's tail, instead of from the earliest pending record.
+
+Writes happen at the checkpoint (checkpoint.py), for each partition whose layout changed: the
+buckets sealed or merged since the last one, then the manifest, then tombstones for the buckets
+deleted. One state partition holds all of an inbound partition's records, so a reader sees them in
+that order and a manifest never names a bucket that is not there yet. In exactly-once mode they
+are written by the transactional producer, so the manifest, the snapshots and the committed
+offsets become visible together.
+
+Why a manifest can trail the commit and still be right: it says that every indexed entry below
+its tail is in its buckets or was delivered. Reading the log again from there (or from the
+committed offset, if that comes first) re-indexes the rest; entries the buckets already hold are
+not indexed twice (`tracker.add` checks), and the commit's watermark says what was delivered.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import zlib
+from typing import Any
+
+from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
+from confluent_kafka.admin import AdminClient, NewTopic
+
+from sidecar.errors import BrokerError, StorageError
+from sidecar.kafka_io import LIBRDKAFKA, consume_batch, consumer_config
+from sidecar.metrics import Metrics
+from sidecar.outbound.writer import Writer
+from sidecar.state.image import ImageError, Manifest, PartitionImage, manifest_key
+from sidecar.state.mirror import MirroredStorage
+from sidecar.tracker.bucket import BucketTracker
+from sidecar.tracker.partitions import CommitMetadata, PartitionState
+
+logger = logging.getLogger(__name__)
+
+NEW_TOPIC_PARTITIONS = 12
+TOPIC_CONFIG = {
+    "cleanup.policy": "compact",
+    # Snapshot segments are at most bucket_max_indexes_per_segment * 16 bytes (80 KB by default).
+    "max.message.bytes": str(8 * 1024 * 1024),
+    # Tombstones stay a day, so a member that was away that long still sees a bucket go.
+    "delete.retention.ms": str(24 * 3600 * 1000),
+}
+READ_TIMEOUT_S = 60.0
+ADMIN_TIMEOUT_S = 10.0
+
+
+def state_partition(partition: str, partitions: int) -> int:
+    """Where an inbound partition's state lives: stable across processes and versions (crc32)."""
+    return zlib.crc32(partition.encode()) % partitions
+
+
+class StateTopic:
+    def __init__(
+        self, name: str, client_config: dict[str, Any], writer: Writer, mirror: MirroredStorage, metrics: Metrics
+    ) -> None:
+        self.name = name
+        self._client_config = client_config
+        self._writer = writer
+        self._mirror = mirror
+        self._metrics = metrics
+        self._partitions = 0
+        self._manifests: dict[str, Manifest] = {}
+        """The last manifest written per inbound partition, so an unchanged one is not written again."""
+        self._consumer: Consumer | None = None
+
+    def ensure(self) -> None:
+        """Create the topic, compacted, if it is missing; learn its partition count."""
+        admin = AdminClient(self._client_config, logger=LIBRDKAFKA)
+        try:
+            topic = admin.list_topics(timeout=ADMIN_TIMEOUT_S).topics.get(self.name)
+        except KafkaException as e:
+            raise BrokerError(f"cannot read the metadata of the state topic {self.name}: {e.args[0]}") from e
+        if topic is not None and topic.error is None:
+            self._partitions = len(topic.partitions)
+            return
+        future = admin.create_topics(
+            [NewTopic(self.name, NEW_TOPIC_PARTITIONS, config=TOPIC_CONFIG)], operation_timeout=ADMIN_TIMEOUT_S
+        )[self.name]
+        try:
+            future.result()
+            logger.info("state topic created topic=%s partitions=%d", self.name, NEW_TOPIC_PARTITIONS)
+        except Exception as e:
+            if "TOPIC_ALREADY_EXISTS" not in str(e):
+                raise BrokerError(
+                    f"cannot create the state topic {self.name}: {e}. Create it yourself, compacted "
+                    "(cleanup.policy=compact), or grant CREATE on the cluster; --state-topic none turns it off"
+                ) from e
+        self._partitions = NEW_TOPIC_PARTITIONS
+
+    # -- writing, at the checkpoint -----------------------------------------------------------
+
+    def publish(self, state: PartitionState) -> None:
+        """Write what changed in the partition's index since the last checkpoint, and its manifest."""
+        tracker = state.tracker
+        if state.control or state.rebuild is not None or state.next_offset is None:
+            return  # a rebuild writes once it is done: until then the index is incomplete
+        if not isinstance(tracker, BucketTracker):
+            return
+        name = state.name
+        buckets, next_id, lowest = tracker.sealed_layout()
+        cursor = state.next_offset
+        tail = min(o for o in (lowest, state.runs.earliest_offset(), cursor) if o is not None)
+        manifest = Manifest(buckets, next_id, tail, cursor)
+        try:
+            records, tombstones = self._mirror.take(name, buckets)
+        except StorageError as e:
+            logger.warning("state topic not written partition=%s error=%s", name, e)
+            return  # the local store failed to read a bucket back: try again at the next checkpoint
+        last = self._manifests.get(name)
+        if not records and not tombstones and last is not None and (last.buckets, last.tail) == (buckets, tail):
+            return
+        partition = state_partition(name, self._partitions)
+        for key, value in [*records, (manifest_key(name), manifest.encode()), *tombstones]:
+            self._writer.send(self.name, key, value, [], partition=partition)
+        self._manifests[name] = manifest
+        self._metrics.state_records.inc(len(records) + len(tombstones) + 1)
+
+    def forget(self, state: PartitionState) -> None:
+        self._manifests.pop(state.name, None)
+        self._mirror.forget(state.name)
+
+    # -- reading, at a handoff ----------------------------------------------------------------
+
+    def restore(self, state: PartitionState, committed: int, metadata: CommitMetadata) -> int | None:
+        """Load the partition's index from the state topic; the offset to read the log again from, or None."""
+        tracker = state.tracker
+        if state.control or not isinstance(tracker, BucketTracker):
+            return None
+        name = state.name
+        started = time.monotonic()
+        image: PartitionImage | None = None
+        try:
+            image = self._read(name)
+            manifest = image.manifest()
+            if manifest is None:
+                raise ImageError("it holds no manifest for this partition")
+            buckets = image.buckets(manifest)
+            tracker.restore(buckets, manifest.next_bucket_id, metadata.through)
+        except (ImageError, BrokerError, StorageError) as e:
+            logger.warning(
+                "state topic not usable, reading the log again from the earliest pending record "
+                "partition=%s topic=%s reason=%s",
+                name,
+                self.name,
+                e,
+            )
+            self._metrics.state_restores.labels("replay").inc()
+            self._fresh(tracker, image, metadata)
+            return None
+        self._mirror.adopt(name, list(manifest.buckets))
+        self._manifests[name] = manifest
+        self._metrics.state_restores.labels("state-topic").inc()
+        logger.info(
+            "index restored from the state topic partition=%s buckets=%d entries=%d tail=%d committed=%d ms=%.0f",
+            name,
+            len(buckets),
+            len(tracker),
+            manifest.tail,
+            committed,
+            (time.monotonic() - started) * 1000,
+        )
+        return manifest.tail
+
+    def _fresh(self, tracker: BucketTracker, image: PartitionImage | None, metadata: CommitMetadata) -> None:
+        """An empty index whose new buckets take ids no record in the state topic uses."""
+        first_free = (image.highest_bucket_id() if image is not None else 0) + 1
+        try:
+            tracker.restore([], first_free, metadata.through)
+        except StorageError:
+            tracker.clear()  # degraded: the ids may repeat, but a later manifest names only its own buckets
+
+    def _read(self, name: str) -> PartitionImage:
+        """Every record of `name` in its state partition, read to the end (the last stable offset)."""
+        consumer = self._reader()
+        try:
+            topic = consumer.list_topics(self.name, timeout=ADMIN_TIMEOUT_S).topics.get(self.name)
+        except KafkaException as e:
+            raise BrokerError(f"reading the metadata of {self.name} failed: {e.args[0]}") from e
+        if topic is None or topic.error is not None or not topic.partitions:
+            self.ensure()  # deleted: what this member writes from now on needs it again
+            raise ImageError(f"the state topic {self.name} does not exist (it was deleted?); it was created again")
+        self._partitions = len(topic.partitions)
+        partition = state_partition(name, self._partitions)
+        image = PartitionImage(name)
+        prefix = f"{name}/".encode()
+        consumer.assign([TopicPartition(self.name, partition, 0)])
+        deadline = time.monotonic() + READ_TIMEOUT_S
+        try:
+            while True:
+                if time.monotonic() > deadline:
+                    raise BrokerError(f"reading {self.name}/{partition} took over {READ_TIMEOUT_S:.0f} s")
+                for record in consume_batch(consumer, 10_000, 0.5):
+                    error = record.error()
+                    if error is not None:
+                        if error.code() == KafkaError._PARTITION_EOF:
+                            return image
+                        raise BrokerError(f"reading {self.name}/{partition} failed: {error}")
+                    key = record.key()
+                    if key is not None and key.startswith(prefix):
+                        image.take(key, record.value())
+        except KafkaException as e:
+            raise BrokerError(f"reading {self.name}/{partition} failed: {e.args[0]}") from e
+        finally:
+            consumer.unassign()
+
+    def _reader(self) -> Consumer:
+        if self._consumer is None:
+            self._consumer = Consumer(
+                consumer_config(
+                    self._client_config,
+                    **{
+                        "group.id": "delay-sidecar.state-reader",  # never commits: read whole each time
+                        "enable.auto.commit": False,
+                        "enable.partition.eof": True,
+                        "isolation.level": "read_committed",
+                        "auto.offset.reset": "earliest",
+                    },
+                ),
+                logger=LIBRDKAFKA,
+            )
+        return self._consumer
+
+    def close(self) -> None:
+        if self._consumer is not None:
+            self._consumer.close()
+            self._consumer = None
