@@ -63,6 +63,9 @@ NAMES = ("A", "B", "C")
 ORIGIN_PARTITION, ORIGIN_OFFSET, DELIVER_AT = "delay-origin-partition", "delay-origin-offset", "delay-deliver-at"
 _ASSIGNED = re.compile(r'^ts=(\S+) .*event="partitions assigned" partitions=(\S+)')
 _REBUILT = re.compile(r'^ts=(\S+) .*event="index rebuild done" partition=(\S+)')
+# Lines written inside the assignment callback, before "partitions assigned": where it started.
+_RESTORED = re.compile(r'^ts=(\S+) .*event="index restored from the state topic" partition=(\S+) .* ms=(\d+)')
+_IN_ASSIGN = re.compile(r'^ts=(\S+) .*event="(index rebuild started|state topic not usable|local index is stale)')
 PAYLOAD_READS = "delay_sidecar_payload_reads_total{"
 _RESTART = re.compile(r'event="engine failed')
 
@@ -219,8 +222,12 @@ class Member:
     name: str
     port: int
     child: Child
-    assigned: list[tuple[int, set[int]]] = field(default_factory=list)
-    """(epoch ms, inbound partitions) of each "partitions assigned" line after the handoff began."""
+    assigned: list[tuple[int, int, set[int]]] = field(default_factory=list)
+    """(start, end, inbound partitions) of each assignment after the handoff began: end is the
+    "partitions assigned" line, start the earliest line of the same callback (a restore from the
+    state topic runs inside it, before that line), epoch ms."""
+    restore_ms: dict[int, int] = field(default_factory=dict)
+    """Inbound partition -> how long its restore from the state topic took."""
     rebuilt: dict[int, int] = field(default_factory=dict)
     """Inbound partition -> epoch ms of its "index rebuild done" line."""
     restarts: int = 0
@@ -229,14 +236,25 @@ class Member:
 
 
 def parse_log(member: Member, topic: str, since_ms: int) -> None:
+    began: int | None = None
     for line in member.child.log.read_text(errors="replace").splitlines():
         if _RESTART.search(line):
             member.restarts += 1
+        if m := _RESTORED.match(line):
+            stamp = log_ms(m.group(1)) - int(m.group(3))
+            began = stamp if began is None else min(began, stamp)
+            if m.group(2).startswith(topic + "/"):
+                member.restore_ms[int(m.group(2).rsplit("/", 1)[1])] = int(m.group(3))
+        elif m := _IN_ASSIGN.match(line):
+            stamp = log_ms(m.group(1))
+            began = stamp if began is None else min(began, stamp)
         if m := _ASSIGNED.match(line):
             stamp = log_ms(m.group(1))
             if stamp >= since_ms:
                 names = m.group(2).split(",")
-                member.assigned.append((stamp, {int(n.rsplit("/", 1)[1]) for n in names if n.startswith(topic + "/")}))
+                parts = {int(n.rsplit("/", 1)[1]) for n in names if n.startswith(topic + "/")}
+                member.assigned.append((min(began or stamp, stamp), stamp, parts))
+            began = None
         elif m := _REBUILT.match(line):
             name = m.group(2)
             if name.startswith(topic + "/"):
@@ -380,13 +398,13 @@ def _summarise(
     owner: dict[int, tuple[str, int]] = {}
     for member in members:
         if member.assigned:
-            stamp, parts = member.assigned[-1]
+            stamp, _, parts = member.assigned[-1]
             for p in parts:
                 owner[p] = (member.name, stamp)
     rows = []
     for member in members:
         owned = sorted(p for p, (name, _) in owner.items() if name == member.name)
-        stamp = member.assigned[-1][0] if member.assigned else 0
+        stamp, assigned_end = member.assigned[-1][:2] if member.assigned else (0, 0)
         mask = np.isin(out.partition, owned)
         due_from = np.maximum(out.deliver_at[mask], stamp)
         added = (out.delivered[mask] - due_from) / 1000
@@ -403,7 +421,8 @@ def _summarise(
             for k, v in samples.items()
             if k.startswith("delay_sidecar_state_restores_total{")
         }
-        rebuilt = [(member.rebuilt[p] - stamp) / 1000 for p in owned if p in member.rebuilt]
+        # The index is complete when its tail has been read again, or at once when there was none.
+        rebuilt = [(member.rebuilt.get(p, assigned_end) - stamp) / 1000 for p in owned]
         rows.append(
             {
                 "name": member.name,
@@ -415,7 +434,9 @@ def _summarise(
                 "restores": restores,
                 "first_min_s": min(firsts, default=float("nan")),
                 "first_max_s": max(firsts, default=float("nan")),
-                "rebuilt_max_s": max(rebuilt, default=float("nan")),
+                "rebuilt_max_s": max(rebuilt, default=float("nan")) if member.name != "A" else float("nan"),
+                "in_callback_s": (assigned_end - stamp) / 1000,
+                "restore_ms_max": max(member.restore_ms.values(), default=0),
                 "added_p50_s": pct(added, 50),
                 "added_p99_s": pct(added, 99),
                 "added_max_s": float(added.max()) if len(added) else float("nan"),
@@ -442,18 +463,19 @@ def print_report(env: dict[str, Any], command: str, args: argparse.Namespace, ru
     )
     print(
         "| variant | owner | partitions (after) | pending in them | read from the log | read / pending | "
-        "restores | assigned -> first delivery, s (min / max over partitions) | rebuild done, s after assignment | "
-        "delay added by the handoff, s (p50 / p99 / max) |"
+        "restores | assignment callback, s (restores run in it) | assigned -> first delivery, s (min / max over "
+        "partitions) | index complete, s after assignment | delay added by the handoff, s (p50 / p99 / max) |"
     )
-    print("| --- | --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: |")
     for run in runs:
         for row in run["members"]["rows"]:
             who = row["name"] + (" (new)" if row["moved"] else " (kept)")
-            restores = ", ".join(f"{k} {v:.0f}" for k, v in sorted(row["restores"].items())) or "-"
+            restores = ", ".join(f"{k} {v:.0f}" for k, v in sorted(row["restores"].items()) if v) or "-"
             share = row["read"] / row["pending"] if row["pending"] else float("nan")
             print(
                 f"| {run['variant']} | {who} | {len(row['partitions'])} | {row['pending']:,} | {row['read']:,.0f} | "
-                f"{share:.2f} | {restores} | {row['first_min_s']:.2f} / {row['first_max_s']:.2f} | "
+                f"{share:.2f} | {restores} | {row['in_callback_s']:.2f} | "
+                f"{row['first_min_s']:.2f} / {row['first_max_s']:.2f} | "
                 f"{row['rebuilt_max_s']:.1f} | {row['added_p50_s']:.2f} / {row['added_p99_s']:.2f} / "
                 f"{row['added_max_s']:.2f} |"
             )
@@ -498,15 +520,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--assume-intake-rate", type=float, default=15_000, help="records/s A is assumed to index at, to place H"
     )
-    parser.add_argument("--bucket-min-index-count", type=int, default=50_000)
+    parser.add_argument(
+        "--bucket-min-index-count", type=int, default=None, help="the sidecar's (default 50,000; 5,000 with --quick)"
+    )
     parser.add_argument("--variants", default="none,default", help="--state-topic values, 'default' for none given")
     parser.add_argument("--rounds", type=int, default=1, help="repeat the variants, alternating their order")
-    parser.add_argument("--quick", action="store_true", help="100,000 pending (for debugging)")
+    parser.add_argument("--quick", action="store_true", help="100,000 pending, buckets of 5,000 (for debugging)")
     parser.add_argument("--sidecar-arg", action="append", default=[], help="an extra argument for every instance")
     parser.add_argument("--keep", action="store_true", help="keep the work dir (logs) after the run")
     args = parser.parse_args(argv)
     if args.quick:
         args.pending = 100_000
+    if args.bucket_min_index_count is None:
+        args.bucket_min_index_count = 5_000 if args.quick else 50_000
     if not args.window_s:
         args.window_s = max(20, args.pending // 10_000)
     command = shlex.join([".venv/bin/python", "-m", "bench.handoff", *(sys.argv[1:] if argv is None else argv)])
