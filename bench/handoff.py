@@ -8,10 +8,13 @@ Each variant runs on fresh topics and a fresh consumer group on one embedded bro
 2. N records are produced with deliver-at spread uniformly over a window that starts at a planned
    handoff instant H, far enough out that nothing falls due while A indexes them. The bench waits
    until A has indexed all N and committed every inbound partition up to its end.
-3. At H - lead, instances B and C start together (fresh state dirs, so no local state of their own).
-   A is idle then (nothing due, nothing to commit): on the embedded broker a member that joins while
-   another one commits can cost a lost assignment, so the join is placed where A has nothing to do.
-   The group rebalances (roundrobin): B and C get 2/3 of the partitions, which they must rebuild.
+3. At H - lead (6 s), instances B and C start together (fresh state dirs, so no local state of
+   their own). A is idle then (nothing due, nothing to commit): on the embedded broker a member that
+   joins while another one commits costs a lost assignment (ILLEGAL_GENERATION, an engine restart
+   and duplicates; seen with a 3 s lead, when the join took 4 s and A was already delivering), so
+   the join is placed where A has nothing to do. The group rebalances (roundrobin): B and C get 2/3
+   of the partitions, which they must rebuild. The window starts a few seconds after their
+   assignment, which the report prints; first deliveries are counted from the later of the two.
 4. Everything is delivered; the bench reads the outbound topic back and stops the instances.
 
 Measured per new owner (B, C), for the partitions that moved to it:
@@ -366,7 +369,8 @@ def one_run(
             member.child.stop()
     for member in members:
         parse_log(member, topic, start_ms)
-    figures["members"] = _summarise(members, metrics, read_outbound(bootstrap, outbound, watermarks), ends, args)
+    delivered = read_outbound(bootstrap, outbound, watermarks)
+    figures["members"] = _summarise(members, metrics, delivered, ends, args, handoff_ms)
     return figures
 
 
@@ -384,6 +388,7 @@ def _summarise(
     out: Outbound,
     ends: list[int],
     args: argparse.Namespace,
+    window_start_ms: int,
 ) -> dict[str, Any]:
     """Per member: what it got, what it read, how soon its moved partitions delivered."""
     keys = out.partition << 40 | out.offset
@@ -405,12 +410,15 @@ def _summarise(
     for member in members:
         owned = sorted(p for p, (name, _) in owner.items() if name == member.name)
         stamp, assigned_end = member.assigned[-1][:2] if member.assigned else (0, 0)
-        mask = np.isin(out.partition, owned)
+        # Its deliveries: from its partitions, at or after its assignment (before it, the old owner's).
+        mine = np.isin(out.partition, owned)
+        before = int(np.sum(mine & (out.delivered < stamp)))
+        mask = mine & (out.delivered >= stamp)
         due_from = np.maximum(out.deliver_at[mask], stamp)
         added = (out.delivered[mask] - due_from) / 1000
         firsts = []
         for p in owned:
-            sel = out.partition == p
+            sel = mask & (out.partition == p)
             if not sel.any():
                 continue
             first_due = int(out.deliver_at[sel].min())
@@ -447,6 +455,8 @@ def _summarise(
                 ),
                 "cpu_s": round(member.cpu_s, 1),
                 "assigned_at_ms": stamp,
+                "delivered_before_assignment": before,
+                "window_after_assignment_s": (window_start_ms - stamp) / 1000,
             }
         )
     summary["rows"] = rows
@@ -500,13 +510,17 @@ def print_report(env: dict[str, Any], command: str, args: argparse.Namespace, ru
             else "no state topic"
         )
         rounds = ", ".join(f"{r['name']} {r['rounds']}" for r in m["rows"])
+        gap = max(r["window_after_assignment_s"] for r in m["rows"] if r["moved"])
+        early_old = sum(r["delivered_before_assignment"] for r in m["rows"] if r["moved"])
         restarts = sum(r["restarts"] for r in m["rows"])
         print(
             f"- {run['variant']}: intake {run['intake_rate']:,}/s ({run['intake_s']} s, producer "
             f"{run['produce_rate']:,}/s), A idle {run['idle_before_handoff_s']} s before B and C started, "
             f"group settled {run['settle_s']} s after; A's RSS {run['rss_a_mib']} MiB ({run['rss_per_pending_b']} B "
             f"per pending record over its RSS before the load); {state}; assignments after the handoff: {rounds}; "
-            f"engine restarts {restarts}; delivered {m['delivered']:,}, missing {m['missing']:,}, "
+            f"window start minus the new owners' assignment {gap:+.1f} s ({early_old:,} records of moved "
+            f"partitions delivered before it, by A); engine restarts {restarts}; "
+            f"delivered {m['delivered']:,}, missing {m['missing']:,}, "
             f"duplicates {m['duplicates']:,}, early {m['early']:,}"
         )
 
@@ -516,7 +530,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pending", type=int, default=1_000_000, help="records pending at the handoff")
     parser.add_argument("--partitions", type=int, default=12, help="partitions of the inbound topic")
     parser.add_argument("--window-s", type=int, default=0, help="deliver-at spread (default: pending / 10,000/s)")
-    parser.add_argument("--lead-ms", type=int, default=3_000, help="B and C start this long before the window")
+    parser.add_argument("--lead-ms", type=int, default=6_000, help="B and C start this long before the window")
     parser.add_argument(
         "--assume-intake-rate", type=float, default=15_000, help="records/s A is assumed to index at, to place H"
     )
