@@ -18,12 +18,19 @@ Each variant runs on fresh topics and a fresh consumer group on one embedded bro
 4. Everything is delivered; the bench reads the outbound topic back and stops the instances.
 
 Measured per new owner (B, C), for the partitions that moved to it:
-- time from its last "partitions assigned" log line to the first delivery from each moved
-  partition (counted from the partition's first deliver-at instead when that is later), target <= 2 s;
+- its assignment: the start of its last assignment callback, from its log (restores from the state
+  topic run inside the callback, before its "partitions assigned" line);
+- time from the assignment to its first delivery from each moved partition (counted from the
+  partition's first deliver-at instead when that is later), target <= 2 s;
 - records read from the inbound log (`messages_replayed_total`) against the records pending in the
   moved partitions (all of them: nothing was delivered before the handoff);
+- when its index was complete: its last "index rebuild done" line (the unsealed tail, with the
+  state topic);
 - the delay the handoff added to records of moved partitions: delivery minus max(deliver-at,
-  assignment), p50 / p99 / max; the same for the partitions A kept, as the baseline.
+  assignment), p50 / p99 / max; the same for the partitions A kept, as the baseline;
+- payloads it read back from the log, records it delivered, its CPU time.
+Also: the state topic's size after intake (read back), A's intake rate and RSS, and whether
+anything was lost, duplicated or early.
 
 Variants: `--state-topic none` (rebuild by replaying the log from the earliest pending offset) and the
 default state topic (`<group>.state`: sealed bucket snapshots and a manifest per partition, then only
