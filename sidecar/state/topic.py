@@ -64,6 +64,7 @@ class StateTopic:
         self._client_config = client_config
         self._writer = writer
         self._mirror = mirror
+        mirror.reset()
         self._metrics = metrics
         self._partitions = 0
         self._manifests: dict[str, Manifest] = {}

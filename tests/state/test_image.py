@@ -161,3 +161,18 @@ def test_a_bucket_merged_away_before_it_was_sent_is_neither_sent_nor_tombstoned(
     named = {key.decode().split("/")[3] for key, _ in topic if b"/bucket/" in key}
     assert named == {str(live)}
     assert all(value is not None for _, value in topic)
+
+
+def test_a_new_engine_sends_every_live_bucket_again() -> None:
+    """What the last engine sent may have been purged (a failed flush) or aborted (exactly-once)."""
+    clock = ManualClock(1_000_000)
+    mirror = MirroredStorage(FakeSnapshotStorage())
+    tracker = make_tracker(clock, mirror, PARTITION)
+    for offset in range(25):
+        tracker.add(offset, clock.now_ms() + 100 + offset)
+    first: list[Record] = []
+    publish(tracker, mirror, 25, first)
+    mirror.reset()
+    again: list[Record] = []
+    publish(tracker, mirror, 25, again)
+    assert {key for key, _ in again} == {key for key, _ in first}
