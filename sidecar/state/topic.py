@@ -171,9 +171,8 @@ class StateTopic:
 
     def _fresh(self, tracker: BucketTracker, image: PartitionImage | None, metadata: CommitMetadata) -> None:
         """An empty index whose new buckets take ids no record in the state topic uses."""
-        first_free = (image.highest_bucket_id() if image is not None else 0) + 1
         try:
-            tracker.restore([], first_free, metadata.through)
+            tracker.restore([], image.first_free_bucket_id() if image is not None else 1, metadata.through)
         except StorageError:
             tracker.clear()  # degraded: the ids may repeat, but a later manifest names only its own buckets
 

@@ -176,3 +176,13 @@ def test_a_new_engine_sends_every_live_bucket_again() -> None:
     again: list[Record] = []
     publish(tracker, mirror, 25, again)
     assert {key for key, _ in again} == {key for key, _ in first}
+
+
+def test_an_index_started_afresh_takes_bucket_ids_no_record_or_manifest_uses() -> None:
+    image = image_of(PARTITION, [(f"{PARTITION}/bucket/7/meta".encode(), b"m")])
+    assert image.first_free_bucket_id() == 8
+    image.take(manifest_key(PARTITION), Manifest((7,), 12, 0, 0).encode())
+    assert image.first_free_bucket_id() == 12
+    image.take(manifest_key(PARTITION), b"not json")
+    assert image.first_free_bucket_id() == 8
+    assert image_of(PARTITION, []).first_free_bucket_id() == 1
