@@ -108,7 +108,7 @@ def test_without_the_state_topic_a_new_owner_reads_the_log_again_and_loses_nothi
         b.start()
         wait_for(lambda: bool(_owned(b, topic)) and len(_owned(a, topic)) < partitions, 60, "a sharing with b")
         moved = _owned(b, topic)
-        due = int(time.time() * 1000) + 25_000
+        due = int(time.time() * 1000) + 15_000
         produce_due(kafka_helper, topic, [due + i % 2_000 for i in range(count)], partitions=partitions)
         wait_for(lambda: _tracked(a_port, topic) + _tracked(b_port, topic) == count, 60, "every record indexed")
         wait_for(lambda: scrape(b_port, "delay_sidecar_state_records_total") > 0, 30, "b's snapshots written")

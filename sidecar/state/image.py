@@ -125,11 +125,15 @@ class PartitionImage:
     def empty(self) -> bool:
         return not self.values
 
+    def bucket_keys(self) -> list[bytes]:
+        prefix = f"{self.partition}/bucket/".encode()
+        return [key for key in self.values if key.startswith(prefix)]
+
     def first_free_bucket_id(self) -> int:
         """A bucket id above every one a record or the manifest names, for an index started afresh:
         its buckets must not overwrite those an older manifest may still name."""
         prefix = f"{self.partition}/bucket/".encode()
-        ids = [int(key[len(prefix) :].split(b"/", 1)[0]) for key in self.values if key.startswith(prefix)]
+        ids = [int(key[len(prefix) :].split(b"/", 1)[0]) for key in self.bucket_keys()]
         try:
             manifest = self.manifest()
         except ImageError:

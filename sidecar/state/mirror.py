@@ -105,6 +105,11 @@ class MirroredStorage(SnapshotStorage):
         self._outboxes[partition] = outbox = _Outbox()
         outbox.sent.update(bucket_ids)
 
+    def drop_later(self, partition: str, keys: list[bytes]) -> None:
+        """Tombstone these records after the partition's next manifest: an index that was not usable
+        (the log is read again instead) would otherwise stay in a compacted topic for ever."""
+        self._outboxes.setdefault(partition, _Outbox()).tombstones += [(key, None) for key in keys]
+
     def forget(self, partition: str) -> None:
         """The partition went to another member: what it queued is the new owner's to write."""
         self._outboxes.pop(partition, None)

@@ -173,6 +173,8 @@ class StateTopic:
         """An empty index whose new buckets take ids no record in the state topic uses."""
         try:
             tracker.restore([], image.first_free_bucket_id() if image is not None else 1, metadata.through)
+            if image is not None:
+                self._mirror.drop_later(image.partition, image.bucket_keys())
         except StorageError:
             tracker.clear()  # degraded: the ids may repeat, but a later manifest names only its own buckets
 

@@ -186,3 +186,10 @@ def test_an_index_started_afresh_takes_bucket_ids_no_record_or_manifest_uses() -
     image.take(manifest_key(PARTITION), b"not json")
     assert image.first_free_bucket_id() == 8
     assert image_of(PARTITION, []).first_free_bucket_id() == 1
+
+
+def test_records_of_an_unusable_index_are_tombstoned_after_the_next_manifest() -> None:
+    image = image_of(PARTITION, [(f"{PARTITION}/bucket/3/meta".encode(), b"m"), (manifest_key(PARTITION), b"{}")])
+    mirror = MirroredStorage(FakeSnapshotStorage())
+    mirror.drop_later(PARTITION, image.bucket_keys())
+    assert mirror.take(PARTITION, ()) == ([], [(f"{PARTITION}/bucket/3/meta".encode(), None)])
