@@ -76,6 +76,8 @@ def tracker_factory(
             max_indexes_per_segment=settings.bucket_max_indexes_per_segment,
             max_buckets=settings.bucket_max_buckets,
             listener=listener,
+            # With a state topic, what a new owner reads again is the unsealed tail: keep it short.
+            seal_behind=settings.bucket_min_index_count if settings.state_topic_name else None,
         )
 
     return create

@@ -34,6 +34,7 @@ METAVARS: dict[str, str] = {
     "topic": "TOPIC",
     "namespace": "NAMESPACE",
     "control_topic": "TOPIC",
+    "state_topic": "TOPIC",
     "control_dead_letter_topic": "TOPIC",
     "max_delay": "DURATION",
     "fixed_delay": "DURATION",

@@ -61,6 +61,8 @@ def test_kill_9_while_delivering_sends_each_record_once_read_committed(
         sidecar.start()
         for kill in range(3):
             seen = outbound_end(kafka_helper, f"{topic}.a", 2)
+            if seen >= count:
+                break  # a slow machine: the restarts outlasted the deliveries (the first kill still landed)
             more = lambda s=seen: outbound_end(kafka_helper, f"{topic}.a", 2) > s  # noqa: E731
             wait_for(more, 60, f"deliveries before kill {kill}")
             time.sleep(rng.uniform(0.1, 0.6))

@@ -81,6 +81,7 @@ def reaper() -> Iterator[list[psutil.Process]]:
             process.kill()
 
 
+@pytest.mark.parametrize("guarantee", ["at-least-once", "exactly-once"])
 def test_a_worker_killed_under_load_is_restarted_and_nothing_is_lost(
     kafka: str,
     kafka_helper: KafkaHelper,
@@ -88,11 +89,13 @@ def test_a_worker_killed_under_load_is_restarted_and_nothing_is_lost(
     policy_file: PolicyFile,
     tmp_path: Path,
     reaper: list[psutil.Process],
+    guarantee: str,
 ) -> None:
     topic, partitions, count = topic_factory("workers", partitions=4), 4, 20_000
     policies = policy_file(f"topics:\n  {topic}:\n    subscriptions: {{a: {{}}}}\n")
     port = free_ports(3)
-    args = run_args(kafka, policies, tmp_path / "state", port, f"g-{topic}", "--workers", "2")
+    args = run_args(kafka, policies, tmp_path / "state", port, f"g-{topic}", "--workers", "2",
+                    "--processing-guarantee", guarantee)  # fmt: skip
     supervisor = SidecarProcess(args, tmp_path / "log")
 
     def delivered(worker: int) -> float:
@@ -121,12 +124,15 @@ def test_a_worker_killed_under_load_is_restarted_and_nothing_is_lost(
         assert all(gone(p) for p in running), "a worker outlived its supervisor's SIGTERM"
     finally:
         supervisor.close()
-    records = kafka_helper.read_to_end(f"{topic}.a")
+    exact = guarantee == "exactly-once"
+    records = kafka_helper.read_to_end(f"{topic}.a", committed_only=exact)
     copies = deliveries(records)
     assert len(copies) == count, f"{count - len(copies)} of {count} records lost"
     assert not early(records)
     duplicates = sum(n - 1 for n in copies.values())
-    print(f"worker kill -9 under load: {duplicates} duplicate deliveries of {count} records (at-least-once)")
+    print(f"worker kill -9 under load: {duplicates} duplicate deliveries of {count} records ({guarantee})")
+    if exact:
+        assert duplicates == 0, "a read_committed consumer saw a record twice"
     log = supervisor.log.read_text()
     assert 'event="worker exited; restarting it" worker=0' in log
     assert log.count("left the consumer group") == 0, "workers leave only with --leave-group-on-stop"

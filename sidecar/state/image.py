@@ -125,11 +125,20 @@ class PartitionImage:
     def empty(self) -> bool:
         return not self.values
 
-    def highest_bucket_id(self) -> int:
-        """The highest bucket id any record names (0 if none): ids above it are free to use."""
+    def bucket_keys(self) -> list[bytes]:
         prefix = f"{self.partition}/bucket/".encode()
-        ids = [int(key[len(prefix) :].split(b"/", 1)[0]) for key in self.values if key.startswith(prefix)]
-        return max(ids, default=0)
+        return [key for key in self.values if key.startswith(prefix)]
+
+    def first_free_bucket_id(self) -> int:
+        """A bucket id above every one a record or the manifest names, for an index started afresh:
+        its buckets must not overwrite those an older manifest may still name."""
+        prefix = f"{self.partition}/bucket/".encode()
+        ids = [int(key[len(prefix) :].split(b"/", 1)[0]) for key in self.bucket_keys()]
+        try:
+            manifest = self.manifest()
+        except ImageError:
+            manifest = None
+        return max(max(ids, default=0) + 1, manifest.next_bucket_id if manifest is not None else 1)
 
     def manifest(self) -> Manifest | None:
         raw = self.values.get(manifest_key(self.partition))

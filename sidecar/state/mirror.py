@@ -93,10 +93,22 @@ class MirroredStorage(SnapshotStorage):
         tombstones, outbox.tombstones = outbox.tombstones, []
         return records, tombstones
 
+    def reset(self) -> None:
+        """A new engine starts: what the last one sent may have been purged or aborted with it, so
+        every live bucket is sent again at its partition's next checkpoint. (Tombstones it took are
+        not: a bucket no manifest names is only space until compaction.)"""
+        for outbox in self._outboxes.values():
+            outbox.sent.clear()
+
     def adopt(self, partition: str, bucket_ids: list[int]) -> None:
         """The state topic already holds these buckets: the index was restored from them."""
         self._outboxes[partition] = outbox = _Outbox()
         outbox.sent.update(bucket_ids)
+
+    def drop_later(self, partition: str, keys: list[bytes]) -> None:
+        """Tombstone these records after the partition's next manifest: an index that was not usable
+        (the log is read again instead) would otherwise stay in a compacted topic for ever."""
+        self._outboxes.setdefault(partition, _Outbox()).tombstones += [(key, None) for key in keys]
 
     def forget(self, partition: str) -> None:
         """The partition went to another member: what it queued is the new owner's to write."""

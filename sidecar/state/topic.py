@@ -64,6 +64,7 @@ class StateTopic:
         self._client_config = client_config
         self._writer = writer
         self._mirror = mirror
+        mirror.reset()
         self._metrics = metrics
         self._partitions = 0
         self._manifests: dict[str, Manifest] = {}
@@ -170,9 +171,10 @@ class StateTopic:
 
     def _fresh(self, tracker: BucketTracker, image: PartitionImage | None, metadata: CommitMetadata) -> None:
         """An empty index whose new buckets take ids no record in the state topic uses."""
-        first_free = (image.highest_bucket_id() if image is not None else 0) + 1
         try:
-            tracker.restore([], first_free, metadata.through)
+            tracker.restore([], image.first_free_bucket_id() if image is not None else 1, metadata.through)
+            if image is not None:
+                self._mirror.drop_later(image.partition, image.bucket_keys())
         except StorageError:
             tracker.clear()  # degraded: the ids may repeat, but a later manifest names only its own buckets
 

@@ -248,11 +248,11 @@ class PartitionState:
             self.runs = Runs()
             self.replay_until, self.replay_through = committed, metadata.through
             return earliest
-        tail = None
-        if restore is not None and not metadata.runs:  # run members are in no bucket: read them all again
-            tail = restore(self, committed, metadata)
-        self.runs = Runs()  # the rebuild indexes their members one by one
-        start = earliest if tail is None else max(earliest, min(tail, committed))
+        tail = restore(self, committed, metadata) if restore is not None else None
+        # Run members are in no bucket: with runs pending, read everything again (what the buckets
+        # hold is not indexed twice). The rebuild indexes their members one by one.
+        start = earliest if tail is None or metadata.runs else max(earliest, min(tail, committed))
+        self.runs = Runs()
         if start < committed:
             self.rebuild = Rebuild(start, committed, metadata.through)
             logger.info(

@@ -161,3 +161,35 @@ def test_a_bucket_merged_away_before_it_was_sent_is_neither_sent_nor_tombstoned(
     named = {key.decode().split("/")[3] for key, _ in topic if b"/bucket/" in key}
     assert named == {str(live)}
     assert all(value is not None for _, value in topic)
+
+
+def test_a_new_engine_sends_every_live_bucket_again() -> None:
+    """What the last engine sent may have been purged (a failed flush) or aborted (exactly-once)."""
+    clock = ManualClock(1_000_000)
+    mirror = MirroredStorage(FakeSnapshotStorage())
+    tracker = make_tracker(clock, mirror, PARTITION)
+    for offset in range(25):
+        tracker.add(offset, clock.now_ms() + 100 + offset)
+    first: list[Record] = []
+    publish(tracker, mirror, 25, first)
+    mirror.reset()
+    again: list[Record] = []
+    publish(tracker, mirror, 25, again)
+    assert {key for key, _ in again} == {key for key, _ in first}
+
+
+def test_an_index_started_afresh_takes_bucket_ids_no_record_or_manifest_uses() -> None:
+    image = image_of(PARTITION, [(f"{PARTITION}/bucket/7/meta".encode(), b"m")])
+    assert image.first_free_bucket_id() == 8
+    image.take(manifest_key(PARTITION), Manifest((7,), 12, 0, 0).encode())
+    assert image.first_free_bucket_id() == 12
+    image.take(manifest_key(PARTITION), b"not json")
+    assert image.first_free_bucket_id() == 8
+    assert image_of(PARTITION, []).first_free_bucket_id() == 1
+
+
+def test_records_of_an_unusable_index_are_tombstoned_after_the_next_manifest() -> None:
+    image = image_of(PARTITION, [(f"{PARTITION}/bucket/3/meta".encode(), b"m"), (manifest_key(PARTITION), b"{}")])
+    mirror = MirroredStorage(FakeSnapshotStorage())
+    mirror.drop_later(PARTITION, image.bucket_keys())
+    assert mirror.take(PARTITION, ()) == ([], [(f"{PARTITION}/bucket/3/meta".encode(), None)])

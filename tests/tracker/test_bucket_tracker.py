@@ -408,3 +408,17 @@ def test_metrics_hooks_and_log_lines(
 def test_invalid_config_is_rejected(clock: ManualClock, storage: FakeSnapshotStorage) -> None:
     with pytest.raises(ConfigError, match="max_buckets"):
         make_tracker(clock, storage, max_buckets=0)
+
+
+def test_seal_behind_seals_sparse_entries_once_the_cursor_is_far_ahead(
+    clock: ManualClock, storage: FakeSnapshotStorage
+) -> None:
+    """With a state topic, a handoff reads the log again from the mutable bucket's first offset."""
+    tracker = make_tracker(clock, storage, min_index_count=1_000, seal_behind=100)
+    for offset in (0, 40, 80):
+        assert tracker.add(offset, clock.now_ms() + 500)
+    tracker.checkpoint(99)
+    assert tracker.sealed_layout() == ((), 1, 0), "sealed before the cursor was 100 offsets ahead"
+    tracker.checkpoint(100)
+    assert tracker.sealed_layout() == ((1,), 2, None)
+    assert [d.offset for d in drain(tracker, clock, clock.now_ms() + 600)] == [0, 40, 80]

@@ -12,6 +12,7 @@ from sidecar.tracker import InMemoryTracker
 from sidecar.tracker.base import NOTHING_DELIVERED, pack
 from sidecar.tracker.bucket import BucketTracker
 from sidecar.tracker.partitions import MAX_METADATA_BYTES, CommitMetadata, PartitionState, RuleHistory
+from sidecar.tracker.runs import Run
 from sidecar.tracker.storage.fake import FakeSnapshotStorage
 
 FAR = 10**13
@@ -171,3 +172,33 @@ def test_an_exactly_once_rebuild_indexes_due_records_instead_of_delivering_them(
     assert s.replaying and s.commit_point(None, exact=True) is None
     s.next_offset = 100
     assert not s.replaying and s.commit_point(None, exact=True) is not None
+
+
+def test_an_index_from_the_state_topic_is_completed_from_its_tail_or_the_commit() -> None:
+    calls = []
+
+    def restore(s: PartitionState, committed: int, metadata: CommitMetadata) -> int | None:
+        calls.append(committed)
+        return 70
+
+    s = state(InMemoryTracker(ManualClock()))
+    assert s.start(100, CommitMetadata(40, pack(5, 39)), restore) == 70
+    assert s.rebuild is not None and (s.rebuild.start, s.rebuild.until) == (70, 100)
+    late = state(InMemoryTracker(ManualClock()))  # a manifest ahead of the commit: read from the commit
+    assert late.start(100, CommitMetadata(40), lambda *_: 120) == 100 and late.rebuild is None
+    early = state(InMemoryTracker(ManualClock()))  # everything below the commit's earliest was delivered
+    assert early.start(100, CommitMetadata(80), lambda *_: 70) == 80
+    nothing = state(InMemoryTracker(ManualClock()))
+    assert nothing.start(100, CommitMetadata(40), lambda *_: None) == 40
+    assert calls == [100]
+
+
+def test_with_runs_pending_the_whole_range_is_read_again_even_after_a_restore() -> None:
+    """Run members are in no bucket: only the log has them. The buckets are restored all the same,
+    so the index's new buckets take ids after those the state topic holds."""
+    runs = (Run(50, 1_000, 60, 1_010, 64).encode(),)
+    restored: list[int] = []
+    s = state(InMemoryTracker(ManualClock()))
+    assert s.start(100, CommitMetadata(40, runs=runs), lambda _, committed, __: restored.append(committed) or 90) == 40
+    assert s.rebuild is not None and s.rebuild.start == 40 and not s.runs
+    assert restored == [100]

@@ -7,6 +7,9 @@ import signal
 import time
 from pathlib import Path
 
+import pytest
+from confluent_kafka.admin import AdminClient
+
 from sidecar.broker.embedded import free_port
 from tests.kafka_helpers import (
     KafkaHelper,
@@ -87,9 +90,18 @@ def test_kill_9_mid_delivery_loses_nothing_and_restarts_without_rereading(
         assert second.wait(30) == 0, log.read_text()[-2000:]
 
 
-def test_lost_state_dir_is_rebuilt_from_the_commit_metadata_with_progress(
-    kafka: str, kafka_helper: KafkaHelper, topic_factory: TopicFactory, policy_file: PolicyFile, tmp_path: Path
+@pytest.mark.parametrize("state_topic", ["deleted", "kept"])
+def test_a_lost_state_dir_is_restored_from_the_state_topic_or_rebuilt_from_the_commit_metadata(
+    kafka: str,
+    kafka_helper: KafkaHelper,
+    topic_factory: TopicFactory,
+    policy_file: PolicyFile,
+    tmp_path: Path,
+    state_topic: str,
 ) -> None:
+    """With the state topic, the sealed buckets come from it and only the unsealed tail is read again.
+    With the state topic deleted too, the sidecar says so and reads the log again from the earliest
+    pending record (as with --state-topic none)."""
     topic = topic_factory("rebuild", partitions=2)
     policies = policy_file(f"topics:\n  {topic}:\n    subscriptions: {{a: {{}}, b: {{}}}}\n")
     port, log, state = free_port(), tmp_path / "sidecar.log", tmp_path / "state"
@@ -104,15 +116,22 @@ def test_lost_state_dir_is_rebuilt_from_the_commit_metadata_with_progress(
         first.send_signal(signal.SIGKILL)
         first.wait(10)
     shutil.rmtree(state)
+    if state_topic == "deleted":
+        admin = AdminClient({"bootstrap.servers": kafka})
+        admin.delete_topics([f"g-{topic}.state"])[f"g-{topic}.state"].result(10)
     second = sidecar_process(args, log)
     try:
         assert assert_all_delivered(kafka_helper, topic, log, expected=COUNT + 1) == {"a": 0, "b": 0}
         text = log.read_text()
-        progress = r"event=\"index rebuild (progress|done)\" partition=\S+ offset=\d+ until=\d+ .*rate=\d+/s eta="
-        assert re.search(progress, text)
-        assert (
-            scrape(port, "delay_sidecar_messages_replayed_total", topic=topic) == COUNT
-        )  # the immediate one is before
+        replayed = scrape(port, "delay_sidecar_messages_replayed_total", topic=topic)
+        if state_topic == "deleted":
+            assert text.count('event="state topic not usable') == 2
+            progress = r"event=\"index rebuild (progress|done)\" partition=\S+ offset=\d+ until=\d+ .*rate=\d+/s eta="
+            assert re.search(progress, text)
+            assert replayed == COUNT  # the immediate one is before
+        else:
+            assert text.count('event="index restored from the state topic"') == 2
+            assert replayed < 2_000, "more than the unsealed tails (buckets seal every 1,000 entries) read again"
         # The record without a delay was not delivered a second time by the rebuild.
         assert [r.value for r in kafka_helper.read(f"{topic}.a", COUNT + 1, timeout_s=5, extra_s=1)].count(
             b"immediate"

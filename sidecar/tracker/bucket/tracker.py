@@ -71,7 +71,11 @@ class BucketTracker(DelayedDeliveryTracker):
         retry_interval_ms: int = 5_000,
         bitmap_rewrite_ratio: float = 0.1,
         listener: TrackerListener | None = None,
+        seal_behind: int | None = None,
     ) -> None:
+        """`seal_behind`: also seal at a checkpoint once the mutable bucket's first offset is this many
+        offsets behind the cursor, so that a new owner restoring from the state topic never reads
+        more than about that much of the log again, however sparse the delayed records are."""
         super().__init__(clock)
         for name, value in (
             ("min_index_count", min_index_count),
@@ -84,6 +88,7 @@ class BucketTracker(DelayedDeliveryTracker):
         if retries < 0 or retry_backoff_s < 0 or retry_interval_ms < 0 or not 0 <= bitmap_rewrite_ratio <= 1:
             raise ConfigError("bucket tracker retry settings must be >= 0 and bitmap_rewrite_ratio in [0, 1]")
         self._min_index_count = min_index_count
+        self._seal_behind = seal_behind
         self._step = time_step_ms
         self._max_per_segment = max_indexes_per_segment
         self._rewrite_ratio = bitmap_rewrite_ratio
@@ -367,6 +372,9 @@ class BucketTracker(DelayedDeliveryTracker):
         if not store.ensure_cleared():
             return
         self._retry_deferred()
+        behind = self._seal_behind
+        if behind is not None and self._mutable.bitmap and index_cursor - self._mutable.bitmap.min() >= behind:
+            self._seal_and_merge(self.clock.now_ms())
         popped = self._popped
         batch = SnapshotBatch(
             "checkpoint",
