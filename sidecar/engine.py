@@ -39,7 +39,7 @@ from sidecar.state.mirror import MirroredStorage
 from sidecar.state.topic import StateTopic
 from sidecar.tracker import DelayedDeliveryTracker
 from sidecar.tracker.gauges import publish_index_gauges
-from sidecar.tracker.partitions import Assignment, PartitionState
+from sidecar.tracker.partitions import Assignment, CommitMetadata, PartitionState
 from sidecar.tracker.runs import Runs
 
 logger = logging.getLogger(__name__)
@@ -129,7 +129,7 @@ class Sidecar:
             writer.abort if exactly_once else None,
             incremental=assignment_strategy == "cooperative-sticky",
             on_handoff=self._on_handoff,
-            restore=self._state_topic.restore if self._state_topic is not None else None,
+            restore=self._restore if self._state_topic is not None else None,
         )
         states = assignment.states
         self._nacks = LatestNacks()
@@ -279,6 +279,14 @@ class Sidecar:
                                topic, state.partition, drained)  # fmt: skip
         self._checkpoint()
 
+    def _restore(self, state: PartitionState, committed: int, metadata: CommitMetadata) -> int | None:
+        """The index from the state topic; the roll then brings the payloads its buckets point at."""
+        assert self._state_topic is not None
+        tail = self._state_topic.restore(state, committed, metadata)
+        if tail is not None and self._roll is not None:
+            self._roll.adopt((state.topic, state.partition), min(tail, committed))
+        return tail
+
     def _on_handoff(self, event: str, moved: int, owned: int) -> None:
         self.metrics.handoffs.labels(event).inc(moved)
         self.metrics.owned_partitions.set(owned)
@@ -316,6 +324,8 @@ class Sidecar:
         if wake is not None:
             times.append(wake)
         wait = MAX_WAIT_S if not times else min(max((min(times) - self.clock.now_ms()) / 1000, 0.0), MAX_WAIT_S)
+        if self._roll is not None and self._roll.busy:
+            wait = 0.0  # the roll reads a slice per turn
         # A tracker whose next segment failed to load reports a due entry it cannot pop yet: wait
         # for its retry rather than spin.
         return max(wait, self._stalled_until - time.monotonic())

@@ -12,6 +12,9 @@ Only records read before the previous roll are considered: later ones were judge
 the horizon already past this stretch, so their payloads are cached, or the budget was full then.
 The roll decides nothing: a payload it misses is read back at due time, as without it. It reads a
 slice per loop turn, like the read-ahead, so deliveries never wait behind it.
+
+A partition whose index was restored from the state topic gets a catch-up pass of its own at once
+(`adopt`): every pending entry due within the horizon, read from its buckets in offset order.
 """
 
 import logging
@@ -52,12 +55,31 @@ class HorizonRoll:
         self._cursors: dict[TopicPartitionKey, int] = {}
         """The next offset intake would read, per partition, at the previous roll."""
         self._pass: Generator[None] | None = None
+        self._catch_up: dict[TopicPartitionKey, int] = {}
+        """Partitions whose index came from the state topic, and the offset their log reread starts at."""
+
+    @property
+    def busy(self) -> bool:
+        """A pass is under way or waiting: the loop should not sleep between turns."""
+        return self._pass is not None or bool(self._catch_up)
+
+    def adopt(self, partition: TopicPartitionKey, below: int) -> None:
+        """A partition restored from the state topic: its new owner has none of its payloads. One
+        sequential pass over its buckets, below the offset where the log is read again (which
+        caches what it reads), caches those due within the horizon."""
+        self._catch_up[partition] = below
 
     def turn(
         self,
         trackers: dict[TopicPartitionKey, DelayedDeliveryTracker],
         cursors: Callable[[], dict[TopicPartitionKey, int]],
     ) -> None:
+        if self._pass is None and not self._cache.budget.full:
+            ready = {p: below for p, below in self._catch_up.items() if p in trackers}
+            if ready:  # (a partition still rebuilding, in exactly-once mode, is not delivering yet)
+                now = self._clock.now_ms()
+                self._catch_up = {p: b for p, b in self._catch_up.items() if p not in ready}
+                self._pass = self._roll(trackers, ready, -1, now + self._cache.horizon_ms, now)
         if self._pass is None:
             now = self._clock.now_ms()
             if now < self._next_roll_ms:
@@ -80,6 +102,7 @@ class HorizonRoll:
 
     def forget(self, partition: TopicPartitionKey) -> None:
         self._cursors.pop(partition, None)
+        self._catch_up.pop(partition, None)
 
     def _roll(
         self,

@@ -98,7 +98,7 @@ class Receiver:
             if not stamped:
                 publish_ms = now
             if state.rebuild is not None:
-                self._rebuild_one(record, state, state.rebuild, routes, publish_ms, sent[topic])
+                self._rebuild_one(record, state, state.rebuild, routes, publish_ms, sent[topic], payloads)
                 state.next_offset = offset + 1
                 continue
             rule = rules.get(topic)
@@ -205,7 +205,10 @@ class Receiver:
         routes: Routes,
         publish_ms: int,
         sent: Counter[str],
+        payloads: CacheBatch | None,
     ) -> None:
+        """One record of a rebuild: indexed again (with its payload cached, as at intake: a new
+        owner has no cache) or sent now if due, unless the watermark says it was delivered."""
         offset = record.offset()
         rule = state.rules.at(offset) or routes.rule(self._retention_ms.get(record.topic()))
         fate = judge(rule, record.headers(), publish_ms)
@@ -213,6 +216,8 @@ class Receiver:
         if deliver_at is not None and pack(deliver_at, offset) > rebuild.through:
             if state.tracker.add(offset, deliver_at, deliver_now=not state.exact):
                 rebuild.indexed += 1
+                if payloads is not None:
+                    payloads.add(state.topic, state.partition, offset, deliver_at, record, record.headers())
             else:
                 self._delivery.send(routes.targets(rule), record, deliver_at, sent)
                 rebuild.redelivered += 1

@@ -124,13 +124,19 @@ def test_a_lost_state_dir_is_restored_from_the_state_topic_or_rebuilt_from_the_c
         assert assert_all_delivered(kafka_helper, topic, log, expected=COUNT + 1) == {"a": 0, "b": 0}
         text = log.read_text()
         replayed = scrape(port, "delay_sidecar_messages_replayed_total", topic=topic)
+        from_log = scrape(port, "delay_sidecar_payload_reads_total", topic=topic, source="log")
+        print(f"payloads read back from the log after the restart: {from_log} of {COUNT}")
         if state_topic == "deleted":
+            assert from_log == 0, "the rebuild did not cache the payloads of what it indexed"
             assert text.count('event="state topic not usable') == 2
             progress = r"event=\"index rebuild (progress|done)\" partition=\S+ offset=\d+ until=\d+ .*rate=\d+/s eta="
             assert re.search(progress, text)
             assert replayed == COUNT  # the immediate one is before
         else:
             assert text.count('event="index restored from the state topic"') == 2
+            # The new owner has no payloads: one pass over the restored buckets caches them.
+            rolls = re.findall(r'event="payload cache roll" window_ms=-1-\d+ read=\d+ cached=(\d+)', text)
+            assert rolls and int(rolls[0]) > 0, "no catch-up pass over the restored buckets"
             assert replayed < 2_000, "more than the unsealed tails (buckets seal every 1,000 entries) read again"
         # The record without a delay was not delivered a second time by the rebuild.
         assert [r.value for r in kafka_helper.read(f"{topic}.a", COUNT + 1, timeout_s=5, extra_s=1)].count(
