@@ -48,11 +48,19 @@ def gone(process: psutil.Process) -> bool:
         return True
 
 
+def _argv(process: psutil.Process) -> list[str]:
+    """A child that exits while we look (a killed broker not reaped yet) has no command line."""
+    try:
+        return process.cmdline()
+    except (psutil.ZombieProcess, psutil.NoSuchProcess):
+        return []
+
+
 def noida_child(parent: psutil.Process) -> psutil.Process:
     found: list[psutil.Process] = []
 
     def look() -> bool:
-        found[:] = [p for p in parent.children(recursive=True) if "noida-db" in " ".join(p.cmdline())]
+        found[:] = [p for p in parent.children(recursive=True) if "noida-db" in " ".join(_argv(p))]
         return bool(found)
 
     wait_until(look, "the noida-db child appeared")
