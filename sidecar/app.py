@@ -56,9 +56,8 @@ class BucketMetrics:
 
 STATE_TAIL_OFFSETS = 10_000
 """With a state topic, the mutable bucket is sealed at a checkpoint once its first offset is this far
-behind the cursor: a new owner then reads about this much of the log again (docs/scaling.md: 4% of
-a partition's 83,000 pending records with it, 40% with buckets of 50,000, first deliveries within
-about 2 s against up to 10 s)."""
+behind the cursor: a new owner then reads about this much of the log again (docs/scaling.md: 0 to
+1.4% of a partition's 83,000 pending records with it, 40% with the default buckets of 50,000)."""
 
 
 def tracker_factory(

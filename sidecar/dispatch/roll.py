@@ -60,8 +60,8 @@ class HorizonRoll:
 
     @property
     def busy(self) -> bool:
-        """A pass is under way or waiting: the loop should not sleep between turns."""
-        return self._pass is not None or bool(self._catch_up)
+        """A pass is under way: the loop should not sleep between turns."""
+        return self._pass is not None
 
     def adopt(self, partition: TopicPartitionKey, below: int) -> None:
         """A partition restored from the state topic: its new owner has none of its payloads. One
