@@ -69,7 +69,7 @@ def test_three_members_hand_a_leaving_members_partitions_over_from_the_state_top
         wait_for(lambda: sum(len(_owned(m, topic)) for m, _ in members) == partitions, 60, "the group settled")
         before = {p: name for name, (m, _) in zip("abc", members, strict=True) for p in _owned(m, topic)}
         assert "c" in before.values(), "c holds no partition: the test would prove nothing"
-        due = int(time.time() * 1000) + 25_000
+        due = int(time.time() * 1000) + 18_000
         produce_due(kafka_helper, topic, [due + i % 5_000 for i in range(count)], partitions=partitions)
         ports = (a_port, b_port, c_port)
         wait_for(lambda: sum(_tracked(p, topic) for p in ports) == count, 90, "every record indexed")
@@ -102,7 +102,7 @@ def test_a_partition_that_comes_back_after_another_owner_does_not_use_its_stale_
     policies = policy_file(f"topics:\n  {topic}:\n    subscriptions: {{a: {{}}}}\n")
     group = f"g-{topic}"
     (a, a_port), (b, b_port) = (_member(kafka, policies, tmp_path, name, group) for name in "ab")
-    due = int(time.time() * 1000) + 25_000
+    due = int(time.time() * 1000) + 20_000
     try:
         a.start()
         wait_for(lambda: len(_owned(a, topic)) == partitions, 60, "a serving alone")
