@@ -61,14 +61,13 @@ import numpy as np
 import psutil  # type: ignore[import-untyped,unused-ignore]
 from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 
-from bench.probe import Watermarks, create_topic, metric_sum, now_ms, scrape, wait_for_outbound
+from bench.probe import Watermarks, create_topic, metric_sum, now_ms, scrape, settle, wait_for_outbound
 from bench.procs import Child, load_argv, run_load, start_sidecar
 from bench.report import environment
 from sidecar.broker.embedded import EmbeddedBroker, free_port, free_ports
 
 CONTROL_TOPIC = "delay-sidecar.control"
 SUBSCRIPTION = "a"
-SETTLE_S = 2.0
 NAMES = ("A", "B", "C")
 ORIGIN_PARTITION, ORIGIN_OFFSET, DELIVER_AT = "delay-origin-partition", "delay-origin-offset", "delay-deliver-at"
 _ASSIGNED = re.compile(r'^ts=(\S+) .*event="partitions assigned" partitions=(\S+)')
@@ -90,28 +89,6 @@ def supports_state_topic() -> bool:
 def log_ms(stamp: str) -> int:
     """A log line's ts (local time, ms) as epoch ms."""
     return int(datetime.datetime.strptime(stamp, "%Y-%m-%dT%H:%M:%S.%f").timestamp() * 1000)
-
-
-def settle(ports: list[int], partitions: int, timeout_s: float = 120.0) -> float:
-    """Seconds until the instances own `partitions` between them, each some, unchanged for SETTLE_S."""
-    started = time.monotonic()
-    stable_since: float | None = None
-    last: list[float] = []
-    while time.monotonic() - started < timeout_s:
-        try:
-            owned = [metric_sum(scrape(port), "delay_sidecar_assigned_partitions") for port in ports]
-        except OSError:
-            owned = []
-        if owned and sum(owned) == partitions and min(owned) > 0:
-            if owned != last:
-                stable_since = time.monotonic()
-            elif stable_since is not None and time.monotonic() - stable_since >= SETTLE_S:
-                return time.monotonic() - started
-        else:
-            stable_since = None
-        last = owned
-        time.sleep(0.1)
-    raise RuntimeError(f"the group did not settle on {partitions} partitions in {timeout_s:.0f} s (owned {last})")
 
 
 def committed_offsets(bootstrap: str, group: str, topic: str, partitions: int) -> list[int]:

@@ -284,3 +284,28 @@ def read_deliveries(bootstrap: str, topic: str, watermarks: Watermarks, into: De
     finally:
         consumer.close()
     return out
+
+
+SETTLE_S = 2.0
+
+
+def settle(ports: list[int], partitions: int, timeout_s: float = 120.0) -> float:
+    """Seconds until the sidecars at `ports` own `partitions` between them, each some, unchanged for SETTLE_S."""
+    started = time.monotonic()
+    stable_since: float | None = None
+    last: list[float] = []
+    while time.monotonic() - started < timeout_s:
+        try:
+            owned = [metric_sum(scrape(port), "delay_sidecar_assigned_partitions") for port in ports]
+        except OSError:
+            owned = []
+        if owned and sum(owned) == partitions and min(owned) > 0:
+            if owned != last:
+                stable_since = time.monotonic()
+            elif stable_since is not None and time.monotonic() - stable_since >= SETTLE_S:
+                return time.monotonic() - started
+        else:
+            stable_since = None
+        last = owned
+        time.sleep(0.1)
+    raise RuntimeError(f"the group did not settle on {partitions} partitions in {timeout_s:.0f} s (owned {last})")

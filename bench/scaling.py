@@ -37,9 +37,8 @@ from bench.probe import (
     RssSampler,
     Watermarks,
     create_topic,
-    metric_sum,
     now_ms,
-    scrape,
+    settle,
     wait_for_outbound,
 )
 from bench.procs import load_argv, run_load, start_sidecar
@@ -48,26 +47,6 @@ from bench.scenarios import SUBSCRIPTIONS
 from sidecar.broker.embedded import EmbeddedBroker, free_port, free_ports
 
 CONTROL_TOPIC = "delay-sidecar.control"
-SETTLE_S = 2.0
-
-
-def settle(ports: list[int], partitions: int, timeout_s: float = 120.0) -> float:
-    """Seconds until the workers own `partitions` between them, each some, unchanged for SETTLE_S."""
-    started = time.monotonic()
-    stable_since: float | None = None
-    while time.monotonic() - started < timeout_s:
-        try:
-            owned = [metric_sum(scrape(port), "delay_sidecar_assigned_partitions") for port in ports]
-        except OSError:
-            owned = []
-        if owned and sum(owned) == partitions and min(owned) > 0:
-            stable_since = stable_since or time.monotonic()
-            if time.monotonic() - stable_since >= SETTLE_S:
-                return time.monotonic() - started
-        else:
-            stable_since = None
-        time.sleep(0.1)
-    raise RuntimeError(f"the group did not settle on {partitions} partitions in {timeout_s:.0f} s")
 
 
 def one_run(bootstrap: str, workdir: Path, workers: int, records: int, partitions: int) -> dict[str, float]:

@@ -121,10 +121,6 @@ class PartitionImage:
         else:
             self.values[key] = value
 
-    @property
-    def empty(self) -> bool:
-        return not self.values
-
     def bucket_keys(self) -> list[bytes]:
         prefix = f"{self.partition}/bucket/".encode()
         return [key for key in self.values if key.startswith(prefix)]
