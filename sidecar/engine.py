@@ -112,10 +112,12 @@ class Sidecar:
         # One transactional.id per instance: its next producer fences this one (see writer.py).
         transactional_id = f"{group_id}-{instance_id or 'default'}" if exactly_once else None
         self._writer = writer = Writer(client_config, librdkafka, transactional_id, producer)
-        self._state_topic = (
-            StateTopic(state_topic, client_config, writer, mirror, metrics) if state_topic and mirror else None
-        )
         self._admin = TopicAdmin(client_config, (control_topic, f"{control_topic}.dlt"), new_topic_partitions)
+        self._state_topic = (
+            StateTopic(state_topic, client_config, self._admin, writer, mirror, metrics)
+            if state_topic and mirror
+            else None
+        )
         retention = self._admin.retention_ms
         self._ahead_reader = LogReader(client_config, self._stop)
         # Due reads are never interrupted: their entries are already popped, and a stop must

@@ -31,10 +31,32 @@ class TopicAdmin:
         self.retention_ms: dict[str, int | None] = {}
         self._retention_read_at = 0.0
 
+    def existing(self) -> dict[str, int]:
+        """Every topic of the cluster and its partition count."""
+        metadata = self._admin.list_topics(timeout=ADMIN_TIMEOUT_S)
+        return {name: len(t.partitions) for name, t in metadata.topics.items() if t.error is None}
+
+    def create(
+        self,
+        wanted: dict[str, int],
+        config: dict[str, str] | None = None,
+        advice: str = "create it yourself or grant CREATE on the cluster",
+    ) -> None:
+        """Create topics with these partition counts; one that exists already is not an error."""
+        futures = self._admin.create_topics(
+            [NewTopic(t, n, config=config or {}) for t, n in wanted.items()], operation_timeout=ADMIN_TIMEOUT_S
+        )
+        for topic, future in futures.items():
+            try:
+                future.result()
+                logger.info("topic created topic=%s partitions=%d", topic, wanted[topic])
+            except Exception as e:
+                if "TOPIC_ALREADY_EXISTS" not in str(e):
+                    raise BrokerError(f"cannot create topic {topic}: {e}; {advice}") from e
+
     def ensure(self, policies: PolicySet) -> None:
         """Create what is missing; afterwards `partitions` counts every topic the policies name."""
-        metadata = self._admin.list_topics(timeout=ADMIN_TIMEOUT_S)
-        existing = {name: len(t.partitions) for name, t in metadata.topics.items() if t.error is None}
+        existing = self.existing()
         wanted: dict[str, int] = {name: self._new_partitions for name in self._control_topics if name not in existing}
         for name, route in policies.topics.items():
             partitions = existing.get(name, self._new_partitions)
@@ -44,18 +66,7 @@ class TopicAdmin:
                 if target not in existing:
                     wanted.setdefault(target, partitions)
         if wanted:
-            futures = self._admin.create_topics(
-                [NewTopic(t, n) for t, n in wanted.items()], operation_timeout=ADMIN_TIMEOUT_S
-            )
-            for topic, future in futures.items():
-                try:
-                    future.result()
-                    logger.info("topic created topic=%s partitions=%d", topic, wanted[topic])
-                except Exception as e:
-                    if "TOPIC_ALREADY_EXISTS" not in str(e):
-                        raise BrokerError(
-                            f"cannot create topic {topic}: {e}; create it yourself or grant CREATE on the cluster"
-                        ) from e
+            self.create(wanted)
         self.partitions = {**existing, **wanted}
 
     def reachable(self) -> bool:

@@ -26,8 +26,8 @@ import zlib
 from typing import Any
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
-from confluent_kafka.admin import AdminClient, NewTopic
 
+from sidecar.broker.admin import TopicAdmin
 from sidecar.errors import BrokerError, StorageError
 from sidecar.kafka_io import LIBRDKAFKA, consume_batch, consumer_config
 from sidecar.metrics import Metrics
@@ -58,9 +58,16 @@ def state_partition(partition: str, partitions: int) -> int:
 
 class StateTopic:
     def __init__(
-        self, name: str, client_config: dict[str, Any], writer: Writer, mirror: MirroredStorage, metrics: Metrics
+        self,
+        name: str,
+        client_config: dict[str, Any],
+        admin: TopicAdmin,
+        writer: Writer,
+        mirror: MirroredStorage,
+        metrics: Metrics,
     ) -> None:
         self.name = name
+        self._admin = admin
         self._client_config = client_config
         self._writer = writer
         self._mirror = mirror
@@ -73,26 +80,19 @@ class StateTopic:
 
     def ensure(self) -> None:
         """Create the topic, compacted, if it is missing; learn its partition count."""
-        admin = AdminClient(self._client_config, logger=LIBRDKAFKA)
         try:
-            topic = admin.list_topics(timeout=ADMIN_TIMEOUT_S).topics.get(self.name)
+            partitions = self._admin.existing().get(self.name)
         except KafkaException as e:
             raise BrokerError(f"cannot read the metadata of the state topic {self.name}: {e.args[0]}") from e
-        if topic is not None and topic.error is None:
-            self._partitions = len(topic.partitions)
+        if partitions is not None:
+            self._partitions = partitions
             return
-        future = admin.create_topics(
-            [NewTopic(self.name, NEW_TOPIC_PARTITIONS, config=TOPIC_CONFIG)], operation_timeout=ADMIN_TIMEOUT_S
-        )[self.name]
-        try:
-            future.result()
-            logger.info("state topic created topic=%s partitions=%d", self.name, NEW_TOPIC_PARTITIONS)
-        except Exception as e:
-            if "TOPIC_ALREADY_EXISTS" not in str(e):
-                raise BrokerError(
-                    f"cannot create the state topic {self.name}: {e}. Create it yourself, compacted "
-                    "(cleanup.policy=compact), or grant CREATE on the cluster; --state-topic none turns it off"
-                ) from e
+        self._admin.create(
+            {self.name: NEW_TOPIC_PARTITIONS},
+            TOPIC_CONFIG,
+            "create it yourself, compacted (cleanup.policy=compact), or grant CREATE on the cluster; "
+            "--state-topic none turns it off",
+        )
         self._partitions = NEW_TOPIC_PARTITIONS
 
     # -- writing, at the checkpoint -----------------------------------------------------------
