@@ -59,9 +59,9 @@ if __package__ in (None, ""):
 
 import numpy as np
 import psutil  # type: ignore[import-untyped,unused-ignore]
-from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
+from confluent_kafka import Consumer, TopicPartition
 
-from bench.probe import Watermarks, create_topic, metric_sum, now_ms, scrape, settle, wait_for_outbound
+from bench.probe import Watermarks, create_topic, metric_sum, now_ms, read_records, scrape, settle, wait_for_outbound
 from bench.procs import Child, load_argv, run_load, start_sidecar
 from bench.report import environment
 from sidecar.broker.embedded import EmbeddedBroker, free_port, free_ports
@@ -126,34 +126,14 @@ def read_state_topic(bootstrap: str, topic: str, watermarks: Watermarks) -> Topi
     metadata = watermarks._consumer.list_topics(topic, timeout=10).topics.get(topic)
     if metadata is None or metadata.error is not None or not metadata.partitions:
         return None
-    ends = watermarks.ends(topic)
     out = TopicBytes()
     latest: dict[tuple[int, bytes], int] = {}
-    consumer = Consumer(
-        {
-            "bootstrap.servers": bootstrap,
-            "group.id": f"bench-state-{uuid.uuid4().hex[:8]}",
-            "enable.auto.commit": False,
-            "enable.partition.eof": True,
-        }
-    )
-    remaining = {p: end for p, end in enumerate(ends) if end > 0}
-    consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in remaining])
-    deadline = time.monotonic() + 300
-    try:
-        while remaining and time.monotonic() < deadline:
-            for m in consumer.consume(10_000, 0.5):
-                partition = m.partition()
-                if m.error() is None:
-                    key, value = m.key() or b"", m.value()
-                    size = len(key) + len(value or b"")
-                    out.records += 1
-                    out.bytes_all += size
-                    latest[(partition, key)] = size if value is not None else -1
-                if m.offset() + (1 if m.error() is None else 0) >= remaining.get(partition, 1 << 62):
-                    remaining.pop(partition, None)
-    finally:
-        consumer.close()
+    for m in read_records(bootstrap, topic, watermarks):
+        key, value = m.key() or b"", m.value()
+        size = len(key) + len(value or b"")
+        out.records += 1
+        out.bytes_all += size
+        latest[(m.partition(), key)] = size if value is not None else -1
     out.keys = sum(1 for size in latest.values() if size >= 0)
     out.bytes_latest = sum(size for size in latest.values() if size >= 0)
     return out
@@ -169,37 +149,14 @@ class Outbound:
 
 def read_outbound(bootstrap: str, topic: str, watermarks: Watermarks) -> Outbound:
     """Every outbound record's origin partition and offset, deliver-at and delivery time (its timestamp)."""
-    ends = watermarks.ends(topic)
     cols: list[list[int]] = [[], [], [], []]
     part, off, at, ts = cols
-    consumer = Consumer(
-        {
-            "bootstrap.servers": bootstrap,
-            "group.id": f"bench-out-{uuid.uuid4().hex[:8]}",
-            "enable.auto.commit": False,
-            "enable.partition.eof": True,
-        }
-    )
-    remaining = {p: end for p, end in enumerate(ends) if end > 0}
-    consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in remaining])
-    deadline = time.monotonic() + 600
-    try:
-        while remaining and time.monotonic() < deadline:
-            for m in consumer.consume(10_000, 0.5):
-                partition = m.partition()
-                if m.error() is not None:
-                    if m.offset() >= remaining.get(partition, 1 << 62):
-                        remaining.pop(partition, None)
-                    continue
-                headers = dict(m.headers() or ())  # the last value of a name wins, as the sidecar appends
-                part.append(int(headers[ORIGIN_PARTITION]))
-                off.append(int(headers[ORIGIN_OFFSET]))
-                at.append(int(headers[DELIVER_AT]))
-                ts.append(m.timestamp()[1])
-                if m.offset() + 1 >= remaining.get(partition, 1 << 62):
-                    remaining.pop(partition, None)
-    finally:
-        consumer.close()
+    for m in read_records(bootstrap, topic, watermarks, timeout_s=600.0):
+        headers = dict(m.headers() or ())  # the last value of a name wins, as the sidecar appends
+        part.append(int(headers[ORIGIN_PARTITION]))
+        off.append(int(headers[ORIGIN_OFFSET]))
+        at.append(int(headers[DELIVER_AT]))
+        ts.append(m.timestamp()[1])
     p, o, d, t = (np.asarray(c, dtype=np.int64) for c in cols)
     return Outbound(p, o, d, t)
 

@@ -12,11 +12,11 @@ import time
 import urllib.request
 import uuid
 from array import array
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import psutil  # type: ignore[import-untyped,unused-ignore]
-from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
+from confluent_kafka import OFFSET_BEGINNING, Consumer, Message, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 
 DELIVER_AT = "delay-deliver-at"
@@ -249,9 +249,8 @@ class Deliveries:
     deliver_at_ms: array[int] = field(default_factory=lambda: array("q"))
 
 
-def read_deliveries(bootstrap: str, topic: str, watermarks: Watermarks, into: Deliveries | None = None) -> Deliveries:
-    """Read a whole outbound topic from the start to its high watermarks."""
-    out = into or Deliveries()
+def read_records(bootstrap: str, topic: str, watermarks: Watermarks, timeout_s: float = 300.0) -> Iterator[Message]:
+    """Every record of a topic, from the start to its high watermarks (as they are when called)."""
     ends = watermarks.ends(topic)
     consumer = Consumer(
         {
@@ -264,25 +263,32 @@ def read_deliveries(bootstrap: str, topic: str, watermarks: Watermarks, into: De
     )
     remaining = {p: end for p, end in enumerate(ends) if end > 0}
     consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in remaining])
-    delivered, deliver_at = out.delivered_ms, out.deliver_at_ms
-    deadline = time.monotonic() + 300
+    deadline = time.monotonic() + timeout_s
     try:
         while remaining and time.monotonic() < deadline:
             for m in consumer.consume(10_000, 0.5):
-                if m.error() is not None:
-                    if m.offset() >= remaining.get(m.partition(), m.offset() + 1):
-                        remaining.pop(m.partition(), None)  # end of partition: read up to its end
-                    continue
-                for name, value in reversed(m.headers() or ()):
-                    if name == DELIVER_AT:
-                        delivered.append(m.timestamp()[1])
-                        deliver_at.append(int(value))
-                        break
                 partition = m.partition()
+                if m.error() is not None:
+                    if m.offset() >= remaining.get(partition, m.offset() + 1):
+                        remaining.pop(partition, None)  # end of partition: read up to its end
+                    continue
+                yield m
                 if m.offset() + 1 >= remaining.get(partition, 0):
                     remaining.pop(partition, None)
     finally:
         consumer.close()
+
+
+def read_deliveries(bootstrap: str, topic: str, watermarks: Watermarks, into: Deliveries | None = None) -> Deliveries:
+    """Read a whole outbound topic from the start to its high watermarks."""
+    out = into or Deliveries()
+    delivered, deliver_at = out.delivered_ms, out.deliver_at_ms
+    for m in read_records(bootstrap, topic, watermarks):
+        for name, value in reversed(m.headers() or ()):
+            if name == DELIVER_AT:
+                delivered.append(m.timestamp()[1])
+                deliver_at.append(int(value))
+                break
     return out
 
 
