@@ -113,8 +113,9 @@ class Sidecar:
         transactional_id = f"{group_id}-{instance_id or 'default'}" if exactly_once else None
         self._writer = writer = Writer(client_config, librdkafka, transactional_id, producer)
         self._admin = TopicAdmin(client_config, (control_topic, f"{control_topic}.dlt"), new_topic_partitions)
+        self._nacks = LatestNacks(changelog=bool(state_topic and mirror))
         self._state_topic = (
-            StateTopic(state_topic, client_config, self._admin, writer, mirror, metrics)
+            StateTopic(state_topic, client_config, self._admin, writer, mirror, self._nacks, metrics)
             if state_topic and mirror
             else None
         )
@@ -134,7 +135,6 @@ class Sidecar:
             restore=self._restore if self._state_topic is not None else None,
         )
         states = assignment.states
-        self._nacks = LatestNacks()
         self._delivery = Delivery(writer, states, self._current_routes, retention, metrics, clock)
         trail = TrailReader(client_config, self._rejudge, self._lost)
         self._roll_reader = LogReader(client_config, self._stop) if payload_cache is not None else None
@@ -285,7 +285,7 @@ class Sidecar:
         """The index from the state topic; the roll then brings the payloads its buckets point at."""
         assert self._state_topic is not None
         tail = self._state_topic.restore(state, committed, metadata)
-        if tail is not None and self._roll is not None:
+        if tail is not None and self._roll is not None and not state.control:
             self._roll.adopt((state.topic, state.partition), min(tail, committed))
         return tail
 

@@ -68,6 +68,8 @@ class Acceptance:
         """One control record: a command to judge, or an accepted record to index."""
         offset = record.offset()
         state.next_offset = offset + 1
+        if offset < state.replay_until:
+            self._metrics.replayed.labels(self.control_topic).inc()
         headers = dict(record.headers() or [])
         if headers.get(ACCEPTED_BY) == self._group:
             accepted = parse_accepted(record.value())
@@ -82,9 +84,9 @@ class Acceptance:
         self, accepted: AcceptedNack, offset: int, state: PartitionState, due_now: list[tuple[int, AcceptedNack]]
     ) -> None:
         done = offset < state.replay_until and pack(accepted.deliver_at, offset) <= state.replay_through
-        self._nacks.accept(accepted.command, accepted.source)
+        self._nacks.accept(accepted, offset)
         if done:
-            self._nacks.claim(accepted.command, accepted.source)  # redelivered, or superseded, before
+            self._nacks.claim(accepted, offset)  # redelivered, or superseded, before
             return
         # Exactly once: nothing is delivered while replaying (see tracker/partitions.py).
         deliver_now = not (state.exact and offset < state.replay_until)

@@ -1,40 +1,132 @@
 """Which pending nack is the one in force: for one subscription and message, the latest command wins.
 
-A nack is indexed by the position of its command in the control topic, in the same kind of tracker
-as producer delays, so the control log itself is the nack's write-ahead log: a control offset is
-never committed past the earliest nack still pending, and a restart reads the commands again from
-there, which rebuilds this table too.
+A nack is indexed by the offset of its accepted record in the control topic, so the control log is
+the nack's write-ahead log: a control offset is never committed past the earliest nack still
+pending, and without other state a restart reads the control partition again from there, which
+rebuilds this table too.
+
+With a state topic, this table also keeps a changelog per control partition, as a Kafka Streams
+store does: the accepted nacks still pending, keyed by their accepted record's offset, so a new
+owner loads them from the state topic instead of reading the control log again (state/topic.py).
+An entry is written when its accepted record is read and tombstoned when it stops mattering:
+
+- at once when a later command supersedes it (the later one's entry is written first, in the same
+  checkpoint), so a restore never revives a superseded nack;
+- once redelivered (or dropped at due time), only after a commit whose delivered watermark covers
+  it: a restore takes the committed watermark, and must still find every nack it does not cover.
 """
 
-from sidecar.control.commands import NackCommand
+from dataclasses import dataclass, field
 
-ControlPosition = tuple[int, int]  # (control partition, control offset)
+from sidecar.control.commands import AcceptedNack
+from sidecar.tracker.base import pack
+
+ControlPosition = tuple[int, int]
+"""(control partition, offset) of a command."""
+
+
+@dataclass
+class _Changes:
+    """What the state topic has not been told yet about one control partition's nacks."""
+
+    upserts: dict[int, AcceptedNack] = field(default_factory=dict)
+    """Accepted-record offset -> the nack, pending."""
+    dead: set[int] = field(default_factory=set)
+    """Accepted-record offsets whose entries must go (superseded, or settled and covered)."""
+    settled: list[tuple[int, int]] = field(default_factory=list)
+    """(packed deliver-at and offset, offset) of settled nacks, waiting for a commit to cover them."""
 
 
 class LatestNacks:
-    def __init__(self) -> None:
-        self._latest: dict[tuple[str, str, int, int], ControlPosition] = {}
+    def __init__(self, changelog: bool = False) -> None:
+        """`changelog`: keep the changes for the state topic (taken at each checkpoint by `take`)."""
+        self._latest: dict[tuple[str, str, int, int], tuple[int, int, int]] = {}
+        """Message -> (control partition, command offset, accepted-record offset) of the nack in force."""
+        self._changes: dict[int, _Changes] | None = {} if changelog else None
 
-    def accept(self, command: NackCommand, position: ControlPosition) -> None:
-        """Record a command as the one in force for its message, unless a later command already is.
+    def accept(self, nack: AcceptedNack, offset: int) -> None:
+        """An accepted record read at `offset`: in force for its message unless a later command is.
 
         Commands for one message share its key, hence one control partition, so their offsets
-        give their order; an acceptance written twice (a crash before the commit) changes nothing.
+        give their order. An acceptance written twice (a crash before the commit) or read again
+        changes nothing.
         """
-        current = self._latest.get(command.message_key)
-        if current is None or current[0] != position[0] or current[1] < position[1]:
-            self._latest[command.message_key] = position
+        self._take(nack, offset, journal=True)
 
-    def claim(self, command: NackCommand, position: ControlPosition) -> bool:
-        """True when this due command is still the latest for its message; it is then settled."""
-        if self._latest.get(command.message_key) != position:
+    def restore(self, nack: AcceptedNack, offset: int) -> None:
+        """A pending nack loaded from the state topic, which holds it already."""
+        self._take(nack, offset, journal=False)
+
+    def claim(self, nack: AcceptedNack, offset: int) -> bool:
+        """True when this due nack is still the latest for its message; it is then settled."""
+        changes = self._of(nack.source[0])
+        if changes is not None:
+            changes.settled.append((pack(nack.deliver_at, offset), offset))
+        current = self._latest.get(nack.command.message_key)
+        if current is None or current[:2] != nack.source:
             return False
-        del self._latest[command.message_key]
+        del self._latest[nack.command.message_key]
         return True
+
+    def take(self, partition: int, covered: int) -> tuple[list[tuple[int, bytes]], list[int]]:
+        """(entries to write as (offset, accepted record), offsets to tombstone) for a control partition.
+
+        `covered`: the delivered watermark that the commit going with these records (exactly
+        once), or the last commit before them (at least once), makes durable.
+        """
+        changes = self._changes.get(partition) if self._changes is not None else None
+        if changes is None:
+            return [], []
+        waiting = []
+        for key, offset in changes.settled:
+            if key <= covered:
+                changes.dead.add(offset)
+                changes.upserts.pop(offset, None)
+            else:
+                waiting.append((key, offset))
+        upserts = sorted((offset, nack.encode()) for offset, nack in changes.upserts.items())
+        dead = sorted(changes.dead)
+        changes.upserts, changes.dead, changes.settled = {}, set(), waiting
+        return upserts, dead
+
+    def drop_later(self, partition: int, offsets: list[int]) -> None:
+        """Tombstone these entries at the next checkpoint (found covered at a restore)."""
+        changes = self._of(partition)
+        if changes is not None:
+            changes.dead.update(offsets)
 
     def forget_partition(self, partition: int) -> None:
         """A control partition went to another sidecar: its commands are not ours to settle."""
         self._latest = {k: v for k, v in self._latest.items() if v[0] != partition}
+        if self._changes is not None:
+            self._changes.pop(partition, None)
 
     def __len__(self) -> int:
         return len(self._latest)
+
+    def _take(self, nack: AcceptedNack, offset: int, journal: bool) -> None:
+        partition, command_offset = nack.source
+        message = nack.command.message_key
+        current = self._latest.get(message)
+        if current is not None and current[:2] == nack.source:
+            if current[2] != offset and journal:
+                self._dead(partition, offset)  # the same acceptance written twice: this copy never counts
+            return
+        if current is None or current[0] != partition or current[1] < command_offset:
+            self._latest[message] = (partition, command_offset, offset)
+            changes = self._of(partition) if journal else None
+            if changes is not None:
+                changes.upserts[offset] = nack
+            if current is not None:
+                self._dead(current[0], current[2])
+        elif journal:
+            self._dead(partition, offset)  # an earlier command, read after a later one: superseded already
+
+    def _dead(self, partition: int, offset: int) -> None:
+        changes = self._of(partition)
+        if changes is not None:
+            changes.upserts.pop(offset, None)
+            changes.dead.add(offset)
+
+    def _of(self, partition: int) -> _Changes | None:
+        return None if self._changes is None else self._changes.setdefault(partition, _Changes())

@@ -88,7 +88,7 @@ class Redelivery:
         jobs: Jobs = defaultdict(lambda: defaultdict(list))
         for _, offset, nack in accepted:
             command = nack.command
-            if self._nacks.claim(command, nack.source):
+            if self._nacks.claim(nack, offset):
                 jobs[(command.topic, command.partition)][command.offset].append((nack, offset))
             else:
                 self._metrics.nacks.labels(command.subscription, "superseded").inc()

@@ -28,11 +28,12 @@ from typing import Any
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
 from sidecar.broker.admin import TopicAdmin
+from sidecar.control.nacks import LatestNacks
 from sidecar.errors import BrokerError, StorageError
 from sidecar.kafka_io import LIBRDKAFKA, consume_batch, consumer_config
 from sidecar.metrics import Metrics
 from sidecar.outbound.writer import Writer
-from sidecar.state.image import ImageError, Manifest, PartitionImage, manifest_key
+from sidecar.state.image import ImageError, Manifest, PartitionImage, Record, manifest_key, nack_records
 from sidecar.state.mirror import MirroredStorage
 from sidecar.tracker.bucket import BucketTracker
 from sidecar.tracker.partitions import CommitMetadata, PartitionState
@@ -64,9 +65,12 @@ class StateTopic:
         admin: TopicAdmin,
         writer: Writer,
         mirror: MirroredStorage,
+        nacks: LatestNacks,
         metrics: Metrics,
     ) -> None:
+        """`nacks`: the pending nacks of the control partitions, kept with a changelog for here."""
         self.name = name
+        self._nacks = nacks
         self._admin = admin
         self._client_config = client_config
         self._writer = writer
@@ -100,8 +104,11 @@ class StateTopic:
     def publish(self, state: PartitionState) -> None:
         """Write what changed in the partition's index since the last checkpoint, and its manifest."""
         tracker = state.tracker
-        if state.control or state.rebuild is not None or state.next_offset is None:
+        if state.replaying or state.next_offset is None:
             return  # a rebuild writes once it is done: until then the index is incomplete
+        if state.control:
+            self._publish_nacks(state, state.next_offset)
+            return
         if not isinstance(tracker, BucketTracker):
             return
         name = state.name
@@ -117,6 +124,23 @@ class StateTopic:
         last = self._manifests.get(name)
         if not records and not tombstones and last is not None and (last.buckets, last.tail) == (buckets, tail):
             return
+        self._send(name, records, manifest, tombstones)
+
+    def _publish_nacks(self, state: PartitionState, cursor: int) -> None:
+        """A control partition: the nacks accepted, superseded or settled since the last checkpoint.
+
+        Every accepted record below the cursor is journaled by then, so the manifest's tail is the
+        cursor. A settled nack is tombstoned only once a commit covers it: exactly once, the one
+        this transaction holds; at least once, the last one made (these records are not waited for).
+        """
+        covered = state.tracker.delivered_through() if self._writer.transactional else state.committed_through
+        entries, dead = self._nacks.take(state.partition, covered)
+        if not entries and not dead and state.name in self._manifests:
+            return
+        records, tombstones = nack_records(state.name, entries, dead)
+        self._send(state.name, records, Manifest((), 1, cursor, cursor), tombstones)
+
+    def _send(self, name: str, records: list[Record], manifest: Manifest, tombstones: list[Record]) -> None:
         partition = state_partition(name, self._partitions)
         for key, value in [*records, (manifest_key(name), manifest.encode()), *tombstones]:
             self._writer.send(self.name, key, value, [], partition=partition)
@@ -132,7 +156,7 @@ class StateTopic:
     def restore(self, state: PartitionState, committed: int, metadata: CommitMetadata) -> int | None:
         """Load the partition's index from the state topic; the offset to read the log again from, or None."""
         tracker = state.tracker
-        if state.control or not isinstance(tracker, BucketTracker):
+        if not state.control and not isinstance(tracker, BucketTracker):
             return None
         name = state.name
         started = time.monotonic()
@@ -142,8 +166,10 @@ class StateTopic:
             manifest = image.manifest()
             if manifest is None:
                 raise ImageError("it holds no manifest for this partition")
-            buckets = image.buckets(manifest)
-            tracker.restore(buckets, manifest.next_bucket_id, metadata.through)
+            if state.control:
+                self._restore_nacks(state, image, metadata.through)
+            elif isinstance(tracker, BucketTracker):
+                tracker.restore(image.buckets(manifest), manifest.next_bucket_id, metadata.through)
         except (ImageError, BrokerError, StorageError) as e:
             logger.warning(
                 "state topic not usable, reading the log again from the earliest pending record "
@@ -153,21 +179,31 @@ class StateTopic:
                 e,
             )
             self._metrics.state_restores.labels("replay").inc()
-            self._fresh(tracker, image, metadata)
+            if isinstance(tracker, BucketTracker):
+                self._fresh(tracker, image, metadata)
             return None
-        self._mirror.adopt(name, list(manifest.buckets))
+        if not state.control:
+            self._mirror.adopt(name, list(manifest.buckets))
         self._manifests[name] = manifest
         self._metrics.state_restores.labels("state-topic").inc()
         logger.info(
             "index restored from the state topic partition=%s buckets=%d entries=%d tail=%d committed=%d ms=%.0f",
             name,
-            len(buckets),
+            len(manifest.buckets),
             len(tracker),
             manifest.tail,
             committed,
             (time.monotonic() - started) * 1000,
         )
         return manifest.tail
+
+    def _restore_nacks(self, state: PartitionState, image: PartitionImage, through: int) -> None:
+        """A control partition's pending nacks, into its tracker and the latest-nack table."""
+        pending, covered = image.nacks(through)
+        for offset, nack in pending:
+            state.tracker.add(offset, nack.deliver_at, deliver_now=False)
+            self._nacks.restore(nack, offset)
+        self._nacks.drop_later(state.partition, covered)
 
     def _fresh(self, tracker: BucketTracker, image: PartitionImage | None, metadata: CommitMetadata) -> None:
         """An empty index whose new buckets take ids no record in the state topic uses."""

@@ -244,11 +244,11 @@ class PartitionState:
         if committed is None or earliest is None or earliest >= committed:
             self.replay_until = committed or 0
             return committed
-        if self.control:
+        tail = restore(self, committed, metadata) if restore is not None else None
+        if self.control:  # accepted nacks: from the state topic's tail, else from the earliest pending
             self.runs = Runs()
             self.replay_until, self.replay_through = committed, metadata.through
-            return earliest
-        tail = restore(self, committed, metadata) if restore is not None else None
+            return earliest if tail is None else max(earliest, min(tail, committed))
         # Run members are in no bucket: with runs pending, read everything again (what the buckets
         # hold is not indexed twice). The rebuild indexes their members one by one.
         start = earliest if tail is None or metadata.runs else max(earliest, min(tail, committed))
@@ -264,6 +264,11 @@ class PartitionState:
                 "log" if tail is None else "state-topic+log",
             )
         return start
+
+    @property
+    def committed_through(self) -> int:
+        """The delivered watermark of the last commit: what a restart would take as done."""
+        return CommitMetadata.decode(self.committed[1]).through if self.committed else NOTHING_DELIVERED
 
     def _usable(self, cursor: int, committed: int | None, local_through: int, through: int) -> bool:
         if self.exact:  # (the bucket tracker's "nothing delivered" is 0, the metadata's -1)

@@ -1,36 +1,88 @@
-from sidecar.control.commands import NackCommand
+from sidecar.control.commands import AcceptedNack, NackCommand
 from sidecar.control.nacks import LatestNacks
+from sidecar.tracker.base import pack
 
 
-def nack(offset: int, sub: str = "billing") -> NackCommand:
-    return NackCommand(sub, "orders", 0, offset, 1000, None, 0)
+def nack(offset: int, position: tuple[int, int], sub: str = "billing", deliver_at: int = 5_000) -> AcceptedNack:
+    return AcceptedNack(NackCommand(sub, "orders", 0, offset, 1000, None, 0), deliver_at, position)
 
 
 def test_latest_command_for_the_same_subscription_and_message_wins() -> None:
     latest = LatestNacks()
-    latest.accept(nack(5), (0, 10))
-    latest.accept(nack(5), (0, 11))
-    latest.accept(nack(5, sub="fraud"), (0, 12))
-    assert not latest.claim(nack(5), (0, 10))  # superseded
-    assert latest.claim(nack(5), (0, 11))
-    assert not latest.claim(nack(5), (0, 11))  # settled once
-    assert latest.claim(nack(5, sub="fraud"), (0, 12))
+    latest.accept(nack(5, (0, 10)), 100)
+    latest.accept(nack(5, (0, 11)), 101)
+    latest.accept(nack(5, (0, 12), sub="fraud"), 102)
+    assert not latest.claim(nack(5, (0, 10)), 100)  # superseded
+    assert latest.claim(nack(5, (0, 11)), 101)
+    assert not latest.claim(nack(5, (0, 11)), 101)  # settled once
+    assert latest.claim(nack(5, (0, 12), sub="fraud"), 102)
     assert len(latest) == 0
 
 
 def test_forgetting_a_revoked_control_partition() -> None:
-    latest = LatestNacks()
-    latest.accept(nack(1), (0, 1))
-    latest.accept(nack(2), (1, 1))
+    latest = LatestNacks(changelog=True)
+    latest.accept(nack(1, (0, 1)), 2)
+    latest.accept(nack(2, (1, 1)), 2)
     latest.forget_partition(0)
-    assert len(latest) == 1 and latest.claim(nack(2), (1, 1))
+    assert len(latest) == 1 and latest.claim(nack(2, (1, 1)), 2)
+    assert latest.take(0, 0) == ([], [])  # its changes are the new owner's to write
 
 
 def test_an_acceptance_written_twice_or_late_does_not_replace_a_later_command() -> None:
     nacks = LatestNacks()
-    command = NackCommand("s", "t", 0, 5, 1000, None, 0)
-    nacks.accept(command, (1, 10))
-    nacks.accept(command, (1, 30))
-    nacks.accept(command, (1, 10))  # the first command accepted again after a crash
-    assert not nacks.claim(command, (1, 10))
-    assert nacks.claim(command, (1, 30))
+    nacks.accept(nack(5, (1, 10)), 11)
+    nacks.accept(nack(5, (1, 30)), 31)
+    nacks.accept(nack(5, (1, 10)), 32)  # the first command accepted again after a crash
+    assert not nacks.claim(nack(5, (1, 10)), 11)
+    assert nacks.claim(nack(5, (1, 30)), 31)
+
+
+def test_without_a_state_topic_no_changes_are_kept() -> None:
+    nacks = LatestNacks()
+    nacks.accept(nack(5, (0, 10)), 11)
+    assert nacks.claim(nack(5, (0, 10)), 11)
+    assert nacks.take(0, pack(10**12, 0)) == ([], [])
+
+
+def test_the_changelog_writes_a_pending_nack_and_tombstones_it_once_a_commit_covers_it() -> None:
+    nacks = LatestNacks(changelog=True)
+    first = nack(5, (0, 10))
+    nacks.accept(first, 11)
+    nacks.accept(first, 11)  # read again (a replay): nothing new
+    assert nacks.take(0, -1) == ([(11, first.encode())], [])
+    assert nacks.claim(first, 11)
+    assert nacks.take(0, pack(first.deliver_at, 11) - 1) == ([], [])  # not covered by the commit yet
+    assert nacks.take(0, pack(first.deliver_at, 11)) == ([], [11])
+    assert nacks.take(0, pack(first.deliver_at, 11)) == ([], [])
+
+
+def test_a_superseded_nack_is_tombstoned_at_once_after_the_one_that_replaces_it() -> None:
+    nacks = LatestNacks(changelog=True)
+    older, newer = nack(5, (0, 10)), nack(5, (0, 20), deliver_at=9_000)
+    nacks.accept(older, 11)
+    nacks.take(0, -1)
+    nacks.accept(newer, 21)
+    assert nacks.take(0, -1) == ([(21, newer.encode())], [11])
+    # An older command read after a later one (accepted late) is never written.
+    nacks.accept(nack(5, (0, 15)), 22)
+    assert nacks.take(0, -1) == ([], [22])
+
+
+def test_an_acceptance_written_twice_keeps_only_its_first_copy() -> None:
+    nacks = LatestNacks(changelog=True)
+    accepted = nack(5, (0, 10))
+    nacks.accept(accepted, 11)
+    nacks.accept(accepted, 12)
+    assert nacks.take(0, -1) == ([(11, accepted.encode())], [12])
+
+
+def test_a_restored_nack_is_not_written_again_but_can_be_superseded() -> None:
+    nacks = LatestNacks(changelog=True)
+    restored = nack(5, (0, 10))
+    nacks.restore(restored, 11)
+    nacks.accept(restored, 11)  # the tail of the control log read again
+    assert nacks.take(0, -1) == ([], [])
+    newer = nack(5, (0, 30))
+    nacks.accept(newer, 31)
+    assert nacks.take(0, -1) == ([(31, newer.encode())], [11])
+    assert not nacks.claim(restored, 11) and nacks.claim(newer, 31)
