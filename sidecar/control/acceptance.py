@@ -63,13 +63,15 @@ class Acceptance:
         self._metrics = metrics
         self._clock = clock
         self._high_watermarks: dict[TopicPartitionKey, int] = {}
+        self._replayed = metrics.child(metrics.replayed, control_topic)
+        """Control records read again after a restart or a handoff (exported at 0 from the start)."""
 
     def take(self, record: Message, state: PartitionState, due_now: list[tuple[int, AcceptedNack]]) -> None:
         """One control record: a command to judge, or an accepted record to index."""
         offset = record.offset()
         state.next_offset = offset + 1
         if offset < state.replay_until:
-            self._metrics.replayed.labels(self.control_topic).inc()
+            self._replayed.inc()
         headers = dict(record.headers() or [])
         if headers.get(ACCEPTED_BY) == self._group:
             accepted = parse_accepted(record.value())

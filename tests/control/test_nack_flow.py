@@ -1,24 +1,28 @@
 """Consumer-side delayed nacks through the control topic, against a real broker (contract section 5)."""
 
 import json
-import os
-import signal
+import shutil
 import time
 import uuid
 from pathlib import Path
 
 from confluent_kafka import Producer
 
+from sidecar.broker.embedded import free_port
 from sidecar.client import Nacker
-from sidecar.outbound.records import DELIVER_AT, ERROR_CODE, ORIGIN_OFFSET, REDELIVERY_COUNT
+from sidecar.outbound.records import DELIVER_AT, ERROR_CODE, ORIGIN_OFFSET, ORIGIN_PARTITION, REDELIVERY_COUNT
 from tests.kafka_helpers import (
     KafkaHelper,
     PolicyFile,
     Received,
+    SidecarProcess,
     ThreadedSidecar,
     TopicFactory,
+    committed,
+    early,
+    scrape,
     settings_for,
-    sidecar_process,
+    wait_for,
 )
 
 
@@ -133,41 +137,78 @@ def test_invalid_commands_get_their_own_code_and_the_sidecar_keeps_serving(
         assert samples("delay_sidecar_nack_total", {"subscription": "(unknown)", "result": "unknown_subscription"}) == 1
 
 
-def test_1000_nacks_survive_kill_9(
+def test_1000_nacks_survive_kill_9_and_a_lost_state_dir_through_the_state_topic(
     kafka: str, kafka_helper: KafkaHelper, topic_factory: TopicFactory, policy_file: PolicyFile, tmp_path: Path
 ) -> None:
+    """After kill -9 and a lost state dir, the pending nacks come from the state topic: the control log
+    is not read again (without the nacks there, every command and accepted record was: 2,400 here),
+    each nack comes back once, and the latest of two nacks for a message wins across the restore."""
     topic, control = topic_factory("nackcrash", partitions=2), f"ctl-{uuid.uuid4().hex[:8]}"
-    args = ["--bootstrap-servers", kafka, "--policies", str(setup(topic, policy_file)), "--state-dir",
-            str(tmp_path / "state"), "--metrics-port", "0", "--group-id", f"g-{control}", "--control-topic", control,
+    group, port, state = f"g-{control}", free_port(), tmp_path / "state"
+    args = ["--bootstrap-servers", kafka, "--policies", str(setup(topic, policy_file)), "--state-dir", str(state),
+            "--metrics-port", str(port), "--group-id", group, "--control-topic", control,
             "--commit-interval-ms", "100"]  # fmt: skip
-    log = tmp_path / "sidecar.log"
-    first = sidecar_process(args, log)
+    sidecar = SidecarProcess(args, tmp_path / "sidecar.log")
     try:
+        sidecar.start()
         for i in range(1000):
             kafka_helper.produce(topic, f"v{i}".encode(), partition=i % 2)
         kafka_helper.flush()
         delivered = kafka_helper.read(f"{topic}.billing", 1000, timeout_s=30)
-        assert len(delivered) == 1000, log.read_text()[-2000:]
+        assert len(delivered) == 1000, sidecar.tail()
         nacker = Nacker(Producer({"bootstrap.servers": kafka}), control_topic=control, subscription="billing")
+        sent_ms = time.time() * 1000
         for record in delivered:
-            nacker.nack(RecordView(record), 4000)  # type: ignore[arg-type]
+            nacker.nack(RecordView(record), 8_000)  # type: ignore[arg-type]
+        for record in delivered[:100]:
+            nacker.nack(RecordView(record), 10_000)  # type: ignore[arg-type]  # later and longer: it wins
+        for record in delivered[100:200]:
+            nacker.nack(RecordView(record), 6_000)  # type: ignore[arg-type]  # later and shorter: it wins
         nacker.flush()
-        time.sleep(0.5)
-        os.kill(first.pid, signal.SIGKILL)
-        first.wait(10)
+        flushed_ms = time.time() * 1000
+        # Every command judged and its accepted record indexed and committed, and the state topic
+        # holding the control partitions' nacks up to there.
+        commits = lambda: [o for o, _ in committed(kafka, group, control, 3)]  # noqa: E731
+        wait_for(lambda: sum(o for o in commits() if o > 0) == 2 * 1_200, 30, "the nacks accepted and committed")
+        wait_for(lambda: _manifest_tails(kafka_helper, f"{group}.state", control) == commits(), 30, "the manifests")
+        sidecar.kill()
+        killed_ms = time.time() * 1000
+        shutil.rmtree(state)
+        sidecar.start()
+        wait_for(lambda: scrape(port, "delay_sidecar_redeliveries_total", subscription="billing") >= 1000, 60,
+                 "the redeliveries")  # fmt: skip
+        control_replayed = scrape(port, "delay_sidecar_messages_replayed_total", topic=control)
+        restored = scrape(port, "delay_sidecar_state_restores_total", result="state-topic")
+        assert sidecar.stop() == 0, sidecar.tail()
     finally:
-        if first.poll() is None:
-            first.kill()
-    second = sidecar_process(args, log)
-    try:
-        records = kafka_helper.read(f"{topic}.billing", 2000, timeout_s=40)
-        again = {(r.headers["delay-origin-partition"], r.headers[ORIGIN_OFFSET]) for r in records
-                 if r.headers[REDELIVERY_COUNT] == b"1"}  # fmt: skip
-        assert len(again) == 1000, log.read_text()[-2000:]
-        assert all(r.timestamp >= r.header_int(DELIVER_AT) for r in records)
-    finally:
-        second.send_signal(signal.SIGTERM)
-        assert second.wait(30) == 0, log.read_text()[-2000:]
+        sidecar.close()
+    assert control_replayed == 0, "the control log was read again"
+    assert restored == 3, "not every control partition was loaded from the state topic"
+    records = kafka_helper.read_to_end(f"{topic}.billing")
+    assert not early(records)
+    again: dict[tuple[int, int], list[int]] = {}
+    for r in records:
+        if r.headers[REDELIVERY_COUNT] == b"1":
+            again.setdefault((int(r.headers[ORIGIN_PARTITION]), int(r.headers[ORIGIN_OFFSET])), []).append(
+                r.header_int(DELIVER_AT)
+            )
+    assert len(again) == 1000
+    for at in again.values():  # a copy before the kill is at least once; none due after it was sent then
+        assert len(at) == 1 or (len(at) == 2 and at[0] == at[1] and at[0] <= killed_ms), at
+    origin = lambda r: (r.partition, int(r.headers[ORIGIN_OFFSET]))  # noqa: E731
+    assert all(again[origin(r)][0] >= sent_ms + 10_000 for r in delivered[:100])
+    assert all(again[origin(r)][0] <= flushed_ms + 6_000 for r in delivered[100:200])
+    assert all(sent_ms + 8_000 <= again[origin(r)][0] <= flushed_ms + 8_000 for r in delivered[200:])
+
+
+def _manifest_tails(kafka_helper: KafkaHelper, state_topic: str, control: str) -> list[int]:
+    """The tail of each control partition's last manifest in the state topic (-1 without one)."""
+    tails = [-1, -1, -1]
+    for record in kafka_helper.read_to_end(state_topic):
+        key = (record.key or b"").decode()
+        if key.startswith(f"{control}/") and key.endswith("/manifest") and record.value is not None:
+            tails[int(key.split("/")[1])] = json.loads(record.value)["tail"]
+    return tails
 
 
 def test_nacks_already_due_when_read_are_redelivered_not_dropped(
