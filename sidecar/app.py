@@ -65,8 +65,9 @@ def tracker_factory(
 ) -> Callable[[str, int], DelayedDeliveryTracker]:
     """One tracker per inbound partition, all over one snapshot store.
 
-    Nack indexes (control partitions) stay in memory: the control topic is their write-ahead log
-    and is read again from the earliest pending command after a restart (see engine.py).
+    Nack indexes (control partitions) stay in memory: the control topic is their write-ahead log,
+    and after a restart they come from the state topic, or from the control log read again from the
+    earliest pending accepted nack (tracker/partitions.py).
     """
     listener = BucketMetrics(metrics)
 

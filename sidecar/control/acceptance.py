@@ -3,9 +3,10 @@
 An accepted command becomes an *accepted record* on the command's own control partition (see
 `AcceptedNack`). The tracker indexes accepted records, not commands, when the intake reads them
 back. So the control offset can be committed past every command as soon as it is judged, and
-a restart, with or without local state, reads the accepted records again from the earliest one
-still pending (commit metadata), skipping those the delivered watermark covers. Commands below the
-committed offset are never judged a second time.
+a restart, with or without local state, loads the pending ones from the state topic and reads the
+accepted records after them again (without a state topic: from the earliest one still pending, in
+the commit metadata), skipping those the delivered watermark covers. Commands below the committed
+offset are never judged a second time.
 """
 
 import logging

@@ -3,7 +3,8 @@
 Kafka holds the index the way Kafka Streams holds a store's changelog and Pulsar holds bucket
 snapshots in BookKeeper (PIP-195). A member that takes over a partition without usable local
 state loads the partition's manifest and sealed buckets from here and reads the inbound log again
-only from the manifest's tail, instead of from the earliest pending record.
+only from the manifest's tail, instead of from the earliest pending record. A control partition's
+pending nacks are here the same way (control/nacks.py keeps their changelog).
 
 Writes happen at the checkpoint (checkpoint.py), for each partition whose layout changed: the
 buckets sealed or merged since the last one, then the manifest, then tombstones for the buckets

@@ -206,6 +206,7 @@ class PartitionState:
         None means "where the group's auto.offset.reset says" (nothing committed yet). Without a
         usable local index, `restore` may load one from the state topic; the log is then read
         again only from the offset it returns (the unsealed tail), not from the earliest pending.
+        A control partition's nacks are held in memory, so it always goes that way.
         """
         tracker = self.tracker
         self.rules = RuleHistory(metadata.rules)
