@@ -65,7 +65,14 @@ class KafkaHelper:
         partition: int = -1,
         timestamp: int = 0,
     ) -> None:
-        self.producer.produce(topic, value, key, headers=headers or [], partition=partition, timestamp=timestamp)
+        while True:
+            try:
+                self.producer.produce(
+                    topic, value, key, headers=headers or [], partition=partition, timestamp=timestamp
+                )
+                return
+            except BufferError:  # the local queue is full (hundreds of thousands of records): let it drain
+                self.producer.poll(0.1)
 
     def flush(self) -> None:
         assert self.producer.flush(30) == 0
