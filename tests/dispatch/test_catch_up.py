@@ -76,3 +76,36 @@ def test_a_restored_partition_is_read_once_by_the_catch_up_and_held_until_its_fi
         clock.advance(50)
     assert sent == [(o, due[o], b"v%d" % o) for o in sorted(due, key=due.__getitem__)]
     assert ahead.reads == [] and at_due.reads == []  # nothing read back from the log but by the catch-up
+
+
+class PassUnderWay:
+    """A catch-up pass past its first read, still reading the buckets."""
+
+    def catching_up(self, partition: Any) -> bool:
+        return True
+
+    def first_read(self, partition: Any) -> bool:
+        return False
+
+
+def test_a_read_at_due_time_during_the_catch_up_brings_the_read_ahead_window_along(clock: ManualClock) -> None:
+    now = clock.now_ms()
+    tracker = InMemoryTracker(clock)
+    for offset, delay in ((0, 0), (1, 300), (2, 600), (3, 1500)):
+        tracker.add(offset, now + delay, deliver_now=False)
+    ahead, at_due = FakeLog(), FakeLog()
+    sent: list[int] = []
+    dispatcher = Dispatcher(
+        ahead,  # type: ignore[arg-type]
+        at_due,  # type: ignore[arg-type]
+        lambda _, records: sent.extend(offset for _, offset, _ in records),
+        clock,
+        1_000,
+        catch_up=PassUnderWay(),
+    )
+    for _ in range(16):
+        dispatcher.turn({P: tracker})
+        clock.advance(100)
+    assert sent == [0, 1, 2, 3]
+    # One read for the window of the first due entry, one for the entry past it: not one per turn.
+    assert at_due.reads == [[0, 1, 2], [3]] and ahead.reads == []
