@@ -62,7 +62,7 @@ import psutil  # type: ignore[import-untyped,unused-ignore]
 from confluent_kafka import Consumer, TopicPartition
 
 from bench.probe import Watermarks, create_topic, metric_sum, now_ms, read_records, scrape, settle, wait_for_outbound
-from bench.procs import Child, load_argv, run_load, start_sidecar
+from bench.procs import Child, load_argv, py_spy, run_load, start_sidecar
 from bench.report import environment
 from sidecar.broker.embedded import EmbeddedBroker, free_port, free_ports
 
@@ -236,6 +236,7 @@ def one_run(
 
     figures: dict[str, Any] = {"variant": label, "pending": args.pending, "partitions": args.partitions}
     members: list[Member] = []
+    profilers: list[Child] = []
     try:
         # 1. A alone, owning everything.
         a_child = start_sidecar(
@@ -293,6 +294,8 @@ def one_run(
             members.append(Member(name, port, child))
         for member in members[1:]:
             wait_until(lambda m=member: _answers(m.port), 60, f"{member.name}'s metrics", member.child.alive)
+            if args.profile_s:  # once it answers: py-spy needs the interpreter up
+                profilers.append(_profile(member.child.pid, args.profile_s, workdir / f"{run}-{member.name}.py-spy"))
         ports = [m.port for m in members]
         figures["settle_s"] = round(settle(ports, args.partitions + control), 1)
         # 4. Everything delivered.
@@ -306,6 +309,8 @@ def one_run(
             cpu = psutil.Process(member.child.pid).cpu_times()
             member.cpu_s = cpu.user + cpu.system
     finally:
+        for profiler in profilers:
+            profiler.stop()
         for member in members:
             member.child.stop()
     for member in members:
@@ -313,6 +318,16 @@ def one_run(
     delivered = read_outbound(bootstrap, outbound, watermarks)
     figures["members"] = _summarise(members, metrics, delivered, ends, args, handoff_ms)
     return figures
+
+
+def _profile(pid: int, seconds: int, out: Path) -> Child:
+    """py-spy on a new owner from its first answer, idle samples included: the loop is one thread, so
+    time it spends waiting on a fetch is time its first delivery waits too."""
+    binary = py_spy()
+    if binary is None:
+        raise RuntimeError("--profile-s needs py-spy in the venv (.venv/bin/pip install py-spy)")
+    argv = [binary, "record", "--pid", str(pid), "--rate", "100", "--format", "raw", "--idle", "--nonblocking"]
+    return Child([*argv, "--duration", str(seconds), "-o", str(out.with_suffix(".txt"))], out.with_suffix(".log"))
 
 
 def _answers(port: int) -> bool:
@@ -483,7 +498,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="100,000 pending, buckets of 5,000 (for debugging)")
     parser.add_argument("--sidecar-arg", action="append", default=[], help="an extra argument for every instance")
     parser.add_argument("--keep", action="store_true", help="keep the work dir (logs) after the run")
+    parser.add_argument(
+        "--profile-s", type=int, default=0, help="py-spy B and C for this long from their start (implies --keep)"
+    )
     args = parser.parse_args(argv)
+    args.keep = args.keep or bool(args.profile_s)
     if args.quick:
         args.pending = 100_000
     if args.bucket_min_index_count is None:

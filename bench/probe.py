@@ -259,6 +259,9 @@ def read_records(bootstrap: str, topic: str, watermarks: Watermarks, timeout_s: 
             "enable.auto.commit": False,
             # In exactly-once mode a partition ends with a transaction marker, which no record reaches.
             "enable.partition.eof": True,
+            # noida-db answers a fetch with the whole rest of each partition: 1M outbound records
+            # came back as one 106 MB response, over librdkafka's 100 MB default, and the read stalled.
+            "receive.message.max.bytes": 512 * 1024 * 1024,
         }
     )
     remaining = {p: end for p, end in enumerate(ends) if end > 0}

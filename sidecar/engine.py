@@ -152,6 +152,7 @@ class Sidecar:
             payload_cache,
             metrics,
             trail,
+            self._roll,
         )
         self._acceptance = Acceptance(
             control_topic, group_id, writer, self._reader, states, self._current_routes, self._nacks, metrics, clock

@@ -14,11 +14,17 @@ never mean delivering early.
 With a payload cache (payload_cache.py), both reads look there first, in one scan in key order,
 and read back from the log only what it does not hold. Entries are deleted from it after the
 checkpoint that made their delivery durable.
+
+A partition restored from the state topic on a new owner has no payloads here; the horizon roll's
+catch-up pass (roll.py) brings them into the payload cache. While it runs, the read-ahead leaves
+the partition alone, and while its first read runs (the payloads due first), nothing is popped
+from it: each would be another read of the same records.
 """
 
 import logging
 import time
 from collections.abc import Callable, Generator
+from typing import Protocol
 
 from confluent_kafka import Message
 
@@ -61,6 +67,18 @@ SEEN_ALL = (1 << 63) - 1
 DRAIN_UNTIL_MS = 253_402_300_800_000
 
 
+class CatchUp(Protocol):
+    """The horizon roll's catch-up pass, as the dispatcher sees it (roll.py)."""
+
+    def catching_up(self, partition: TopicPartitionKey) -> bool:
+        """Its payloads are being read into the payload cache: reading them ahead would read them twice."""
+        ...
+
+    def first_read(self, partition: TopicPartitionKey) -> bool:
+        """The payloads of the entries due first are being read: a pop would read them back on its own."""
+        ...
+
+
 class Dispatcher:
     def __init__(
         self,
@@ -72,7 +90,11 @@ class Dispatcher:
         payloads: PayloadCache | None = None,
         metrics: Metrics | None = None,
         trail: TrailReader | None = None,
+        catch_up: CatchUp | None = None,
     ) -> None:
+        self._catch_up = catch_up
+        self._deferred: set[TopicPartitionKey] = set()
+        """Partitions the read-ahead left to a catch-up pass, to look at as soon as it is over."""
         self._trail = trail
         self._payloads = payloads
         self._metrics = metrics
@@ -126,6 +148,7 @@ class Dispatcher:
     def forget(self, partition: TopicPartitionKey) -> None:
         """The partition was revoked: drop what was read ahead for it."""
         self._horizon.pop(partition, None)
+        self._deferred.discard(partition)
         if self._trail is not None:
             self._trail.forget(partition)
         self._cache = {key: record for key, record in self._cache.items() if key[0] != partition}
@@ -147,6 +170,11 @@ class Dispatcher:
         self._deliver_due(trackers, runs)
         if not read_ahead:
             return
+        if self._deferred and self._catch_up is not None:
+            over = {p for p in self._deferred if not self._catch_up.catching_up(p)}
+            if over:  # their payloads are in the cache now: read ahead for them without waiting
+                self._deferred -= over
+                self._next_look_ms = 0
         if self._read is None and self.read_ahead_ms > 0 and self._clock.now_ms() >= self._next_look_ms:
             self._start_read_ahead(trackers)
         if self._read is not None:
@@ -159,7 +187,10 @@ class Dispatcher:
         popped: dict[TopicPartitionKey, list[Due]] = {}
         missing: dict[TopicPartitionKey, list[Due]] = {}
         cache = self._cache
+        catch_up = self._catch_up
         for partition, tracker in trackers.items():
+            if catch_up is not None and partition not in self._horizon and catch_up.first_read(partition):
+                continue  # its first payloads are on their way; popping now would read them again
             partition_runs = runs.get(partition)
             if partition_runs:
                 due = self._pop_with_runs(partition, tracker, partition_runs)
@@ -180,10 +211,38 @@ class Dispatcher:
             # Entries the read-ahead could not see (not yet loaded from the index) are read here;
             # the rest of their cache slots comes along for the next turns.
             after = {partition: popped[partition][-1] for partition in missing}
+            self._window_along(trackers, after, missing)
             for partition, offset, record in self._fetch(self._due_reader, missing, after):
                 cache[(partition, offset)] = record
         for partition, due in popped.items():
             self._deliver(partition, [(at, offset, cache.pop((partition, offset))) for at, offset in due])
+
+    def _window_along(
+        self,
+        trackers: dict[TopicPartitionKey, DelayedDeliveryTracker],
+        after: dict[TopicPartitionKey, Due],
+        missing: dict[TopicPartitionKey, list[Due]],
+    ) -> None:
+        """A partition the read-ahead leaves to a catch-up pass still under way: the read at due time
+        also takes what falls due within the read-ahead window, as a read-ahead step would.
+
+        Its entries missing here lie in a segment the first read did not see (loaded as the one
+        before it ran out) and the pass has not reached yet. On noida-db that read is a pass over
+        the partition whatever it asks for; without this, each turn made another, and the catch-up
+        got a slice between two of them (docs/scaling.md)."""
+        if self._catch_up is None or self.read_ahead_ms <= 0:
+            return
+        until = self._clock.now_ms() + self.read_ahead_ms
+        room = MAX_CACHED - len(self._cache)
+        for partition, last in after.items():
+            if room <= 0:
+                return
+            if not self._catch_up.catching_up(partition):
+                continue
+            upcoming = trackers[partition].peek(last, until, room)
+            ahead = [d for d in upcoming if (partition, d.offset) not in self._cache]
+            missing[partition] = missing[partition] + ahead  # still in deliver-at order: all after `last`
+            room -= len(ahead)
 
     def _pop_with_runs(
         self, partition: TopicPartitionKey, tracker: DelayedDeliveryTracker, runs: Runs[Message]
@@ -284,9 +343,13 @@ class Dispatcher:
         room = MAX_CACHED - len(self._cache)
         wanted: dict[TopicPartitionKey, list[Due]] = {}
         more = False
+        catch_up = self._catch_up
         for partition, tracker in trackers.items():
             next_time = tracker.next_delivery_time()
             if room <= 0 or next_time is None or next_time > until:
+                continue
+            if catch_up is not None and catch_up.catching_up(partition):
+                self._deferred.add(partition)  # the catch-up pass is reading these records already
                 continue
             after = self._horizon.get(partition)
             seen = after.deliver_at if after is not None else now
