@@ -116,7 +116,7 @@ def take_over(
 
 
 @pytest.mark.parametrize("exact", [False, True], ids=["at-least-once", "exactly-once"])
-@settings(max_examples=1000)
+@settings(max_examples=400)
 @given(script=ops)
 def test_nacks_from_the_state_topic_plus_the_tail_are_the_nacks_of_a_full_replay(
     exact: bool, script: list[tuple[str, int, int]]
