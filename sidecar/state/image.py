@@ -162,7 +162,7 @@ class PartitionImage:
         """
         prefix = f"{self.partition}/nack/".encode()
         pending, covered = [], []
-        for key, value in sorted(self.values.items()):
+        for key, value in self.values.items():
             if not key.startswith(prefix):
                 continue
             try:
