@@ -38,6 +38,8 @@ from sidecar.broker.embedded import EmbeddedBroker, free_port
 from sidecar.outbound.records import DELIVER_AT, ORIGIN_OFFSET, ORIGIN_PARTITION, REDELIVERY_COUNT
 
 SUBSCRIPTIONS = ("shared", "ordered")
+GUARANTEE = ["at-least-once"]
+ISOLATION = ["read_uncommitted"]
 POLICY = "topics:\n  faults:\n    subscriptions: {shared: {}, ordered: {type: exclusive}}\n"
 
 
@@ -103,9 +105,11 @@ class Load:
 
 
 def read_to_end(bootstrap: str, topic: str) -> list[tuple[int, int, int, int, int]]:
-    """(origin partition, origin offset, redelivery count, timestamp, deliver-at) of every record."""
+    """(origin partition, origin offset, redelivery count, timestamp, deliver-at) of every record,
+    as a consumer of the outbound topic sees them (read_committed in exactly-once runs)."""
     consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"faults-{time.time_ns()}",
-                         "enable.partition.eof": True, "enable.auto.commit": False})  # fmt: skip
+                         "enable.partition.eof": True, "enable.auto.commit": False,
+                         "isolation.level": ISOLATION[0]})  # fmt: skip
     try:
         partitions = consumer.list_topics(topic, timeout=10).topics[topic].partitions
         ends = {p: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1] for p in partitions}
@@ -141,7 +145,8 @@ class Rig:
         self.sidecar = Child([sys.executable, "-m", "sidecar", "run", "--bootstrap-servers", self.bootstrap,
                               "--policies", str(self.policies), "--state-dir", str(self.work / "state"),
                               "--metrics-port", str(self.port), "--group-id", "faults",
-                              "--commit-interval-ms", "200"], self.work / "sidecar.log")  # fmt: skip
+                              "--commit-interval-ms", "200", "--processing-guarantee", GUARANTEE[0]],
+                             self.work / "sidecar.log")  # fmt: skip
 
     def wait_ready(self, timeout_s: float = 120) -> float:
         """Seconds until /healthz says ready."""
@@ -307,7 +312,10 @@ def main() -> None:
     parser.add_argument("--kills", type=int, default=3, metavar="N")
     parser.add_argument("--outage-s", type=float, default=3.0, metavar="S", help="how long the broker stays down")
     parser.add_argument("--scenarios", default=",".join(SCENARIOS), metavar="LIST", help=",".join(SCENARIOS))
+    parser.add_argument("--exactly-once", action="store_true", help="exactly-once mode; read_committed readers")
     args = parser.parse_args()
+    if args.exactly_once:
+        GUARANTEE[0], ISOLATION[0] = "exactly-once", "read_committed"
     rows = []
     for name in args.scenarios.split(","):
         with tempfile.TemporaryDirectory(prefix=f"faults-{name}-") as work:

@@ -18,6 +18,7 @@ from sidecar.engine import Sidecar
 from sidecar.errors import BrokerError, ConfigError
 from sidecar.group_leave import leave_group
 from sidecar.http import StatusServer
+from sidecar.identity import InstanceLock, TransactionalIds
 from sidecar.kafka_io import LIBRDKAFKA
 from sidecar.metrics import Metrics
 from sidecar.policy import PolicySet
@@ -99,7 +100,19 @@ def member_instance_id(settings: RunSettings) -> str | None:
     """
     if settings.leave_group_on_stop and settings.security_protocol not in (None, "PLAINTEXT"):
         return None
+    return instance_identity(settings)
+
+
+def instance_identity(settings: RunSettings) -> str:
+    """Who this process is, static member or not: it prefixes the transactional ids (identity.py)."""
     return settings.instance_id or default_instance_id(settings.state_dir)
+
+
+def transactional_ids(settings: RunSettings) -> TransactionalIds | None:
+    """Exactly-once mode: the source of this process's transactional ids, `<group>-<identity>-<n>`."""
+    if settings.processing_guarantee != "exactly-once":
+        return None
+    return TransactionalIds(f"{settings.group_id}-{instance_identity(settings)}", settings.state_dir)
 
 
 def state_owner(settings: RunSettings, client_config: dict[str, Any]) -> str:
@@ -164,6 +177,8 @@ class SidecarApp:
         self.policies = policies = PolicyWatcher(Path(settings.policies), listeners=[self._on_reload])
         self.metrics.policy_reloads.labels("ok").inc()
         with ExitStack() as stack:
+            identity = instance_identity(settings)
+            stack.callback(InstanceLock(settings.state_dir, settings.group_id, identity).close)
             policies.start()
             stack.callback(policies.stop)
             launcher = launcher_for(settings, self._stop)
@@ -180,6 +195,7 @@ class SidecarApp:
             if payload_cache is not None:
                 stack.callback(payload_cache.close)
             instance_id = member_instance_id(settings)
+            ids = transactional_ids(settings)
             if settings.leave_group_on_stop and instance_id is None:
                 logger.warning(
                     "leave-group-on-stop on a %s cluster: joining as a dynamic member, so a restart "
@@ -208,7 +224,7 @@ class SidecarApp:
                     monotone_runs=settings.monotone_runs,
                     producer={"compression.type": settings.compression_type, "linger.ms": settings.linger_ms},
                     assignment_strategy=settings.assignment_strategy,
-                    exactly_once=settings.processing_guarantee == "exactly-once",
+                    transactional_ids=ids,
                     state_topic=settings.state_topic_name,
                     mirror=storage if isinstance(storage, MirroredStorage) else None,
                 )

@@ -49,7 +49,7 @@ def checkpoint(
             state.tracker.checkpoint(state.next_offset, state.runs_text())
             if state_topic is not None:
                 state_topic.publish(state)
-        point = state.commit_point(state.tracker.earliest_pending_offset(), exact)
+        point = state.commit_point(state.tracker.earliest_pending_offset(), exact, writer.transactional_id)
         if point is not None:
             points.append((state, point))
     if not points and not exact:

@@ -28,6 +28,8 @@ from sidecar.dispatch.payload_cache import PayloadCache
 from sidecar.dispatch.reader import LogReader
 from sidecar.dispatch.roll import HorizonRoll
 from sidecar.dispatch.trail import TrailReader
+from sidecar.errors import BrokerError
+from sidecar.identity import TransactionalIds
 from sidecar.inbound.receiver import Receiver
 from sidecar.kafka_io import LIBRDKAFKA, Connectivity, consume_batch, consumer_config
 from sidecar.metrics import Metrics
@@ -77,11 +79,13 @@ class Sidecar:
         producer: dict[str, Any] | None = None,
         monotone_runs: bool = False,
         assignment_strategy: str = "roundrobin",
-        exactly_once: bool = False,
+        transactional_ids: TransactionalIds | None = None,
         state_topic: str | None = None,
         mirror: MirroredStorage | None = None,
     ) -> None:
-        """`state_topic`, with `mirror` (the bucket tracker's storage): where bucket snapshots go for handoffs."""
+        """`transactional_ids`: exactly-once mode, where each producer's transactional.id comes from.
+        `state_topic`, with `mirror` (the bucket tracker's storage): where bucket snapshots go for handoffs."""
+        exactly_once = transactional_ids is not None
         self._policies = policies
         self.metrics = metrics = metrics or Metrics()
         self.clock = clock = clock or SystemClock()
@@ -95,6 +99,8 @@ class Sidecar:
         self._stalled_until = 0.0
         librdkafka = LIBRDKAFKA
         self._connectivity = Connectivity()
+        self._outages_seen = 0
+        """Outages seen when the open transaction began (exactly-once mode)."""
         client_config = {**client_config, "error_cb": self._connectivity.on_error}
         group: dict[str, Any] = {
             "group.id": group_id,
@@ -109,9 +115,7 @@ class Sidecar:
         if exactly_once:
             group["isolation.level"] = "read_committed"  # accepted nacks of aborted transactions are not ours
         self._consumer = Consumer(consumer_config(client_config, **group), logger=librdkafka)
-        # One transactional.id per instance: its next producer fences this one (see writer.py).
-        transactional_id = f"{group_id}-{instance_id or 'default'}" if exactly_once else None
-        self._writer = writer = Writer(client_config, librdkafka, transactional_id, producer)
+        self._writer = writer = Writer(client_config, librdkafka, transactional_ids, producer)
         self._admin = TopicAdmin(client_config, (control_topic, f"{control_topic}.dlt"), new_topic_partitions)
         self._nacks = LatestNacks(changelog=bool(state_topic and mirror))
         self._state_topic = (
@@ -133,7 +137,10 @@ class Sidecar:
             incremental=assignment_strategy == "cooperative-sticky",
             on_handoff=self._on_handoff,
             restore=self._restore if self._state_topic is not None else None,
+            fence=self._fence_earlier if transactional_ids is not None else None,
         )
+        self._ids = transactional_ids
+        self._fenced: set[str] = set()
         states = assignment.states
         self._delivery = Delivery(writer, states, self._current_routes, retention, metrics, clock)
         trail = TrailReader(client_config, self._rejudge, self._lost)
@@ -290,6 +297,16 @@ class Sidecar:
             self._roll.adopt((state.topic, state.partition), min(tail, committed))
         return tail
 
+    def _fence_earlier(self, transactional_id: str) -> None:
+        """A partition last committed by another producer of this identity: a zombie (the same
+        --instance-id on another host, or an earlier run whose state dir is gone). Fence it once."""
+        ids = self._ids
+        if ids is None or transactional_id == self._writer.transactional_id or transactional_id in self._fenced:
+            return
+        if ids.owns(transactional_id):
+            self._writer.fence(transactional_id)
+        self._fenced.add(transactional_id)
+
     def _on_handoff(self, event: str, moved: int, owned: int) -> None:
         self.metrics.handoffs.labels(event).inc(moved)
         self.metrics.owned_partitions.set(owned)
@@ -353,6 +370,14 @@ class Sidecar:
     def _checkpoint(self) -> None:
         states = list(self._assignment.states.values())
         started = time.monotonic()
+        if self._writer.transactional and self._connectivity.outages != self._outages_seen:
+            # After a broker restart the client's transaction and group state are not to be trusted
+            # (librdkafka hung on the group coordinator; the group's generation moved on): abort and
+            # start again from the last commit, with a new producer.
+            raise BrokerError(
+                "the brokers were unreachable during this transaction; it is aborted and the engine starts "
+                "again from the last commit"
+            )
         if checkpoint(self._writer, states, self._consumer, self._state_topic):
             self.metrics.commits.inc()
         self.metrics.checkpoint_latency.observe(time.monotonic() - started)

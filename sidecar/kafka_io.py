@@ -95,6 +95,8 @@ class Connectivity:
 
     def __init__(self) -> None:
         self.reason: str | None = None
+        self.outages = 0
+        """How many times the brokers were lost: an exactly-once transaction that spans one is not committed."""
         self._down_since = 0.0
         self._probed = 0.0
 
@@ -102,6 +104,7 @@ class Connectivity:
         """The clients' error_cb: runs on the loop's thread, inside poll and consume."""
         if error.code() in _UNREACHABLE and self.reason is None and not _NONE_DOWN.match(error.str()):
             self.reason = f"Kafka unreachable: {error.str()}"
+            self.outages += 1
             self._down_since = time.monotonic()
             logger.warning("brokers unreachable error=%s", error.str())
 

@@ -36,6 +36,7 @@ from pydantic import SecretStr
 from sidecar.broker import EmbeddedBroker
 from sidecar.broker.lifeline import die_with_parent
 from sidecar.http import StatusServer
+from sidecar.identity import InstanceLock
 from sidecar.metrics import PREFIX
 from sidecar.policy import load_policies
 from sidecar.settings import ENV_PREFIX, RunSettings, default_instance_id
@@ -125,6 +126,8 @@ class Supervisor:
         settings = self.settings
         load_policies(Path(settings.policies))  # a bad file fails here, not in a loop of worker restarts
         with ExitStack() as stack:
+            base = settings.instance_id or default_instance_id(settings.state_dir)
+            stack.callback(InstanceLock(settings.state_dir, settings.group_id, base).close)  # workers lock <base>-<i>
             bootstrap = settings.bootstrap_servers
             if not bootstrap:
                 broker = EmbeddedBroker(settings.state_dir / "broker", port=settings.broker_port)
@@ -148,7 +151,7 @@ class Supervisor:
 
     def _worker(self, index: int, bootstrap: str) -> Worker:
         s = self.settings
-        base = s.instance_id or default_instance_id(s.state_dir)
+        base = s.instance_id or default_instance_id(s.state_dir)  # as app.instance_identity
         argv = [
             sys.executable, "-m", "sidecar", "run", "--workers", "1",
             "--bootstrap-servers", bootstrap,

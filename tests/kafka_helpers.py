@@ -1,5 +1,6 @@
 """Producing and reading records in tests, and running the sidecar on a thread or as a process."""
 
+import os
 import signal
 import subprocess
 import sys
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
+from confluent_kafka.admin import AdminClient, NewTopic
 
 from sidecar.app import SidecarApp
 from sidecar.broker.base import wait_for_metadata
@@ -179,6 +181,57 @@ def early(records: list[Received]) -> list[Received]:
     return [r for r in records if r.timestamp < int(r.headers[DELIVER_AT])]
 
 
+def create_topics(bootstrap: str, names: list[str], partitions: int) -> None:
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    for future in admin.create_topics([NewTopic(name, partitions) for name in names]).values():
+        future.result(10)
+
+
+class LiveReader:
+    """An outbound consumer that keeps reading through the faults, as users' consumers do.
+
+    read_committed with librdkafka's default fetch sizes, assigned from offset 0 before the faults
+    begin. `finish` reads on until every partition's position reaches its stable end.
+    """
+
+    def __init__(self, bootstrap: str, topics: list[str], partitions: int) -> None:
+        self.records: dict[str, list[Received]] = {t: [] for t in topics}
+        self._consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"live-{uuid.uuid4().hex}",
+                                   "enable.auto.commit": False, "isolation.level": "read_committed"})  # fmt: skip
+        self._consumer.assign([TopicPartition(t, p, 0) for t in topics for p in range(partitions)])
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            with self._lock:
+                for m in self._consumer.consume(1000, 0.2):
+                    if m.error() is None:
+                        self.records[m.topic()].append(_received(m))
+
+    def finish(self, timeout_s: float = 60.0) -> dict[str, list[Received]]:
+        """Read until each partition's position reaches its last stable offset, then stop."""
+
+        def caught_up() -> bool:
+            with self._lock:
+                positions = self._consumer.position(self._consumer.assignment())
+                for tp in positions:
+                    _, stable = self._consumer.get_watermark_offsets(tp, timeout=10, cached=False)
+                    if stable > 0 and tp.offset < stable:
+                        return False
+                return True
+
+        try:
+            wait_for(caught_up, timeout_s, "the live reader to reach the stable end of each partition")
+        finally:
+            self._stop.set()
+            self._thread.join(10)
+            self._consumer.close()
+        return self.records
+
+
 class ThreadedSidecar:
     """The sidecar in this process, for tests that need its metrics or a fake clock."""
 
@@ -235,11 +288,12 @@ class ThreadedSidecar:
             time.sleep(0.05)
 
 
-def sidecar_process(args: list[str], log: Path) -> subprocess.Popen[bytes]:
+def sidecar_process(args: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
     """`python -m sidecar run ...` as a child process, for kill -9 tests.
 
     It dies with the test run (SIGKILL on parent death): a killed pytest must not leave sidecars
-    consuming from the shared broker. Its embedded broker, if any, dies with it in turn.
+    consuming from the shared broker. Its embedded broker, if any, dies with it in turn. `env`:
+    variables added to the test's own.
     """
     with log.open("ab") as out:
         return subprocess.Popen(
@@ -247,6 +301,7 @@ def sidecar_process(args: list[str], log: Path) -> subprocess.Popen[bytes]:
             stdout=out,
             stderr=subprocess.STDOUT,
             cwd=ROOT,
+            env={**os.environ, **(env or {})},
             preexec_fn=die_with_parent(signal.SIGKILL),  # noqa: PLW1509 - see sidecar/broker/lifeline.py
         )
 
@@ -308,12 +363,12 @@ def wait_for(condition: Callable[[], bool], timeout_s: float, what: str) -> None
 class SidecarProcess:
     """`delay-sidecar run` as a child process that can be killed and started again on one state dir."""
 
-    def __init__(self, args: list[str], log: Path) -> None:
-        self.args, self.log = args, log
+    def __init__(self, args: list[str], log: Path, env: dict[str, str] | None = None) -> None:
+        self.args, self.log, self.env = args, log, env
         self.process: subprocess.Popen[bytes] | None = None
 
     def start(self) -> "SidecarProcess":
-        self.process = sidecar_process(self.args, self.log)
+        self.process = sidecar_process(self.args, self.log, self.env)
         return self
 
     def kill(self) -> None:
@@ -359,7 +414,10 @@ def outbound_end(kafka_helper: KafkaHelper, topic: str, partitions: int = 1) -> 
 
 def assert_once_each(kafka_helper: KafkaHelper, outbound: str, expected: int) -> None:
     """As an outbound consumer sees it: read_committed, which leaves out aborted transactions."""
-    records = kafka_helper.read_to_end(outbound, committed_only=True)
+    assert_records_once_each(kafka_helper.read_to_end(outbound, committed_only=True), outbound, expected)
+
+
+def assert_records_once_each(records: list[Received], outbound: str, expected: int) -> None:
     copies = deliveries(records)
     duplicated = {origin: n for origin, n in copies.items() if n > 1}
     some = list(duplicated.items())[:5]

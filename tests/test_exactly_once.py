@@ -17,10 +17,13 @@ import pytest
 from sidecar.broker.embedded import free_port
 from tests.kafka_helpers import (
     KafkaHelper,
+    LiveReader,
     PolicyFile,
     SidecarProcess,
     TopicFactory,
     assert_once_each,
+    assert_records_once_each,
+    create_topics,
     outbound_end,
     run_args,
     scrape,
@@ -49,13 +52,17 @@ def test_kill_9_while_delivering_sends_each_record_once_read_committed(
     tmp_path: Path,
 ) -> None:
     """Kills land inside open transactions (deliveries every few ms, a commit every 200 ms): what
-    they wrote is aborted, and the restart delivers it again, once, from the commit."""
+    they wrote is aborted, and the restart delivers it again, once, from the commit. Counted twice:
+    read from offset 0 afterwards, and by a consumer that kept reading through the kills (each
+    restart writes under a new producer id, so no later commit shares one with an abort)."""
     topic = topic_factory("eos", partitions=2)
     policies = policy_file(f"topics:\n  {topic}:\n    subscriptions: {{a: {{}}, o: {{type: exclusive}}}}\n")
     port, count = free_port(), 4_000
     args = run_args(kafka, policies, tmp_path / "state", port, f"g-{topic}", *EXACTLY_ONCE, "--tracker", tracker)
     sidecar = SidecarProcess(args, tmp_path / "log")
     produce_mixed(kafka_helper, topic, count, int(time.time() * 1000) + 4_000, 8_000)
+    create_topics(kafka, [f"{topic}.a", f"{topic}.o"], 2)  # for the live reader to be assigned before the start
+    live = LiveReader(kafka, [f"{topic}.a", f"{topic}.o"], 2)
     rng = random.Random(9)
     try:
         sidecar.start()
@@ -73,8 +80,10 @@ def test_kill_9_while_delivering_sends_each_record_once_read_committed(
         assert sidecar.stop() == 0, sidecar.tail()
     finally:
         sidecar.close()
-    assert_once_each(kafka_helper, f"{topic}.a", count)
-    assert_once_each(kafka_helper, f"{topic}.o", count)
+    seen_live = live.finish()
+    for sub in ("a", "o"):
+        assert_records_once_each(kafka_helper.read_to_end(f"{topic}.{sub}", committed_only=True), sub, count)
+        assert_records_once_each(seen_live[f"{topic}.{sub}"], f"{sub} (live reader)", count)
     aborted = len(kafka_helper.read_to_end(f"{topic}.a")) - count
     print(f"records written in aborted transactions: {aborted}")  # what read_uncommitted would duplicate
 
@@ -82,16 +91,19 @@ def test_kill_9_while_delivering_sends_each_record_once_read_committed(
 def test_a_zombie_is_fenced_and_its_writes_never_become_visible(
     kafka: str, kafka_helper: KafkaHelper, topic_factory: TopicFactory, policy_file: PolicyFile, tmp_path: Path
 ) -> None:
-    """A is stopped (SIGSTOP) with a transaction open; B starts with A's instance id, so with A's
-    group.instance.id and transactional.id: B's producer fences A's and aborts its transaction, and
-    the group fences A's consumer. Woken up (SIGCONT), A fails, and nothing it wrote is visible."""
+    """A is stopped (SIGSTOP) with a transaction open; B starts with A's instance id on another
+    host (its own temporary dir: the host lock does not see A), so with A's group.instance.id: B
+    finds A's transactional.id in the commit metadata and fences it, which aborts A's transaction,
+    and the group fences A's consumer. Woken up (SIGCONT), A fails, and nothing it wrote is visible."""
     topic = topic_factory("zombie", partitions=2)
     policies = policy_file(f"topics:\n  {topic}:\n    subscriptions: {{a: {{}}, o: {{type: exclusive}}}}\n")
     group, count = f"g-{topic}", 3_000
     same = ("--instance-id", f"member-{uuid.uuid4().hex[:6]}", "--commit-interval-ms", "1000", *EXACTLY_ONCE)
     port_a, port_b = free_port(), free_port()
     a = SidecarProcess(run_args(kafka, policies, tmp_path / "a", port_a, group, *same), tmp_path / "a.log")
-    b = SidecarProcess(run_args(kafka, policies, tmp_path / "b", port_b, group, *same), tmp_path / "b.log")
+    (tmp_path / "host-b").mkdir()
+    b = SidecarProcess(run_args(kafka, policies, tmp_path / "b", port_b, group, *same), tmp_path / "b.log",
+                       env={"TMPDIR": str(tmp_path / "host-b")})  # fmt: skip
     produce_mixed(kafka_helper, topic, count, int(time.time() * 1000) + 3_000, 10_000)
     try:
         a.start()

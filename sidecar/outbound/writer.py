@@ -7,26 +7,35 @@ falls back to hashing by key, which keeps per-key order only; `partition_map` sa
 
 In exactly-once mode the producer is transactional: everything written between two checkpoints is
 one transaction, committed with the inbound offsets (`commit`), so a crash anywhere leaves either
-both the records and the offsets, or neither. The transactional.id is stable per instance, so the
-instance's next producer fences this one: a zombie can write, but never commit.
+both the records and the offsets, or neither. Each producer has a transactional.id of its own
+(sidecar/identity.py); before it writes, it opens the ids its instance used before once, which
+fences a zombie holding one (it can write, but never commit) and ends what it left open.
 """
 
 import logging
+import threading
+from collections.abc import Callable
 from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException, Message, Producer, TopicPartition
 
 from sidecar.errors import BrokerError, Fenced
+from sidecar.identity import TransactionalIds
 from sidecar.outbound.records import OutHeaders, dead_letter_headers
 
 logger = logging.getLogger(__name__)
 
 FLUSH_TIMEOUT_S = 30.0
 TRANSACTION_TIMEOUT_S = 30.0
+# librdkafka does not always honour its own timeout: after a broker restart, send_offsets_to_transaction
+# waited for a group coordinator for good (checked on noida-db). Every transactional call is bounded here.
+CALL_DEADLINE_S = TRANSACTION_TIMEOUT_S + 5
 ANY_PARTITION = -1
 # A transaction open this long (a stalled process) is aborted by the broker.
 TRANSACTION_TIMEOUT_MS = 60_000
 _FENCED = {KafkaError._FENCED, KafkaError.INVALID_PRODUCER_EPOCH, KafkaError.PRODUCER_FENCED}
+_ABANDONED: list[Producer] = []
+"""Producers stuck in a call: destroying a librdkafka handle during a call blocks, so they are kept."""
 
 
 class Writer:
@@ -34,12 +43,23 @@ class Writer:
         self,
         client_config: dict[str, Any],
         librdkafka_logger: logging.Logger,
-        transactional_id: str | None = None,
+        ids: TransactionalIds | None = None,
         tuning: dict[str, Any] | None = None,
     ) -> None:
-        """`tuning`: librdkafka producer settings the operator chose (compression, linger)."""
+        """`ids`: exactly-once mode, where this producer's transactional.id comes from.
+        `tuning`: librdkafka producer settings the operator chose (compression, linger)."""
         self._errors: list[str] = []
         self._same_partition: set[str] = set()
+        self._ids = ids
+        self._logger = librdkafka_logger
+        self._client_config = client_config
+        transactional_id = None
+        if ids is not None:
+            transactional_id, earlier = ids.next()
+            for old in earlier:
+                self.fence(old)
+            ids.ended(earlier)
+            logger.info("transactional producer transactional_id=%s fenced=%s", transactional_id, ",".join(earlier))
         self.transactional_id = transactional_id
         config = {
             **client_config,
@@ -57,10 +77,29 @@ class Writer:
             config["transaction.timeout.ms"] = TRANSACTION_TIMEOUT_MS
         self.producer = Producer(config, logger=librdkafka_logger)
         self._open = False
+        self._stuck: str | None = None
+        """The call that never returned: this producer is abandoned, the engine starts again."""
         if transactional_id is not None:
-            # Fences every earlier producer of this id and aborts what it left open.
             self._transaction(lambda: self.producer.init_transactions(TRANSACTION_TIMEOUT_S), "init")
             self._begin()
+
+    def fence(self, transactional_id: str) -> None:
+        """Open `transactional_id` once and close it: its producer, if one still runs, can no longer
+        commit, and the transaction it left open is aborted, so readers' last stable offset moves on."""
+        config = {**self._client_config, "transactional.id": transactional_id}
+        config.pop("error_cb", None)
+        producer = Producer(config, logger=self._logger)
+        what = f"init of the earlier transactional.id {transactional_id!r}"
+        try:
+            if not _bounded(lambda: producer.init_transactions(TRANSACTION_TIMEOUT_S)):
+                _ABANDONED.append(producer)
+                raise BrokerError(f"{what} did not return in {CALL_DEADLINE_S:.0f} s; check broker health")
+        except KafkaException as e:
+            raise BrokerError(
+                f"could not end transactional.id {transactional_id!r} left by an earlier run ({e.args[0]}); "
+                "nothing is written until it is. Check broker health; the sidecar tries again"
+            ) from e
+        logger.info("fenced an earlier transactional producer transactional_id=%s", transactional_id)
 
     @property
     def transactional(self) -> bool:
@@ -82,25 +121,43 @@ class Writer:
 
     def abort(self) -> None:
         """Drop the open transaction: none of its records becomes visible to read_committed readers."""
-        if not self._open:
-            return
+        if not self._open or self._stuck is not None:
+            return  # a stuck producer cannot take another call: the next producer fences its id
         self._open = False
+        producer = self.producer
         try:
-            self.producer.purge()
-            self.producer.abort_transaction(TRANSACTION_TIMEOUT_S)
+            producer.purge()
+            # By this producer: after a broker restart the embedded broker ends a transaction begun
+            # since only so, not when a new producer opens the id (found with bench/faults.py).
+            if not _bounded(lambda: producer.abort_transaction(TRANSACTION_TIMEOUT_S)):
+                self._abandon("abort")
         except KafkaException as e:
-            # Fenced or failed: the broker aborts it anyway, when the next producer of this id starts.
+            # Fenced or failed: the next producer fences this id, which aborts it on Kafka.
             logger.warning("aborting the transaction failed error=%s", e.args[0])
 
     def _begin(self) -> None:
         self._transaction(self.producer.begin_transaction, "begin")
         self._open = True
 
-    def _transaction(self, call: Any, what: str) -> None:
+    def _abandon(self, what: str) -> None:
+        self._stuck, self._open = what, False
+        _ABANDONED.append(self.producer)
+        logger.error("transactional call never returned; abandoning the producer call=%s transactional_id=%s",
+                     what, self.transactional_id)  # fmt: skip
+
+    def _transaction(self, call: Callable[[], object], what: str) -> None:
         """One transactional call; a retriable error is retried, everything else ends this producer."""
+        if self._stuck is not None:
+            raise BrokerError(f"the producer is abandoned after its {self._stuck} call hung; the engine starts again")
         for attempt in range(3):
             try:
-                call()
+                if not _bounded(call):
+                    self._abandon(what)
+                    raise BrokerError(
+                        f"transaction {what} did not return in {CALL_DEADLINE_S:.0f} s (the client lost its "
+                        "coordinator, as after a broker restart); nothing of this transaction is visible and the "
+                        "engine starts again from the last commit with a new producer. Check broker health"
+                    )
                 return
             except KafkaException as e:
                 error: KafkaError = e.args[0]
@@ -196,8 +253,12 @@ class Writer:
         """Wait for what is queued after a clean stop; after a failure, drop it: the next engine
         starts again from the last checkpoint, which is exactly what was acknowledged (in
         exactly-once mode, what was committed: the open transaction is aborted)."""
+        if self._stuck is not None:
+            return  # any call may hang on this producer; it is abandoned, its id fenced by the next
         if self.transactional:
             self.abort()  # after a clean stop the last checkpoint committed everything
+            if clean and self._ids is not None and self.transactional_id is not None:
+                self._ids.ended([self.transactional_id])  # nothing left open: no need to fence it later
         elif clean:
             self.producer.flush(FLUSH_TIMEOUT_S)
         else:
@@ -207,6 +268,29 @@ class Writer:
     def _on_delivery(self, error: KafkaError | None, record: Message) -> None:
         if error is not None:
             self._errors.append(f"{record.topic()}: {error}")
+
+
+def _bounded(call: Callable[[], object]) -> bool:
+    """Run `call` on a thread of its own; False when it has not returned by the deadline.
+
+    A daemon thread: a call that never returns must not keep the process from exiting.
+    """
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            call()
+        except BaseException as e:  # re-raised on the caller's thread
+            failure.append(e)
+
+    thread = threading.Thread(target=run, name="transaction-call", daemon=True)
+    thread.start()
+    thread.join(CALL_DEADLINE_S)
+    if thread.is_alive():
+        return False
+    if failure:
+        raise failure[0]
+    return True
 
 
 def _timestamp(record: Message) -> int:

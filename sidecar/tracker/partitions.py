@@ -11,6 +11,8 @@ Kafka's committed offset and its metadata are the durable truth of a partition. 
   each record with the rule of its first intake, and a due record goes to the subscriptions it was
   owed then.
 - `runs`: the monotone runs still pending (tracker/runs.py), which no local index holds.
+- `producer`: exactly-once mode, the transactional.id whose transaction committed it. A sidecar of
+  the same identity that takes the partition over fences it (sidecar/identity.py).
 
 Local state (the bucket tracker's RocksDB) is used only when it matches the commit: its cursor and
 watermark at or past the committed ones. It keeps the runs of its checkpoint too, which may be one
@@ -36,7 +38,7 @@ from typing import Any
 
 from confluent_kafka import Consumer, Message, TopicPartition
 
-from sidecar.errors import BrokerError
+from sidecar.errors import BrokerError, SidecarError
 from sidecar.policy.routes import IntakeRule
 from sidecar.tracker.base import KEY_SHIFT, NOTHING_DELIVERED, DelayedDeliveryTracker, pack
 from sidecar.tracker.runs import Runs
@@ -57,9 +59,12 @@ class CommitMetadata:
     rules: tuple[tuple[int, IntakeRule], ...] = ()
     runs: tuple[list[int], ...] = ()
     """Encoded runs (runs.Run.encode)."""
+    producer: str | None = None
 
     def encode(self) -> str:
         data: dict[str, Any] = {"v": METADATA_VERSION, "earliest": self.earliest}
+        if self.producer is not None:
+            data["producer"] = self.producer
         if self.through != NOTHING_DELIVERED:
             data["through"] = [self.through >> KEY_SHIFT, self.through & _MASK]
         if self.runs:
@@ -93,7 +98,14 @@ class CommitMetadata:
         if isinstance(through, list) and len(through) == 2 and all(isinstance(v, int) for v in through):
             watermark = pack(through[0], through[1])
         runs = tuple(run.encode() for run in Runs[Message].decode(data.get("runs")).runs)
-        return cls(earliest if isinstance(earliest, int) else None, watermark, tuple(rules), runs)
+        producer = data.get("producer")
+        return cls(
+            earliest if isinstance(earliest, int) else None,
+            watermark,
+            tuple(rules),
+            runs,
+            producer if isinstance(producer, str) else None,
+        )
 
 
 class RuleHistory:
@@ -283,11 +295,13 @@ class PartitionState:
             self.control and self.next_offset is not None and self.next_offset < self.replay_until
         )
 
-    def commit_point(self, earliest_pending: int | None, exact: bool = False) -> tuple[int, str] | None:
+    def commit_point(
+        self, earliest_pending: int | None, exact: bool = False, producer: str | None = None
+    ) -> tuple[int, str] | None:
         """(offset, metadata) to commit now, or None when there is nothing new to commit.
 
-        `exact`: the commit is a transaction's, which the local index need not have reached (see
-        checkpoint.py); a partition still replaying delivered nothing and is not committed.
+        `exact`: the commit is a transaction's (that of `producer`), which the local index need not
+        have reached (see checkpoint.py); a partition still replaying delivered nothing and is not committed.
         """
         if self.next_offset is None or self.rebuild is not None or (exact and self.replaying):
             return None  # nothing read yet, or a rebuild that a crash would simply start again
@@ -299,7 +313,9 @@ class PartitionState:
             (o for o in (earliest_pending, runs.earliest_offset()) if o is not None), default=self.next_offset
         )
         self.rules.prune(earliest)
-        metadata = CommitMetadata(earliest, tracker.delivered_through(), self.rules.items(), tuple(runs.encode()))
+        metadata = CommitMetadata(
+            earliest, tracker.delivered_through(), self.rules.items(), tuple(runs.encode()), producer
+        )
         point = (self.next_offset, metadata.encode())
         return None if point == self.committed else point
 
@@ -323,8 +339,12 @@ class Assignment:
         incremental: bool = False,
         on_handoff: Callable[[str, int, int], None] | None = None,
         restore: Restore | None = None,
+        fence: Callable[[str], None] | None = None,
     ) -> None:
+        """`fence`: exactly-once mode, called with the transactional.id of each assigned partition's
+        last commit, before the partition is read (a zombie of this identity must not commit)."""
         self.states: dict[tuple[str, int], PartitionState] = {}
+        self._fence = fence
         self._restore = restore
         self._abort = abort
         """Exactly-once mode: drops the open transaction when partitions are lost."""
@@ -354,7 +374,13 @@ class Assignment:
                 state = PartitionState(tp.topic, tp.partition, tracker, control=control, exact=self._abort is not None)
                 self.states[key] = state
             committed = tp.offset if tp.offset >= 0 else None
-            start = state.start(committed, CommitMetadata.decode(tp.metadata), self._restore)
+            metadata = CommitMetadata.decode(tp.metadata)
+            if self._fence is not None and metadata.producer is not None and self.error is None:
+                try:
+                    self._fence(metadata.producer)
+                except SidecarError as e:  # raised by the engine after poll, not into librdkafka
+                    self.failed, self.error = True, e
+            start = state.start(committed, metadata, self._restore)
             starts.append(TopicPartition(tp.topic, tp.partition, start if start is not None else tp.offset))
         if self._incremental:
             consumer.incremental_assign(starts)

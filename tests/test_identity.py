@@ -1,0 +1,146 @@
+"""Who a sidecar is to Kafka: distinct, stable transactional ids, and one live process per identity."""
+
+import itertools
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from sidecar.app import member_instance_id, transactional_ids
+from sidecar.errors import ConfigError, StorageError
+from sidecar.identity import IDS_FILE, InstanceLock, TransactionalIds
+from sidecar.settings import ENV_PREFIX, RunSettings
+from sidecar.supervisor import Supervisor, worker_environment
+from tests.kafka_helpers import PolicyFile, SidecarProcess, run_args, wait_for
+
+
+def test_each_producer_gets_an_id_never_used_before_and_fences_the_ones_left_open(tmp_path: Path) -> None:
+    ids = TransactionalIds("g-me", tmp_path)
+    first, earlier = ids.next()
+    assert earlier == [] and first.startswith("g-me-")
+    second, earlier = ids.next()  # an engine that failed: its producer may hold an open transaction
+    assert second != first and earlier == [first]
+    ids.ended(earlier)
+    again = TransactionalIds("g-me", tmp_path)  # a restart reads the list back
+    third, earlier = again.next()
+    assert earlier == [second] and third not in (first, second)
+    again.ended([third])  # a clean stop: nothing left to fence
+    assert TransactionalIds("g-me", tmp_path).next()[1] == [second]
+
+
+def test_ids_stay_unique_when_the_clock_is_behind_the_last_one(tmp_path: Path) -> None:
+    future = time.time_ns() // 1_000_000 + 3_600_000
+    (tmp_path / IDS_FILE).write_text(json.dumps({"prefix": "g-me", "last": future, "open": []}))
+    fresh, _ = TransactionalIds("g-me", tmp_path).next()
+    assert fresh == f"g-me-{future + 1}"
+
+
+def test_an_unreadable_ids_file_starts_a_new_list(tmp_path: Path) -> None:
+    (tmp_path / IDS_FILE).write_text("{not json")
+    fresh, earlier = TransactionalIds("g-me", tmp_path).next()
+    assert earlier == [] and json.loads((tmp_path / IDS_FILE).read_text())["open"] == [fresh]
+
+
+def test_an_unwritable_state_dir_is_a_storage_error_before_anything_is_written(tmp_path: Path) -> None:
+    (tmp_path / IDS_FILE).mkdir()  # the file cannot be replaced
+    with pytest.raises(StorageError, match="record its transactional ids"):
+        TransactionalIds("g-me", tmp_path).next()
+
+
+def test_owns_tells_this_identitys_ids_from_others() -> None:
+    ids = TransactionalIds("g-host-1")
+    assert ids.owns("g-host-1-1795583863394")
+    assert not ids.owns("g-host-12-1795583863394") and not ids.owns("g-host-1") and not ids.owns("g-default")
+
+
+def test_a_second_lock_on_the_state_dir_or_the_identity_is_refused_until_the_first_ends(tmp_path: Path) -> None:
+    first = InstanceLock(tmp_path / "a", "g", "one")
+    with pytest.raises(ConfigError, match=f"in use by another running sidecar \\(pid {os.getpid()}\\)"):
+        InstanceLock(tmp_path / "a", "g", "two")
+    with pytest.raises(ConfigError, match="already runs as instance 'one' in group 'g'"):
+        InstanceLock(tmp_path / "b", "g", "one")
+    InstanceLock(tmp_path / "c", "other-group", "one").close()  # another group: another identity
+    first.close()
+    InstanceLock(tmp_path / "b", "g", "one").close()
+
+
+def _instances(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, source: str, workers: int, **common: object
+) -> list[RunSettings]:
+    """The settings each process ends up with: two sidecars named by `source`, each with `workers`."""
+    for key in [k for k in os.environ if k.startswith(ENV_PREFIX)]:
+        monkeypatch.delenv(key)
+    out = []
+    for name in ("alpha", "beta"):
+        values: dict[str, object] = {"state_dir": tmp_path / name, "workers": workers, **common}
+        if source == "flag":
+            values["instance_id"] = name
+        elif source == "env":
+            monkeypatch.setenv(ENV_PREFIX + "INSTANCE_ID", name)
+        settings = RunSettings(**values)  # type: ignore[arg-type]
+        monkeypatch.delenv(ENV_PREFIX + "INSTANCE_ID", raising=False)
+        if workers == 1:
+            out.append(settings)
+            continue
+        env = worker_environment(settings)
+        for i in range(workers):  # what each worker reads: its environment, then its command line
+            argv = Supervisor(settings)._worker(i, "k:9092").argv
+            flags = dict(zip(argv[4::2], argv[5::2], strict=False))
+            with monkeypatch.context() as m:
+                for key, value in env.items():
+                    if key.startswith(ENV_PREFIX):
+                        m.setenv(key, value)
+                out.append(RunSettings(instance_id=flags["--instance-id"], state_dir=Path(flags["--state-dir"])))
+    return out
+
+
+@pytest.mark.parametrize(
+    ("protocol", "leave", "workers", "source"),
+    list(itertools.product([None, "SASL_SSL"], [False, True], [1, 2], ["flag", "env", "state-dir"])),
+)
+def test_every_instance_gets_a_distinct_stable_transactional_id(
+    protocol: str | None, leave: bool, workers: int, source: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before: a secured cluster with --leave-group-on-stop gave every instance `<group>-default`."""
+    common = {"security_protocol": protocol, "leave_group_on_stop": leave, "processing_guarantee": "exactly-once"}
+    first = _instances(tmp_path, monkeypatch, source, workers, **common)
+    again = _instances(tmp_path, monkeypatch, source, workers, **common)
+    prefixes = []
+    for settings in first:
+        ids = transactional_ids(settings)
+        assert ids is not None
+        prefixes.append(ids.prefix)
+        assert "default" not in ids.prefix
+    assert len(set(prefixes)) == len(prefixes) == 2 * workers, prefixes  # distinct
+    assert prefixes == [transactional_ids(s).prefix for s in again]  # type: ignore[union-attr]  # stable
+    dynamic = leave and protocol == "SASL_SSL"
+    assert all((member_instance_id(s) is None) == dynamic for s in first)  # the member id may go, the identity stays
+
+
+def test_two_processes_with_one_identity_are_refused_at_start(
+    kafka: str, policy_file: PolicyFile, tmp_path: Path
+) -> None:
+    """The same state dir, or the same --instance-id: the second process exits with an error that
+    says what to change; after a kill -9 of the first, its restart is not refused."""
+    policies = policy_file("allow_empty: true\ntopics: {}\n")
+    same_id = ("--instance-id", "twin", "--processing-guarantee", "exactly-once")
+    first = SidecarProcess(run_args(kafka, policies, tmp_path / "one", 0, "g-twins", *same_id), tmp_path / "1.log")
+    shared_dir = SidecarProcess(run_args(kafka, policies, tmp_path / "one", 0, "g-twins"), tmp_path / "2.log")
+    shared_id = SidecarProcess(run_args(kafka, policies, tmp_path / "two", 0, "g-twins", *same_id), tmp_path / "3.log")
+    try:
+        first.start()
+        wait_for(lambda: "partitions assigned" in first.log.read_text(), 60, "the first sidecar to serve")
+        for second, says in ((shared_dir, "is in use by another running sidecar"),
+                             (shared_id, "already runs as instance 'twin'")):  # fmt: skip
+            assert second.start().process is not None
+            assert second.process.wait(60) == 2, second.tail()
+            assert says in second.log.read_text() and "Traceback" not in second.log.read_text()
+        first.kill()
+        first.start()
+        wait_for(lambda: first.log.read_text().count("partitions assigned") >= 2, 60, "the restart to serve")
+        assert first.stop() == 0
+    finally:
+        for process in (first, shared_dir, shared_id):
+            process.close()
