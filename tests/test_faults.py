@@ -12,7 +12,16 @@ from collections.abc import Callable
 from pathlib import Path
 
 from sidecar.broker.embedded import EmbeddedBroker, free_port
-from tests.kafka_helpers import KafkaHelper, SidecarProcess, deliveries, early, wait_for
+from tests.kafka_helpers import (
+    KafkaHelper,
+    LiveReader,
+    SidecarProcess,
+    assert_records_once_each,
+    deliveries,
+    early,
+    outbound_end,
+    wait_for,
+)
 
 PolicyFile = Callable[[str], Path]
 RESTARTS = 3
@@ -75,3 +84,53 @@ def test_the_sidecar_rides_out_broker_restarts_under_load_and_healthz_tells_the_
     client_lines = [line for line in log.splitlines() if "logger=librdkafka" in line]
     assert len(client_lines) < 40 * RESTARTS, f"{len(client_lines)} client log lines for {RESTARTS} outages"
     assert not [line for line in log.splitlines() if "Traceback" in line], log[-3000:]
+
+
+def test_exactly_once_rides_out_kills_and_a_broker_restart_for_fresh_and_live_readers(
+    policy_file: PolicyFile, tmp_path: Path
+) -> None:
+    """Before: after a broker restart the client's send_offsets_to_transaction waited for good, the
+    loop with it; /healthz stayed 503 and a transaction begun after the restart was never ended, so
+    read_committed readers stopped at it. Now a transaction that spans an outage is aborted by its
+    own producer and the engine starts again from the commit under a new transactional.id."""
+    broker = EmbeddedBroker(tmp_path / "broker", port=free_port())
+    bootstrap = broker.start()
+    topic, count = "faults", 4_000
+    policies = policy_file(f"topics:\n  {topic}:\n    subscriptions: {{a: {{}}, o: {{type: exclusive}}}}\n")
+    port = free_port()
+    args = ["--bootstrap-servers", bootstrap, "--policies", str(policies), "--state-dir", str(tmp_path / "state"),
+            "--metrics-port", str(port), "--group-id", "faults", "--commit-interval-ms", "200",
+            "--processing-guarantee", "exactly-once"]  # fmt: skip
+    sidecar = SidecarProcess(args, tmp_path / "sidecar.log")
+    helper = KafkaHelper(bootstrap)
+    live: LiveReader | None = None
+    try:
+        sidecar.start()
+        wait_for(lambda: health(port)[0] == 200, 60, "ready")
+        live = LiveReader(bootstrap, [f"{topic}.a", f"{topic}.o"], 3)
+        first_due = int(time.time() * 1000) + 2_000
+        for i in range(count):  # falling due all through the faults
+            helper.produce(topic, f"v{i}".encode(), headers=[("deliver-at", str(first_due + i * 3))])
+        helper.flush()
+        for fault in ("broker", "kill", "broker", "kill"):
+            time.sleep(1.5)  # deliveries in the open transaction
+            if fault == "broker":
+                broker.stop()
+                time.sleep(2)
+                broker.start()
+            else:
+                sidecar.kill()
+                sidecar.start()
+            wait_for(lambda: health(port)[0] == 200, 60, f"/healthz ready within a minute of the {fault} fault")
+        for sub in ("a", "o"):
+            wait_for(lambda s=sub: outbound_end(helper, f"{topic}.{s}", 3) >= count, 120, f"every record on {sub}")
+        assert sidecar.stop() == 0, sidecar.tail()
+        seen_live = live.finish()
+        for sub in ("a", "o"):
+            name = f"{topic}.{sub}"
+            assert_records_once_each(helper.read_to_end(name, committed_only=True), name, count)
+            assert_records_once_each(seen_live[name], f"{name} (live reader)", count)
+    finally:
+        sidecar.close()
+        helper.close()
+        broker.stop()
