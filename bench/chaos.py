@@ -128,9 +128,13 @@ class Sidecar:
                      "--group-id", "chaos", "--instance-id", "chaos-member", "--processing-guarantee",
                      "exactly-once", "--commit-interval-ms", str(plan.commit_interval_ms)]  # fmt: skip
         self.child: Child | None = None
+        # Each sidecar as if on a host of its own: the zombie's successor shares its instance id,
+        # which the host-wide identity lock would refuse on one host (sidecar/identity.py).
+        self.host = workdir / f"host-{name}"
+        self.host.mkdir(exist_ok=True)
 
     def start(self) -> None:
-        self.child = Child(self.args, self.log)
+        self.child = Child(self.args, self.log, env={"TMPDIR": str(self.host)})
 
     def kill(self) -> None:
         if self.child is not None and self.child.alive():

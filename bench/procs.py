@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -26,7 +27,8 @@ def _dies_with_us() -> Callable[[], None] | None:
 class Child:
     """A child process with its output in a log file; stop() asks politely, then kills."""
 
-    def __init__(self, argv: list[str], log: Path) -> None:
+    def __init__(self, argv: list[str], log: Path, env: dict[str, str] | None = None) -> None:
+        """`env`: variables added to this process's own."""
         self.argv = argv
         self.log = log
         with log.open("ab") as out:
@@ -35,6 +37,7 @@ class Child:
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 cwd=ROOT,
+                env={**os.environ, **(env or {})},
                 preexec_fn=_dies_with_us(),  # noqa: PLW1509 - see sidecar/broker/lifeline.py
             )
 
