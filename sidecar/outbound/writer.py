@@ -164,10 +164,9 @@ class Writer:
                 if error.code() in _FENCED:
                     self._open = False
                     raise Fenced(
-                        f"transaction {what} fenced: another sidecar started with transactional.id "
+                        f"transaction {what} fenced: a newer sidecar of this instance opened transactional.id "
                         f"{self.transactional_id!r} ({error}). This engine stops writing and starts again; if "
-                        "this repeats, two running sidecars share an --instance-id or a --state-dir: give each "
-                        "its own"
+                        "this repeats, two running sidecars share an --instance-id on two hosts: give each its own"
                     ) from e
                 if error.retriable() and attempt < 2:
                     logger.warning("transaction call failed; retrying call=%s error=%s", what, error)
@@ -219,9 +218,9 @@ class Writer:
                 if self.transactional and e.args[0].code() == KafkaError._FATAL:
                     # A transactional producer turns fatal when a newer one of its id fenced it.
                     raise Fenced(
-                        f"the transactional producer failed for good ({e.args[0]}): another sidecar started "
-                        f"with transactional.id {self.transactional_id!r} and fenced this one. This engine "
-                        "stops writing and starts again"
+                        f"the transactional producer failed for good ({e.args[0]}): a newer sidecar of this "
+                        f"instance opened transactional.id {self.transactional_id!r}. This engine stops writing "
+                        "and starts again"
                     ) from e
                 raise
 
