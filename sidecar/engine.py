@@ -140,7 +140,7 @@ class Sidecar:
             fence=self._fence_earlier if transactional_ids is not None else None,
         )
         self._ids = transactional_ids
-        self._fenced: set[str] = set()
+        self._fenced = set(writer.fenced)
         states = assignment.states
         self._delivery = Delivery(writer, states, self._current_routes, retention, metrics, clock)
         trail = TrailReader(client_config, self._rejudge, self._lost)

@@ -54,11 +54,14 @@ class Writer:
         self._logger = librdkafka_logger
         self._client_config = client_config
         transactional_id = None
+        self.fenced: list[str] = []
+        """The earlier transactional ids this writer fenced before it wrote."""
         if ids is not None:
             transactional_id, earlier = ids.next()
             for old in earlier:
                 self.fence(old)
             ids.ended(earlier)
+            self.fenced = earlier
             logger.info("transactional producer transactional_id=%s fenced=%s", transactional_id, ",".join(earlier))
         self.transactional_id = transactional_id
         config = {
