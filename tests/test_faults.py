@@ -24,7 +24,7 @@ from tests.kafka_helpers import (
 )
 
 PolicyFile = Callable[[str], Path]
-RESTARTS = 3
+RESTARTS = 2
 COUNT = 6_000
 
 

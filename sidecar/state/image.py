@@ -93,6 +93,11 @@ def manifest_key(partition: str) -> bytes:
     return f"{partition}/manifest".encode()
 
 
+def rules_key(partition: str, ref: str) -> bytes:
+    """A partition's whole intake-rule history, by content (CommitMetadata.spill)."""
+    return f"{partition}/rules/{ref}".encode()
+
+
 def _bucket_key(partition: str, bucket_id: int) -> str:
     return f"{partition}/bucket/{bucket_id}"
 

@@ -41,11 +41,29 @@ def test_older_and_foreign_metadata() -> None:
         assert CommitMetadata.decode(text) == CommitMetadata()
 
 
-def test_metadata_stays_under_kafkas_limit_by_dropping_the_oldest_rules() -> None:
+def test_a_history_past_kafkas_limit_is_spilled_whole_and_named_by_the_metadata() -> None:
     many = tuple((i * 10, rule(max_ms=i, delayed=("subscription-" + "x" * 40,))) for i in range(200))
-    text = CommitMetadata(0, NOTHING_DELIVERED, many).encode()
+    metadata = CommitMetadata(0, NOTHING_DELIVERED, many)
+    text = metadata.encode()
     assert len(text) <= MAX_METADATA_BYTES
-    assert json.loads(text)["rules"][-1][0] == 1990
+    decoded = CommitMetadata.decode(text)
+    assert decoded.rules[-1][0] == 1990  # the newest that fit, for when the state topic is unreadable
+    spilled = metadata.spill()
+    assert spilled is not None and decoded.rules_ref == spilled[0]
+    whole = CommitMetadata.decode_rules(spilled[1])
+    assert [(o, r.key) for o, r in whole] == [(o, r.key) for o, r in many]
+    assert CommitMetadata(0, NOTHING_DELIVERED, many[:2]).spill() is None  # fits: nothing to spill
+    assert CommitMetadata.decode(CommitMetadata(0, NOTHING_DELIVERED, many[:2]).encode()).rules_ref is None
+
+
+@given(st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=5),
+                    lambda inner: st.lists(inner, max_size=6), max_leaves=20))  # fmt: skip
+def test_a_spilled_history_that_is_not_one_is_a_value_error(item: object) -> None:
+    try:
+        rules = CommitMetadata.decode_rules(json.dumps(item).encode())
+    except ValueError:
+        return
+    assert isinstance(rules, tuple)
 
 
 def test_rule_history_finds_the_rule_of_an_offset_and_forgets_what_nothing_needs() -> None:
