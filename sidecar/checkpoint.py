@@ -13,6 +13,11 @@
    only more of the log is read again at a handoff. In exactly-once mode they are part of the
    transaction that step 3 commits.
 
+2c. A partition whose intake-rule history does not fit in Kafka's commit metadata has the whole
+   history written to the state topic, and acknowledged (or in the transaction) before the commit
+   whose metadata names it (`rules_ref`). Without a state topic the oldest rules are dropped, with
+   an error in the log.
+
 At least once: a crash between 2 and 3 leaves local state one checkpoint ahead of Kafka; the
 restart uses it (PartitionState.start), since everything it covers was acknowledged in step 1.
 Deliveries alone change the watermark, so a checkpoint commits after deliveries even when nothing
@@ -27,6 +32,7 @@ offset, a degraded index included: the records it delivered are in this transact
 local state is simply rebuilt from the commit after a crash.
 """
 
+import logging
 from collections.abc import Iterable
 
 from confluent_kafka import Consumer, TopicPartition
@@ -35,6 +41,8 @@ from sidecar.errors import BrokerError, SidecarError
 from sidecar.outbound.writer import Writer
 from sidecar.state.topic import StateTopic
 from sidecar.tracker.partitions import PartitionState
+
+logger = logging.getLogger(__name__)
 
 
 def checkpoint(
@@ -46,12 +54,17 @@ def checkpoint(
     points: list[tuple[PartitionState, tuple[int, str]]] = []
     for state in states:
         if state.next_offset is not None and state.rebuild is None:
-            state.tracker.checkpoint(state.next_offset, state.runs_text())
+            # A draining partition's index was cleared and stays so: a local index "complete and
+            # empty" would hide from a restart the records its commit still says are pending.
+            if state.drain_from is None:
+                state.tracker.checkpoint(state.next_offset, state.runs_text())
             if state_topic is not None:
                 state_topic.publish(state)
         point = state.commit_point(state.tracker.earliest_pending_offset(), exact, writer.transactional_id)
         if point is not None:
             points.append((state, point))
+    if _rule_histories(points, state_topic) and not exact:
+        writer.flush()  # at least once: a history is acknowledged before a commit names it
     if not points and not exact:
         return 0
     offsets = [TopicPartition(s.topic, s.partition, offset, metadata=meta) for s, (offset, meta) in points]
@@ -67,3 +80,20 @@ def checkpoint(
     for state, point in points:
         state.committed = point
     return len(points)
+
+
+def _rule_histories(points: list[tuple[PartitionState, tuple[int, str]]], state_topic: StateTopic | None) -> bool:
+    """Write the rule histories the commit metadata cannot hold; True when one was written."""
+    written = False
+    for state, _ in points:
+        if state_topic is not None:
+            written |= state_topic.publish_rules(state)
+        elif state.rules_record is not None and state.rules_record[0] not in (state.committed or (0, ""))[1]:
+            logger.error(
+                "intake rule history too large for the commit metadata and no state topic: the oldest rules "
+                "are dropped, and a rebuild would judge the records they covered with a later rule. Run with "
+                "a state topic (--state-topic) partition=%s bytes=%d",
+                state.name,
+                len(state.rules_record[1]),
+            )
+    return written

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from confluent_kafka import Consumer, Message
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, Message, TopicPartition
 
 from sidecar.broker.admin import TopicAdmin
 from sidecar.checkpoint import checkpoint
@@ -24,11 +24,12 @@ from sidecar.control.acceptance import Acceptance
 from sidecar.control.nacks import LatestNacks
 from sidecar.control.redelivery import Redelivery
 from sidecar.dispatch.dispatcher import Dispatcher
+from sidecar.dispatch.drain import Drains, RemovedTopic
 from sidecar.dispatch.payload_cache import PayloadCache
 from sidecar.dispatch.reader import LogReader
 from sidecar.dispatch.roll import HorizonRoll
 from sidecar.dispatch.trail import TrailReader
-from sidecar.errors import BrokerError
+from sidecar.errors import BrokerError, ConfigError
 from sidecar.identity import TransactionalIds
 from sidecar.inbound.receiver import Receiver
 from sidecar.kafka_io import LIBRDKAFKA, Connectivity, consume_batch, consumer_config
@@ -56,7 +57,8 @@ STALL_WAIT_S = 0.05
 INTAKE_SLICE = 2_000
 # A loop turn normally takes milliseconds; one this long is blocked on a broker that does not answer.
 STUCK_S = 15.0
-TOPIC_REMOVED = "TOPIC_REMOVED"
+# How often the group's commits are asked whether a removed topic still has pending records anywhere.
+RETIRE_CHECK_S = 2.0
 
 
 class Sidecar:
@@ -92,6 +94,10 @@ class Sidecar:
         self._commit_interval_s = commit_interval_ms / 1000
         self._batch_size = batch_size
         self._control_topic = control_topic
+        self._group_id = group_id
+        self._draining: dict[str, RemovedTopic] = {}
+        """Topics out of the policies still subscribed until no member has their pending records (drain.py)."""
+        self._retire_at = 0.0
         self._stop = threading.Event()
         self._routes: dict[str, Routes] = {}
         self._generation = -1
@@ -136,8 +142,9 @@ class Sidecar:
             writer.abort if exactly_once else None,
             incremental=assignment_strategy == "cooperative-sticky",
             on_handoff=self._on_handoff,
-            restore=self._restore if self._state_topic is not None else None,
+            restore=self._restore,
             fence=self._fence_earlier if transactional_ids is not None else None,
+            load_rules=self._state_topic.load_rules if self._state_topic is not None else None,
         )
         self._ids = transactional_ids
         self._fenced = set(writer.fenced)
@@ -150,6 +157,7 @@ class Sidecar:
             if payload_cache is not None and self._roll_reader is not None
             else None
         )
+        self._drains = Drains(client_config, writer, metrics, clock)
         self._dispatcher = Dispatcher(
             self._ahead_reader,
             self._reader,
@@ -200,14 +208,18 @@ class Sidecar:
                 records = consume_batch(self._consumer, self._batch_size, self._wait_s())
                 if self._assignment.error is not None:
                     raise self._assignment.error
+                if self._draining:
+                    self._adopt_drains()  # partitions of removed topics just assigned: before intake
                 for start in range(0, len(records), INTAKE_SLICE):
                     if start:
                         self._dispatch_due(read_ahead=False)  # what fell due meanwhile goes out first
                     self._receiver.take(records[start : start + INTAKE_SLICE])
+                self._drains.turn()  # a slice of dead-lettering for removed topics
                 self._watch_connectivity(records)
                 if time.monotonic() - last_checkpoint >= self._commit_interval_s:
                     self._checkpoint()
                     last_checkpoint = time.monotonic()
+                    self._retire_drained()
             self._checkpoint()
             clean = True
         finally:
@@ -217,6 +229,7 @@ class Sidecar:
                 self._consumer.close()  # revokes the assignment, which checkpoints once more if clean
             finally:
                 self._dispatcher.close()
+                self._drains.close()
                 self._ahead_reader.close()
                 if self._roll_reader is not None:
                     self._roll_reader.close()
@@ -246,52 +259,153 @@ class Sidecar:
         return self._routes
 
     def _apply(self, policies: PolicySet) -> None:
-        """Serve a new policy generation: create topics, dead-letter what removed topics still hold."""
+        """Serve a new policy generation: create topics; a removed topic's pending records go to its
+        dead-letter topic (drain.py); a topic back in the policies is served again from its commit."""
         routes = {name: Routes.of(route) for name, route in policies.topics.items()}
-        for topic in set(self._routes) - set(routes):
-            self._drain_removed(topic, self._routes[topic])
+        removed = {topic: self._routes[topic].route for topic in set(self._routes) - set(routes)}
+        back = [topic for topic in self._draining if topic in routes]
+        if removed or back:
+            self._checkpoint()  # each drain starts from a commit that holds everything done so far
+        for topic, route in removed.items():
+            self._draining[topic] = RemovedTopic(topic, route.dead_letter_topic, route.namespace or "")
+        first = self._generation == -1
         self._routes, self._generation = routes, policies.generation
         self.metrics.policy_generation.set(policies.generation)
         self.metrics.export_topics(list(routes))
         self._admin.ensure(policies)
+        if first:
+            self._draining.update(self._removed_while_down(policies))
+        for topic in back:
+            self._serve_again(topic)
         counts = self._admin.partitions
+        for topic, removed_topic in self._draining.items():
+            if removed_topic.dead_letter_topic not in counts:
+                wanted = {removed_topic.dead_letter_topic: counts.get(topic, 1)}
+                self._admin.create(wanted)
+                counts.update(wanted)
         outbound = {
             target: (name, counts.get(target, 0))
             for name, route in policies.topics.items()
             for target in [route.dead_letter_topic, *(s.outbound for s in route.subscriptions)]
         }
-        self._writer.partition_map({name: counts.get(name, 0) for name in policies.topics}, outbound)
+        outbound.update(
+            {r.dead_letter_topic: (name, counts.get(r.dead_letter_topic, 0)) for name, r in self._draining.items()}
+        )
+        inbound = {name: counts.get(name, 0) for name in [*policies.topics, *self._draining]}
+        self._writer.partition_map(inbound, outbound)
         self._admin.refresh_retention(list(routes), force=True)
-        topics = frozenset([*policies.topics, self._control_topic])
+        self._subscribe()
+        for topic in removed:
+            self._drain_removed(topic)
+
+    def _subscribe(self) -> None:
+        """The policies' topics, the control topic, and the removed topics still draining."""
+        topics = frozenset([*self._routes, self._control_topic, *self._draining])
         if topics != self._subscribed:
             a = self._assignment
             self._consumer.subscribe(sorted(topics), on_assign=a.on_assign, on_revoke=a.on_revoke, on_lost=a.on_lost)
-            logger.info("subscribed topics=%s generation=%d", ",".join(sorted(topics)), policies.generation)
+            logger.info("subscribed topics=%s generation=%d", ",".join(sorted(topics)), self._generation)
             self._subscribed = topics
 
-    def _drain_removed(self, topic: str, routes: Routes) -> None:
-        """A topic left the policies: its accepted, still-pending records go to its dead-letter topic."""
-        for state in [s for s in self._assignment.states.values() if s.topic == topic]:
-            drained = self._dispatcher.drain(
-                (topic, state.partition),
-                state.tracker,
-                runs=state.runs,
-                send=lambda record, deliver_at: self._writer.dead_letter(
-                    routes.route.dead_letter_topic,
-                    record,
-                    TOPIC_REMOVED,
-                    f"the topic left the policies before this record's deliver-at {deliver_at}",
-                ),
+    def _removed_while_down(self, policies: PolicySet) -> dict[str, RemovedTopic]:
+        """Topics the group committed pending records of that the policies no longer name: removed
+        while the sidecar was down. Their records go to the dead-letter topic, as on a live removal.
+
+        The policies no longer say which dead-letter topic such a topic had: it is the default one,
+        `<topic>.dlt`."""
+        pending: dict[str, int] = {}
+        for (topic, _), (offset, metadata) in self._admin.group_offsets(self._group_id).items():
+            if topic in policies.topics or topic == self._control_topic or topic not in self._admin.partitions:
+                continue  # served, the nacks' topic, or deleted from the cluster
+            if _pending(offset, metadata):
+                pending[topic] = pending.get(topic, 0) + 1
+        found = {}
+        for topic, partitions in sorted(pending.items()):
+            try:
+                namespace = policies.namespace_of(topic) or ""
+            except ConfigError:
+                namespace = ""
+            found[topic] = RemovedTopic(topic, f"{topic}.dlt", namespace)
+            logger.warning(
+                "topic removed while the sidecar was down; its pending records go to the dead-letter topic "
+                "topic=%s partitions_pending=%d dead_letter_topic=%s",
+                topic,
+                partitions,
+                found[topic].dead_letter_topic,
             )
-            if drained:
-                self.metrics.rejected.labels(topic, routes.route.namespace or "", TOPIC_REMOVED).inc(drained)
-                logger.warning("topic removed; pending records dead-lettered topic=%s/%d records=%d",
-                               topic, state.partition, drained)  # fmt: skip
-        self._checkpoint()
+        return found
+
+    def _drain_removed(self, topic: str) -> None:
+        """A topic left the policies: its partitions here dead-letter their pending records, a slice
+        per turn (drain.py), starting from the commit `_apply` just made."""
+        for state in [s for s in self._assignment.states.values() if s.topic == topic]:
+            self._start_drain(state)
+
+    def _adopt_drains(self) -> None:
+        """Partitions of removed topics assigned since the last turn drain from their commit."""
+        for state in list(self._assignment.states.values()):
+            if state.drain_from is None and state.topic in self._draining:
+                self._start_drain(state)
+
+    def _start_drain(self, state: PartitionState) -> None:
+        key = (state.topic, state.partition)
+        self._dispatcher.forget(key)
+        if self._roll is not None:
+            self._roll.forget(key)
+        self._drains.start(state, self._draining[state.topic])
+        self._consumer.pause([TopicPartition(state.topic, state.partition)])
+
+    def _serve_again(self, topic: str) -> None:
+        """A removed topic is back in the policies before its drain was over: what is still pending
+        is delivered after all. Each partition starts again from the commit `_apply` just made."""
+        del self._draining[topic]
+        for state in [s for s in self._assignment.states.values() if s.topic == topic and s.drain_from is not None]:
+            self._drains.forget((topic, state.partition))
+            state.drain_from = None
+            offset, metadata = state.committed if state.committed is not None else (None, None)
+            start = state.start(offset, CommitMetadata.decode(metadata), self._restore)  # as an assignment does
+            try:
+                self._consumer.seek(
+                    TopicPartition(topic, state.partition, OFFSET_BEGINNING if start is None else start)
+                )
+                self._consumer.resume([TopicPartition(topic, state.partition)])
+            except KafkaException as e:
+                raise BrokerError(
+                    f"serving {state.name} again failed ({e.args[0]}); the engine starts again from its commit"
+                ) from e
+            logger.info("topic back in the policies; serving it again partition=%s from=%s", state.name, start)
+
+    def _retire_drained(self) -> None:
+        """Drop from the subscription the removed topics that no member has pending records of."""
+        if not self._draining or time.monotonic() < self._retire_at:
+            return
+        self._retire_at = time.monotonic() + RETIRE_CHECK_S
+        done = [topic for topic in self._draining if not self._drains.draining(topic) and self._drained(topic)]
+        for topic in done:
+            del self._draining[topic]
+            logger.info("removed topic drained in the whole group; unsubscribing topic=%s", topic)
+        if done:
+            self._subscribe()
+
+    def _drained(self, topic: str) -> bool:
+        """No commit of the group for `topic` says a record is pending (or the topic is gone)."""
+        partitions = self._admin.partitions.get(topic, 0)
+        try:
+            found = self._consumer.committed([TopicPartition(topic, p) for p in range(partitions)], timeout=10)
+        except KafkaException as e:
+            logger.warning("cannot read the commits of a removed topic topic=%s error=%s", topic, e.args[0])
+            return False
+        return not any(_pending(tp.offset, tp.metadata) for tp in found)
 
     def _restore(self, state: PartitionState, committed: int, metadata: CommitMetadata) -> int | None:
-        """The index from the state topic; the roll then brings the payloads its buckets point at."""
-        assert self._state_topic is not None
+        """The index from the state topic; the roll then brings the payloads its buckets point at.
+
+        A removed topic's partition needs no index: it is drained from its commit (drain.py), and
+        its inbound consumer starts at the commit, not at the earliest pending record."""
+        if state.topic in self._draining:
+            return committed
+        if self._state_topic is None:
+            return None
         tail = self._state_topic.restore(state, committed, metadata)
         if tail is not None and self._roll is not None and not state.control:
             self._roll.adopt((state.topic, state.partition), min(tail, committed))
@@ -312,6 +426,7 @@ class Sidecar:
         self.metrics.owned_partitions.set(owned)
 
     def _forget(self, state: PartitionState) -> None:
+        self._drains.forget((state.topic, state.partition))
         self._dispatcher.forget((state.topic, state.partition))
         if self._roll is not None:
             self._roll.forget((state.topic, state.partition))
@@ -323,7 +438,8 @@ class Sidecar:
     def _delivering(self) -> list[PartitionState]:
         """Partitions that may deliver now: in exactly-once mode, not those still replaying."""
         states = self._assignment.states.values()
-        return [s for s in states if not (s.exact and s.replaying)]
+        draining = self._draining
+        return [s for s in states if not (s.exact and s.replaying) and s.drain_from is None and s.topic not in draining]
 
     def _dispatch_due(self, read_ahead: bool = True) -> None:
         states = self._delivering()
@@ -344,8 +460,8 @@ class Sidecar:
         if wake is not None:
             times.append(wake)
         wait = MAX_WAIT_S if not times else min(max((min(times) - self.clock.now_ms()) / 1000, 0.0), MAX_WAIT_S)
-        if self._roll is not None and self._roll.busy:
-            wait = 0.0  # the roll reads a slice per turn
+        if (self._roll is not None and self._roll.busy) or self._drains.busy:
+            wait = 0.0  # the roll, and the drains of removed topics, take a slice per turn
         # A tracker whose next segment failed to load reports a due entry it cannot pop yet: wait
         # for its retry rather than spin.
         return max(wait, self._stalled_until - time.monotonic())
@@ -356,7 +472,11 @@ class Sidecar:
     def _intake_cursors(self) -> dict[tuple[str, int], int]:
         """The next offset intake reads, per inbound partition (for the horizon roll)."""
         states = self._assignment.states.values()
-        return {(s.topic, s.partition): s.next_offset for s in states if not s.control and s.next_offset}
+        return {
+            (s.topic, s.partition): s.next_offset
+            for s in states
+            if not s.control and s.next_offset and s.drain_from is None
+        }
 
     def _rejudge(self, partition: tuple[str, int], record: Message) -> int | None:
         return self._receiver.rejudge(partition, record)
@@ -384,3 +504,9 @@ class Sidecar:
         self._dispatcher.checkpointed({(s.topic, s.partition): s.tracker for s in states if not s.control})
         self.degraded = publish_index_gauges(self.metrics, states, list(self._routes))
         self._admin.refresh_retention(list(self._routes))
+
+
+def _pending(offset: int, metadata: str | None) -> bool:
+    """A commit that says records below it are still pending."""
+    earliest = CommitMetadata.decode(metadata).earliest
+    return offset >= 0 and earliest is not None and earliest < offset

@@ -17,6 +17,7 @@ from typing import Any
 from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 
+from bench import probe
 from sidecar.app import SidecarApp
 from sidecar.broker.base import wait_for_metadata
 from sidecar.broker.lifeline import die_with_parent
@@ -188,47 +189,16 @@ def create_topics(bootstrap: str, names: list[str], partitions: int) -> None:
 
 
 class LiveReader:
-    """An outbound consumer that keeps reading through the faults, as users' consumers do.
-
-    read_committed with librdkafka's default fetch sizes, assigned from offset 0 before the faults
-    begin. `finish` reads on until every partition's position reaches its stable end.
-    """
+    """An outbound consumer that keeps reading through the faults (bench.probe.LiveReader), for tests."""
 
     def __init__(self, bootstrap: str, topics: list[str], partitions: int) -> None:
         self.records: dict[str, list[Received]] = {t: [] for t in topics}
-        self._consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"live-{uuid.uuid4().hex}",
-                                   "enable.auto.commit": False, "isolation.level": "read_committed"})  # fmt: skip
-        self._consumer.assign([TopicPartition(t, p, 0) for t in topics for p in range(partitions)])
-        self._stop = threading.Event()
-        self._lock = threading.Lock()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            with self._lock:
-                for m in self._consumer.consume(1000, 0.2):
-                    if m.error() is None:
-                        self.records[m.topic()].append(_received(m))
+        self._reader = probe.LiveReader(
+            bootstrap, topics, partitions, lambda m: self.records[m.topic()].append(_received(m))
+        )
 
     def finish(self, timeout_s: float = 60.0) -> dict[str, list[Received]]:
-        """Read until each partition's position reaches its last stable offset, then stop."""
-
-        def caught_up() -> bool:
-            with self._lock:
-                positions = self._consumer.position(self._consumer.assignment())
-                for tp in positions:
-                    _, stable = self._consumer.get_watermark_offsets(tp, timeout=10, cached=False)
-                    if stable > 0 and tp.offset < stable:
-                        return False
-                return True
-
-        try:
-            wait_for(caught_up, timeout_s, "the live reader to reach the stable end of each partition")
-        finally:
-            self._stop.set()
-            self._thread.join(10)
-            self._consumer.close()
+        assert self._reader.finish(timeout_s), "the live reader did not reach the stable end of each partition"
         return self.records
 
 
@@ -270,11 +240,6 @@ class ThreadedSidecar:
             )
             raise AssertionError(f"no sample {name}{labels}; samples of that name: {known or 'none'}")
         return value
-
-    def metric_or_zero(self, name: str, **labels: str) -> float:
-        """For a labelled counter that appears on its first increment, where "never" is a valid answer."""
-        value = self.app.metrics.registry.get_sample_value(name, labels)
-        return 0.0 if value is None else value
 
     def wait_for_metric(self, name: str, at_least: float = 1.0, timeout_s: float = 60.0, **labels: str) -> float:
         """Wait until the sample exists and reaches `at_least`; its value then. Fails at the deadline."""

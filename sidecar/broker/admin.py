@@ -8,6 +8,7 @@ import logging
 import time
 from typing import Any
 
+from confluent_kafka import ConsumerGroupTopicPartitions
 from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic
 
 from sidecar.errors import BrokerError
@@ -68,6 +69,21 @@ class TopicAdmin:
         if wanted:
             self.create(wanted)
         self.partitions = {**existing, **wanted}
+
+    def group_offsets(self, group_id: str) -> dict[tuple[str, int], tuple[int, str | None]]:
+        """Every offset the group has committed, with its metadata, whatever topic it is for: a topic
+        that left the policies while the sidecar was down is found only here."""
+        futures = self._admin.list_consumer_group_offsets(
+            [ConsumerGroupTopicPartitions(group_id)], request_timeout=ADMIN_TIMEOUT_S
+        )
+        try:
+            listed = futures[group_id].result()
+        except Exception as e:
+            raise BrokerError(
+                f"cannot list the committed offsets of consumer group {group_id}: {e}; check that the brokers "
+                "are up and that the sidecar may DESCRIBE its group"
+            ) from e
+        return {(tp.topic, tp.partition): (tp.offset, tp.metadata) for tp in listed.topic_partitions or []}
 
     def reachable(self) -> bool:
         """True when a broker answers a metadata request within a second."""

@@ -35,7 +35,7 @@ from sidecar.dispatch.trail import Member, TrailReader
 from sidecar.metrics import Metrics
 from sidecar.tracker import DelayedDeliveryTracker, Due
 from sidecar.tracker.base import KEY_SHIFT, pack
-from sidecar.tracker.runs import Runs, step_joins
+from sidecar.tracker.runs import Runs
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ TRAIL_POLL_MS = 20
 PEEK_STEP_MS = 1_000
 # An offset above any real one: the horizon Due(T, SEEN_ALL) says every entry due by T was seen.
 SEEN_ALL = (1 << 63) - 1
-# Later than any deliver-at (year 9999): draining pops every entry.
+# Later than any deliver-at (year 9999).
 DRAIN_UNTIL_MS = 253_402_300_800_000
 
 
@@ -384,41 +384,6 @@ class Dispatcher:
         except ReadInterrupted:
             pass  # stopping; nothing read ahead is needed for correctness
         self._read = None
-
-    def drain(
-        self,
-        partition: TopicPartitionKey,
-        tracker: DelayedDeliveryTracker,
-        send: Callable[[Message, int], None],
-        runs: Runs[Message] | None = None,
-    ) -> int:
-        """Pop every entry and run member, due or not, and hand each record to `send(record, deliver_at)`.
-
-        For a topic that left the policies: its pending records are dead-lettered, not dropped.
-        """
-        self.forget(partition)
-        count = 0
-        for run in list(runs.runs) if runs is not None and self._trail is not None else []:
-            assert self._trail is not None
-            top = run.floor
-            for _, _, record in self._due_reader.read({partition: list(range(run.next, run.last + 1))}):
-                member_at = self._trail.rejudge(partition, record) if record is not None else None
-                if record is not None and member_at is not None and step_joins(top, member_at):
-                    send(record, member_at)
-                    count += 1
-                    top = member_at
-        if runs is not None:
-            runs.runs.clear()
-            runs.close()
-        while due := tracker.pop_due(MAX_POP, until_ms=DRAIN_UNTIL_MS):
-            at = {d.offset: d.deliver_at for d in due}
-            for _, offset, record in self._due_reader.read({partition: list(at)}):
-                if record is None:
-                    logger.error("pending record missing from the log partition=%s/%d offset=%d", *partition, offset)
-                    continue
-                send(record, at[offset])
-                count += 1
-        return count
 
     def close(self) -> None:
         if self._trail is not None:

@@ -34,7 +34,16 @@ from sidecar.errors import BrokerError, StorageError
 from sidecar.kafka_io import LIBRDKAFKA, consume_batch, consumer_config
 from sidecar.metrics import Metrics
 from sidecar.outbound.writer import Writer
-from sidecar.state.image import ImageError, Manifest, PartitionImage, Record, manifest_key, nack_records
+from sidecar.policy.routes import IntakeRule
+from sidecar.state.image import (
+    ImageError,
+    Manifest,
+    PartitionImage,
+    Record,
+    manifest_key,
+    nack_records,
+    rules_key,
+)
 from sidecar.state.mirror import MirroredStorage
 from sidecar.tracker.bucket import BucketTracker
 from sidecar.tracker.partitions import CommitMetadata, PartitionState
@@ -82,6 +91,10 @@ class StateTopic:
         self._manifests: dict[str, Manifest] = {}
         """The last manifest written per inbound partition, so an unchanged one is not written again."""
         self._consumer: Consumer | None = None
+        self._rules: dict[str, str] = {}
+        """The rule-history record each partition's commits name now (publish_rules)."""
+        self._stale_rules: dict[str, str] = {}
+        """Rule-history records replaced at the last checkpoint, to tombstone at the next."""
 
     def ensure(self) -> None:
         """Create the topic, compacted, if it is missing; learn its partition count."""
@@ -115,7 +128,7 @@ class StateTopic:
         name = state.name
         buckets, next_id, lowest = tracker.sealed_layout()
         cursor = state.next_offset
-        tail = min(o for o in (lowest, state.runs.earliest_offset(), cursor) if o is not None)
+        tail = min(o for o in (lowest, state.runs.earliest_offset(), cursor, state.drain_from) if o is not None)
         manifest = Manifest(buckets, next_id, tail, cursor)
         try:
             records, tombstones = self._mirror.take(name, buckets)
@@ -141,6 +154,47 @@ class StateTopic:
         records, tombstones = nack_records(state.name, entries, dead)
         self._send(state.name, records, Manifest((), 1, cursor, cursor), tombstones)
 
+    def publish_rules(self, state: PartitionState) -> bool:
+        """The rule history the partition's commit point names, when the metadata cannot hold it
+        (`CommitMetadata.spill`); True when a record was written that the commit will point at.
+
+        Keyed by content, so a commit always finds the history it names. The one it replaces is
+        tombstoned at the next checkpoint, once a commit no longer names it.
+        """
+        name, record = state.name, state.rules_record
+        partition = state_partition(name, self._partitions)
+        stale = self._stale_rules.pop(name, None)
+        if stale is not None:
+            self._writer.send(self.name, rules_key(name, stale), None, [], partition=partition)
+        current = self._rules.get(name)
+        ref = record[0] if record is not None else None
+        if ref == current:
+            return False
+        if current is not None:
+            self._stale_rules[name] = current
+        if record is None:
+            del self._rules[name]
+            return False
+        self._writer.send(self.name, rules_key(name, record[0]), record[1], [], partition=partition)
+        self._rules[name] = record[0]
+        self._metrics.state_records.inc()
+        logger.info("rule history written to the state topic partition=%s rules_ref=%s bytes=%d",
+                    name, record[0], len(record[1]))  # fmt: skip
+        return True
+
+    def load_rules(self, name: str, ref: str) -> tuple[tuple[int, IntakeRule], ...] | None:
+        """The rule history `ref` names (a commit's `rules_ref`), or None when it cannot be read."""
+        try:
+            value = self._read(name).values.get(rules_key(name, ref))
+            if value is None:
+                raise ImageError(f"no record {rules_key(name, ref).decode()}")
+            rules = CommitMetadata.decode_rules(value)
+        except (ImageError, BrokerError, ValueError) as e:
+            logger.warning("rule history not readable partition=%s rules_ref=%s error=%s", name, ref, e)
+            return None
+        self._rules[name] = ref
+        return rules
+
     def _send(self, name: str, records: list[Record], manifest: Manifest, tombstones: list[Record]) -> None:
         partition = state_partition(name, self._partitions)
         for key, value in [*records, (manifest_key(name), manifest.encode()), *tombstones]:
@@ -150,6 +204,8 @@ class StateTopic:
 
     def forget(self, state: PartitionState) -> None:
         self._manifests.pop(state.name, None)
+        self._rules.pop(state.name, None)
+        self._stale_rules.pop(state.name, None)
         self._mirror.forget(state.name)
 
     # -- reading, at a handoff ----------------------------------------------------------------

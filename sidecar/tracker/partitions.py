@@ -9,7 +9,9 @@ Kafka's committed offset and its metadata are the durable truth of a partition. 
   them again.
 - `rules`: the intake rules in force over [earliest, committed), by first offset. A rebuild judges
   each record with the rule of its first intake, and a due record goes to the subscriptions it was
-  owed then.
+  owed then. Kafka caps commit metadata (offset.metadata.max.bytes), so a history that does not fit
+  is written whole to the state topic (state/topic.py), and `rules_ref` names that record; the
+  metadata then keeps only the newest rules that fit, for when the state topic cannot be read.
 - `runs`: the monotone runs still pending (tracker/runs.py), which no local index holds.
 - `producer`: exactly-once mode, the transactional.id whose transaction committed it. A sidecar of
   the same identity that takes the partition over fences it (sidecar/identity.py).
@@ -28,12 +30,13 @@ a commit during the rebuild would cover records not read yet.
 """
 
 import bisect
+import hashlib
 import json
 import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from confluent_kafka import Consumer, Message, TopicPartition
@@ -60,8 +63,30 @@ class CommitMetadata:
     runs: tuple[list[int], ...] = ()
     """Encoded runs (runs.Run.encode)."""
     producer: str | None = None
+    rules_ref: str | None = None
+    """Decoded only: the state-topic record holding the whole rule history (`spill`)."""
 
     def encode(self) -> str:
+        rules = self._encoded_rules()
+        data = self._fields(rules)
+        text = json.dumps(data, separators=(",", ":"))
+        if len(text) <= MAX_METADATA_BYTES:
+            return text
+        data["rules_ref"] = _digest(rules)
+        while len(rules) > 1 and len(text) > MAX_METADATA_BYTES:
+            rules = rules[1:]  # the newest that fit: a fallback for when the state topic cannot be read
+            data["rules"] = rules
+            text = json.dumps(data, separators=(",", ":"))
+        return text
+
+    def spill(self) -> tuple[str, bytes] | None:
+        """(ref, record value) of the whole rule history when `encode` cannot hold it, else None."""
+        rules = self._encoded_rules()
+        if len(json.dumps(self._fields(rules), separators=(",", ":"))) <= MAX_METADATA_BYTES:
+            return None
+        return _digest(rules), json.dumps(rules, separators=(",", ":")).encode()
+
+    def _fields(self, rules: list[list[Any]]) -> dict[str, Any]:
         data: dict[str, Any] = {"v": METADATA_VERSION, "earliest": self.earliest}
         if self.producer is not None:
             data["producer"] = self.producer
@@ -69,18 +94,22 @@ class CommitMetadata:
             data["through"] = [self.through >> KEY_SHIFT, self.through & _MASK]
         if self.runs:
             data["runs"] = list(self.runs)
-        rules = [rule.encode(offset) for offset, rule in self.rules]
-        while True:
-            data["rules"] = rules
-            text = json.dumps(data, separators=(",", ":"))
-            if len(text) <= MAX_METADATA_BYTES or len(rules) <= 1:
-                return text
-            logger.warning(
-                "commit metadata too large; dropping the oldest intake rule from_offset=%d "
-                "(a rebuild judges records before the next rule with that next rule)",
-                rules[0][0],
-            )
-            rules = rules[1:]
+        data["rules"] = rules
+        return data
+
+    def _encoded_rules(self) -> list[list[Any]]:
+        return [rule.encode(offset) for offset, rule in self.rules]
+
+    @staticmethod
+    def decode_rules(value: bytes) -> tuple[tuple[int, IntakeRule], ...]:
+        """A spilled rule history (`spill`); ValueError when it is not one."""
+        items = json.loads(value)
+        if not isinstance(items, list):
+            raise ValueError("not a list of rules")
+        rules = [IntakeRule.decode(item) for item in items]
+        if any(r is None for r in rules):
+            raise ValueError("an entry is not a rule")
+        return tuple(r for r in rules if r is not None)
 
     @classmethod
     def decode(cls, text: str | None) -> "CommitMetadata":
@@ -98,14 +127,19 @@ class CommitMetadata:
         if isinstance(through, list) and len(through) == 2 and all(isinstance(v, int) for v in through):
             watermark = pack(through[0], through[1])
         runs = tuple(run.encode() for run in Runs[Message].decode(data.get("runs")).runs)
-        producer = data.get("producer")
+        producer, ref = data.get("producer"), data.get("rules_ref")
         return cls(
             earliest if isinstance(earliest, int) else None,
             watermark,
             tuple(rules),
             runs,
             producer if isinstance(producer, str) else None,
+            ref if isinstance(ref, str) else None,
         )
+
+
+def _digest(rules: list[list[Any]]) -> str:
+    return hashlib.sha1(json.dumps(rules, separators=(",", ":")).encode()).hexdigest()[:16]
 
 
 class RuleHistory:
@@ -204,6 +238,13 @@ class PartitionState:
     runs: Runs[Message] = field(default_factory=Runs)
     exact: bool = False
     """Exactly-once mode: local state is used only when it matches the commit exactly."""
+    rules_record: tuple[str, bytes] | None = None
+    """(ref, value) of the rule history the last commit point names, when the metadata cannot hold it:
+    the checkpoint writes it to the state topic before the commit."""
+    drain_from: int | None = None
+    """A partition of a topic that left the policies, whose pending records are being dead-lettered
+    in offset order (dispatch/drain.py): none is pending below this offset any more. Its index is
+    gone; the commit alone says what is left (its earliest is this)."""
 
     def runs_text(self) -> str:
         return json.dumps(self.runs.encode(), separators=(",", ":"))
@@ -306,18 +347,23 @@ class PartitionState:
         if self.next_offset is None or self.rebuild is not None or (exact and self.replaying):
             return None  # nothing read yet, or a rebuild that a crash would simply start again
         tracker = self.tracker
-        if not exact and tracker.durable and tracker.index_cursor() != self.next_offset:
+        draining = self.drain_from is not None
+        if not exact and not draining and tracker.durable and tracker.index_cursor() != self.next_offset:
             return None  # the index is not durable up to here: the commit must not pass it
         runs = self.runs
         earliest = min(
-            (o for o in (earliest_pending, runs.earliest_offset()) if o is not None), default=self.next_offset
+            (o for o in (earliest_pending, runs.earliest_offset(), self.drain_from) if o is not None),
+            default=self.next_offset,
         )
         self.rules.prune(earliest)
         metadata = CommitMetadata(
             earliest, tracker.delivered_through(), self.rules.items(), tuple(runs.encode()), producer
         )
         point = (self.next_offset, metadata.encode())
-        return None if point == self.committed else point
+        if point == self.committed:
+            return None
+        self.rules_record = metadata.spill()
+        return point
 
 
 class Assignment:
@@ -340,11 +386,14 @@ class Assignment:
         on_handoff: Callable[[str, int, int], None] | None = None,
         restore: Restore | None = None,
         fence: Callable[[str], None] | None = None,
+        load_rules: Callable[[str, str], tuple[tuple[int, IntakeRule], ...] | None] | None = None,
     ) -> None:
         """`fence`: exactly-once mode, called with the transactional.id of each assigned partition's
         last commit, before the partition is read (a zombie of this identity must not commit)."""
         self.states: dict[tuple[str, int], PartitionState] = {}
         self._fence = fence
+        self._load_rules = load_rules
+        """The whole rule history a commit's `rules_ref` names, from the state topic (None: not found)."""
         self._restore = restore
         self._abort = abort
         """Exactly-once mode: drops the open transaction when partitions are lost."""
@@ -375,6 +424,8 @@ class Assignment:
                 self.states[key] = state
             committed = tp.offset if tp.offset >= 0 else None
             metadata = CommitMetadata.decode(tp.metadata)
+            if metadata.rules_ref is not None:
+                metadata = self._full_rules(state.name, metadata)
             if self._fence is not None and metadata.producer is not None and self.error is None:
                 try:
                     self._fence(metadata.producer)
@@ -389,6 +440,21 @@ class Assignment:
         self.assigned.set()
         self._handoff("assigned", len(starts))
         logger.info("partitions assigned partitions=%s", _names(starts))
+
+    def _full_rules(self, name: str, metadata: CommitMetadata) -> CommitMetadata:
+        ref = metadata.rules_ref
+        rules = self._load_rules(name, ref) if self._load_rules is not None and ref is not None else None
+        if rules is None:
+            logger.error(
+                "the rule history named by the commit is not in the state topic; records older than the "
+                "newest rules kept in the metadata are judged with the oldest of them partition=%s rules_ref=%s "
+                "rules_kept=%d",
+                name,
+                ref,
+                len(metadata.rules),
+            )
+            return metadata
+        return replace(metadata, rules=rules)
 
     def on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         if not self.failed:

@@ -2,6 +2,7 @@
 with the rule recorded in the commit, not with a policy edited since."""
 
 import shutil
+import signal
 from pathlib import Path
 
 from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource
@@ -81,3 +82,54 @@ def test_a_policy_change_after_a_lost_state_dir_applies_only_to_new_records(
     [rejected] = kafka_helper.read_to_end(f"{kept_topic}.dlt")
     assert rejected.value == b"beyond retention" and rejected.headers[ERROR_CODE] == b"EXCEEDS_RETENTION"
     assert [r.value for r in kafka_helper.read_to_end(f"{kept_topic}.a")] == [b"accepted"]
+
+
+def test_every_rule_of_a_long_history_survives_a_lost_state_dir(
+    kafka: str, kafka_helper: KafkaHelper, topic_factory: TopicFactory, policy_file: PolicyFile, tmp_path: Path
+) -> None:
+    """12 fixed-delay changes with 10 long subscription names: about 6 KB of rules, past what Kafka's
+    commit metadata holds. Before, the oldest rules were dropped and a rebuild judged their records
+    with a later rule; now the whole history is in the state topic and each record keeps its own."""
+    topic, changes = topic_factory("history"), 12
+    subs = [f"subscription-with-a-rather-long-name-number-{k:02d}" for k in range(10)]
+    names = ", ".join(f"{s}: {{}}" for s in subs)
+
+    def policy(fixed_ms: int) -> str:
+        return f"topics:\n  {topic}:\n    delayed_delivery: {{fixed_delivery_delay: {fixed_ms}ms}}\n" \
+               f"    subscriptions: {{{names}}}\n"  # fmt: skip
+
+    fixed = [25_000 + 500 * i for i in range(changes)]  # every record still pending at the kill
+    path = policy_file(policy(fixed[0]))
+    port, state = free_port(), tmp_path / "state"
+    args = ["--bootstrap-servers", kafka, "--policies", str(path), "--state-dir", str(state),
+            "--metrics-port", str(port), "--group-id", f"g-{topic}", "--commit-interval-ms", "200"]  # fmt: skip
+    sidecar = SidecarProcess(args, tmp_path / "log")
+    try:
+        sidecar.start()
+        for i, fixed_ms in enumerate(fixed):
+            if i:
+                path.write_text(policy(fixed_ms))
+                assert sidecar.process is not None
+                sidecar.process.send_signal(signal.SIGHUP)
+            wait_for(lambda i=i: scrape(port, "delay_sidecar_policy_generation") == i + 1, 30, f"rule {i}")
+            kafka_helper.produce(topic, f"r{i}".encode())
+            kafka_helper.flush()
+            wait_for(
+                lambda i=i: scrape(port, "delay_sidecar_messages_delayed_total", topic=topic) == i + 1, 30, "intake"
+            )
+        wait_for(lambda: "rule history written to the state topic" in sidecar.log.read_text(), 30, "the history")
+        sidecar.kill()
+        shutil.rmtree(state)  # the index and everything local are gone
+        sidecar.start()
+        for sub in (subs[0], subs[-1]):
+            wait_for(lambda s=sub: outbound_end(kafka_helper, f"{topic}.{s}") >= changes, 60, f"{sub} delivered")
+        assert sidecar.stop() == 0, sidecar.tail()
+    finally:
+        sidecar.close()
+    published = {r.offset: r.timestamp for r in kafka_helper.read_to_end(topic)}
+    for sub in (subs[0], subs[-1]):
+        records = kafka_helper.read_to_end(f"{topic}.{sub}")
+        assert sorted(deliveries(records).values()) == [1] * changes and not early(records), sub
+        got = {int(r.headers[ORIGIN_OFFSET]): r.header_int(DELIVER_AT) - published[int(r.headers[ORIGIN_OFFSET])]
+               for r in records}  # fmt: skip
+        assert got == dict(enumerate(fixed)), sub  # record i was taken in under rule i

@@ -1,0 +1,267 @@
+"""Dead-lettering the pending records of a topic that left the policies, a slice per loop turn.
+
+A removed topic is not dropped from the consumer group at once: it stays in the subscription as a
+*draining* topic (engine.py) until the group's commits say that none of its partitions holds a
+pending record. Each partition is drained by the member the group assigns it to, the same way
+whether the topic was removed while the sidecar ran or while it was down:
+
+- The drain starts from the partition's last commit: [earliest, committed) holds every pending
+  record, and the delivered watermark says which of them went out already. The partition's index
+  is cleared, and the inbound consumer pauses the partition: records past the commit are not
+  judged, and the committed offset stays where it was, as for any removed topic.
+- A consumer of its own reads that range once, in offset order, and judges each record again with
+  the intake rule the commit recorded for it, as a rebuild does (tracker/partitions.py): a delayed
+  record above the watermark is pending, and goes to the dead-letter topic with TOPIC_REMOVED.
+- Progress is the offset reached, `PartitionState.drain_from`. A checkpoint commits it as the
+  partition's earliest pending offset, after the producer flush that acknowledged every dead letter
+  below it, or in the same transaction (exactly-once). A crash, a stop or a handoff mid-drain
+  resumes from there: no pending record is dead-lettered twice or left out.
+
+Offset order rather than delivery order is what makes progress a single offset, and what makes the
+pass one sequential read: the pending records of a partition with random delays lie all over its
+log, so taking them in deliver-at order a slice at a time would read the log once per slice.
+
+The loop gives the drains DRAIN_SLICE_S per turn, so deliveries of the other topics go on.
+"""
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from confluent_kafka import Consumer, KafkaError, Message, TopicPartition
+
+from sidecar.clock import Clock
+from sidecar.dispatch.reader import TopicPartitionKey
+from sidecar.errors import BrokerError
+from sidecar.inbound.intake import Judge
+from sidecar.kafka_io import LIBRDKAFKA, consume_batch, consumer_config
+from sidecar.metrics import Metrics
+from sidecar.outbound.writer import Writer
+from sidecar.policy.model import EffectiveDelay, Sourced
+from sidecar.policy.routes import IntakeRule
+from sidecar.tracker.base import pack
+from sidecar.tracker.partitions import CommitMetadata, PartitionState
+from sidecar.tracker.runs import Runs
+
+logger = logging.getLogger(__name__)
+
+TOPIC_REMOVED = "TOPIC_REMOVED"
+# Time a loop turn spends dead-lettering: the other topics' deliveries wait at most about this long.
+DRAIN_SLICE_S = 0.03
+# Records taken from the drain consumer at a time: the slice's deadline is checked between takes.
+TAKE = 500
+# A drain that reads nothing (no record, no end of partition) for this long gives up: the engine
+# starts again from its last checkpoint, and /healthz says why.
+STALL_S = 30.0
+_UNKNOWN = "no intake rule recorded for it (committed by an older version): judged with delays on, no limits"
+FALLBACK_RULE = IntakeRule(
+    EffectiveDelay(Sourced(True, _UNKNOWN), Sourced(0, _UNKNOWN), Sourced(0, _UNKNOWN)), None, ("(removed)",)
+)
+"""For a commit without intake rules: any record with a delay header counts as delayed."""
+
+
+@dataclass(frozen=True)
+class RemovedTopic:
+    """A topic no longer in the policies whose pending records are still to be dead-lettered."""
+
+    name: str
+    dead_letter_topic: str
+    namespace: str = ""
+
+
+@dataclass
+class _Job:
+    state: PartitionState
+    topic: RemovedTopic
+    end: int
+    """The committed offset: the pending records all lie below it."""
+    through: int
+    """The committed watermark: records at or below it were delivered."""
+    sent: int = 0
+    counted: int = 0
+    """Of `sent`, how many the metric has."""
+    absent: int = 0
+    """Offsets of the range the log no longer has (retention, compaction) or never had as records
+    (transaction markers)."""
+    started: float = field(default_factory=time.monotonic)
+
+
+class Drains:
+    def __init__(self, client_config: dict[str, Any], writer: Writer, metrics: Metrics, clock: Clock) -> None:
+        self._client_config = client_config
+        self._writer = writer
+        self._metrics = metrics
+        self._clock = clock
+        self._consumer: Consumer | None = None
+        self._jobs: dict[TopicPartitionKey, _Job] = {}
+        self._judge = Judge()
+        self._progressed = time.monotonic()
+
+    @property
+    def busy(self) -> bool:
+        """A drain is under way: the loop should not sleep between turns."""
+        return bool(self._jobs)
+
+    def draining(self, topic: str) -> bool:
+        """This member is still dead-lettering some partition of `topic`."""
+        return any(job.topic.name == topic for job in self._jobs.values())
+
+    def start(self, state: PartitionState, topic: RemovedTopic) -> None:
+        """Drain `state` from its last commit (see the module docstring); the caller pauses it in the
+        inbound consumer. A partition whose commit says nothing is pending is done at once."""
+        committed = state.committed
+        metadata = CommitMetadata.decode(committed[1]) if committed is not None else CommitMetadata()
+        tracker = state.tracker
+        tracker.clear()
+        tracker.restore_delivered_through(metadata.through)
+        # The rules stay those `start` or live intake gave the partition: the commit's history.
+        state.rebuild, state.runs = None, Runs()
+        if committed is None:
+            state.drain_from, state.next_offset = 0, None  # nothing committed: nothing of ours is pending
+            return
+        end = committed[0]
+        earliest = metadata.earliest if metadata.earliest is not None else end
+        state.next_offset = end
+        state.drain_from = min(earliest, end)
+        if earliest >= end:
+            return
+        if state.rules.at(earliest) is None:
+            logger.warning("no intake rules in the commit; judging with delays on partition=%s", state.name)
+        key = (state.topic, state.partition)
+        self._jobs[key] = _Job(state, topic, end, metadata.through)
+        self._metrics.rejected.labels(topic.name, topic.namespace, TOPIC_REMOVED)  # exported from 0 on
+        self._reader().incremental_assign([TopicPartition(state.topic, state.partition, earliest)])
+        self._progressed = time.monotonic()
+        logger.info(
+            "dead-lettering the pending records of a removed topic partition=%s from=%d until=%d dead_letter_topic=%s",
+            state.name,
+            earliest,
+            end,
+            topic.dead_letter_topic,
+        )
+
+    def forget(self, partition: TopicPartitionKey) -> None:
+        """The partition was revoked, or its topic is back in the policies: stop where it is (the
+        checkpoint before this committed the progress)."""
+        job = self._jobs.pop(partition, None)
+        if job is not None:
+            self._count(job)
+            self._unassign(partition)
+
+    def turn(self, slice_s: float = DRAIN_SLICE_S) -> None:
+        """Dead-letter for about `slice_s`: what the drain consumer has, and what arrives meanwhile."""
+        if not self._jobs:
+            return
+        consumer = self._reader()
+        deadline = time.monotonic() + slice_s
+        while self._jobs:
+            records = consume_batch(consumer, TAKE, min(max(deadline - time.monotonic(), 0.0), 0.005))
+            for record in records:
+                self._take(record)
+            if not records or time.monotonic() >= deadline:
+                break
+        for job in self._jobs.values():
+            self._count(job)
+        if self._jobs and time.monotonic() - self._progressed > STALL_S:
+            names = ",".join(job.state.name for job in self._jobs.values())
+            raise BrokerError(
+                f"reading removed topics' partitions ({names}) to dead-letter their pending records got nothing "
+                f"for {STALL_S:.0f} s; check that the brokers are up and those topics readable"
+            )
+
+    def _take(self, record: Message) -> None:
+        key = (record.topic(), record.partition())
+        job = self._jobs.get(key)
+        if job is None:
+            return  # fetched before the partition was let go
+        state = job.state
+        assert state.drain_from is not None
+        error = record.error()
+        offset = record.offset()
+        if error is not None:
+            if error.code() != KafkaError._PARTITION_EOF:
+                logger.warning("removed topic read error partition=%s error=%s", state.name, error)
+                return
+            self._progressed = time.monotonic()
+            if offset >= state.drain_from:  # the log ends here: what is left of the range is not in it
+                job.absent += max(job.end - state.drain_from, 0)
+                self._finish(key, job)
+            return
+        self._progressed = time.monotonic()
+        if offset < state.drain_from:
+            return
+        if offset >= job.end:
+            job.absent += job.end - state.drain_from
+            self._finish(key, job)
+            return
+        job.absent += offset - state.drain_from
+        publish_ms = record.timestamp()[1]
+        fate = self._judge(
+            state.rules.at(offset) or FALLBACK_RULE,
+            record.headers(),
+            publish_ms if publish_ms > 0 else self._clock.now_ms(),
+        )
+        deliver_at = fate.deliver_at
+        if deliver_at is not None and pack(deliver_at, offset) > job.through:
+            self._writer.dead_letter(
+                job.topic.dead_letter_topic,
+                record,
+                TOPIC_REMOVED,
+                f"the topic left the policies before this record's deliver-at {deliver_at}",
+            )
+            job.sent += 1
+        state.drain_from = offset + 1
+        if state.drain_from >= job.end:
+            self._finish(key, job)
+
+    def _finish(self, key: TopicPartitionKey, job: _Job) -> None:
+        job.state.drain_from = job.end
+        del self._jobs[key]
+        self._count(job)
+        self._unassign(key)
+        logger.warning(
+            "topic removed; pending records dead-lettered partition=%s records=%d dead_letter_topic=%s "
+            "absent_offsets=%d seconds=%.1f",
+            job.state.name,
+            job.sent,
+            job.topic.dead_letter_topic,
+            job.absent,
+            time.monotonic() - job.started,
+        )
+
+    def _count(self, job: _Job) -> None:
+        if job.sent > job.counted:
+            self._metrics.rejected.labels(job.topic.name, job.topic.namespace, TOPIC_REMOVED).inc(
+                job.sent - job.counted
+            )
+            job.counted = job.sent
+
+    def _unassign(self, key: TopicPartitionKey) -> None:
+        if self._consumer is not None:
+            self._consumer.incremental_unassign([TopicPartition(key[0], key[1])])
+
+    def _reader(self) -> Consumer:
+        if self._consumer is None:
+            self._consumer = Consumer(
+                consumer_config(
+                    self._client_config,
+                    **{
+                        # Never commits: the range comes from the group's commit.
+                        "group.id": "delay-sidecar.drain-reader",
+                        "enable.auto.commit": False,
+                        "enable.auto.offset.store": False,
+                        "enable.partition.eof": True,
+                        # The start of the range deleted by retention: read from the log start and
+                        # count the offsets that are gone.
+                        "auto.offset.reset": "earliest",
+                    },
+                ),
+                logger=LIBRDKAFKA,
+            )
+        return self._consumer
+
+    def close(self) -> None:
+        if self._consumer is not None:
+            self._consumer.close()
+            self._consumer = None

@@ -1,0 +1,256 @@
+"""A topic that leaves the policies: its pending records go to its dead-letter topic with TOPIC_REMOVED.
+
+Whether it leaves while the sidecar runs or while it is down, in either processing guarantee, with
+one process or several: every record pending at the removal reaches the dead-letter topic once, no
+record delivered before it does, and nothing of it reaches the outbound topics afterwards. Counted
+per record, each topic read to its high watermark.
+"""
+
+import itertools
+import time
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from sidecar.broker.embedded import free_ports
+from sidecar.outbound.records import ERROR_CODE, ORIGIN_OFFSET, ORIGIN_PARTITION, ORIGIN_TOPIC
+from sidecar.tracker.partitions import CommitMetadata
+from tests.kafka_helpers import (
+    KafkaHelper,
+    Received,
+    SidecarProcess,
+    ThreadedSidecar,
+    committed,
+    deliveries,
+    outbound_end,
+    run_args,
+    scrape,
+    settings_for,
+    wait_for,
+)
+
+DEADLINE_S = 60.0
+REJECTED = "delay_sidecar_messages_delayed_rejected_total"
+
+
+def policy(*topics: str) -> str:
+    return "topics:\n" + "".join(f"  {topic}:\n    subscriptions: {{a: {{}}}}\n" for topic in topics)
+
+
+def origins(records: list[Received]) -> Counter[tuple[int, int]]:
+    return Counter((int(r.headers[ORIGIN_PARTITION]), int(r.headers[ORIGIN_OFFSET])) for r in records)
+
+
+def produce(kafka_helper: KafkaHelper, topic: str, partitions: int, per_partition: list[str | None]) -> None:
+    """One record per entry on each partition: entry None carries no delay header, else deliver-after."""
+    for partition in range(partitions):
+        for i, delay in enumerate(per_partition):
+            headers = [("deliver-after", delay)] if delay is not None else []
+            kafka_helper.produce(topic, f"{partition}-{i}".encode(), headers=headers, partition=partition)
+    kafka_helper.flush()
+
+
+def earliest_pending(kafka: str, group: str, topic: str, partitions: int) -> list[int | None]:
+    """Per partition, the earliest pending offset the group's commit records."""
+    return [CommitMetadata.decode(metadata).earliest for _, metadata in committed(kafka, group, topic, partitions)]
+
+
+def nothing_pending(kafka: str, group: str, topic: str, partitions: int) -> bool:
+    for offset, metadata in committed(kafka, group, topic, partitions):
+        earliest = CommitMetadata.decode(metadata).earliest
+        if offset >= 0 and earliest is not None and earliest < offset:
+            return False
+    return True
+
+
+@pytest.mark.parametrize(
+    ("fault", "guarantee", "workers"),
+    [("kill -9", "at-least-once", "1"), ("SIGTERM", "exactly-once", "2")],
+)
+def test_a_topic_removed_while_the_sidecar_is_down_dead_letters_its_pending_records_at_the_restart(
+    kafka: str,
+    kafka_helper: KafkaHelper,
+    topic_factory: Callable[..., str],
+    policy_file: Callable[[str], Path],
+    tmp_path: Path,
+    fault: str,
+    guarantee: str,
+    workers: str,
+) -> None:
+    partitions = 3
+    removed, kept = topic_factory("gone", partitions=partitions), topic_factory("kept", partitions=partitions)
+    path = policy_file(policy(removed, kept))
+    group = f"g-{removed}"
+    port = free_ports(3)
+    args = run_args(kafka, path, tmp_path / "state", port, group, "--processing-guarantee", guarantee,
+                    "--workers", workers)  # fmt: skip
+    sidecar = SidecarProcess(args, tmp_path / "log")
+    exact = guarantee == "exactly-once"
+    # Per partition: 20 records without delay, 30 delivered before the fault, 50 pending at it.
+    shape: list[str | None] = [None] * 20 + ["1s"] * 30 + ["10m"] * 50
+    try:
+        sidecar.start()
+        produce(kafka_helper, removed, partitions, shape)
+        produce(kafka_helper, kept, partitions, ["8s"] * 40)  # due after the restart
+        wait_for(lambda: outbound_end(kafka_helper, f"{removed}.a", partitions) >= 150, DEADLINE_S, "the first 150")
+        # Committed: every record read, and the first 50 of each partition delivered (the rest pending).
+        wait_for(lambda: [o for o, _ in committed(kafka, group, removed, partitions)] == [100] * partitions,
+                 DEADLINE_S, "the commit of every record")  # fmt: skip
+        wait_for(lambda: earliest_pending(kafka, group, removed, partitions) == [50] * partitions, DEADLINE_S,
+                 "the commit of the deliveries")  # fmt: skip
+        if fault == "kill -9":
+            sidecar.kill()
+        else:
+            assert sidecar.stop() == 0, sidecar.tail()
+        path.write_text(policy(kept))
+        produce(kafka_helper, removed, partitions, ["1s"] * 5)  # after the removal: neither delivered nor dead
+        sidecar.start()
+        wait_for(lambda: outbound_end(kafka_helper, f"{removed}.dlt", partitions) >= 150, DEADLINE_S, "dead letters")
+        wait_for(lambda: nothing_pending(kafka, group, removed, partitions), DEADLINE_S, "a commit with none pending")
+        wait_for(lambda: outbound_end(kafka_helper, f"{kept}.a", partitions) >= 120, DEADLINE_S, "the kept topic")
+        assert sidecar.stop() == 0, sidecar.tail()
+    finally:
+        sidecar.close()
+    dead = kafka_helper.read_to_end(f"{removed}.dlt", committed_only=exact)
+    pending = {(p, o) for p in range(partitions) for o in range(50, 100)}
+    assert origins(dead) == Counter(pending), sidecar.tail()
+    assert {r.headers[ERROR_CODE] for r in dead} == {b"TOPIC_REMOVED"}
+    assert {r.headers[ORIGIN_TOPIC] for r in dead} == {removed.encode()}
+    delivered = kafka_helper.read_to_end(f"{removed}.a", committed_only=exact)
+    assert origins(delivered) == Counter({(p, o) for p in range(partitions) for o in range(50)})
+    # The committed offsets stay where the removal left them: the later records are the topic's own.
+    assert [o for o, _ in committed(kafka, group, removed, partitions)] == [100] * partitions
+    kept_records = kafka_helper.read_to_end(f"{kept}.a", committed_only=exact)
+    assert sorted(deliveries(kept_records).values()) == [1] * 120
+    assert "drained in the whole group; unsubscribing" in sidecar.log.read_text()
+
+
+def test_a_topic_removed_live_keeps_the_other_topics_delivering_while_it_drains(
+    kafka: str,
+    kafka_helper: KafkaHelper,
+    topic_factory: Callable[..., str],
+    policy_file: Callable[[str], Path],
+    tmp_path: Path,
+) -> None:
+    """The drain takes a slice per loop turn: the kept topic's records due meanwhile go out meanwhile."""
+    removed, kept = topic_factory("drained"), topic_factory("busy")
+    path = policy_file(policy(removed, kept))
+    pending = 60_000
+    with ThreadedSidecar(settings_for(kafka, path, tmp_path)) as sidecar:
+        produce(kafka_helper, removed, 1, ["10m"] * pending)
+        sidecar.wait_for_metric("delay_sidecar_messages_delayed_total", pending, DEADLINE_S, topic=removed)
+        now = int(time.time() * 1000)
+        due = [now + 2_000 + i // 2 for i in range(10_000)]  # two a millisecond, for 5 s
+        for i, at in enumerate(due):
+            kafka_helper.produce(kept, f"k{i}".encode(), headers=[("deliver-at", str(at))])
+        kafka_helper.flush()
+        sidecar.wait_for_metric("delay_sidecar_messages_delivered_total", 1, DEADLINE_S, topic=kept, subscription="a")
+        path.write_text(policy(kept))
+        # Exported when the drain starts: missing after that is a failure, not a zero.
+        sidecar.wait_for_metric(REJECTED, 0, DEADLINE_S, topic=removed, namespace="", code="TOPIC_REMOVED")
+
+        def dead() -> float:
+            return sidecar.metric(REJECTED, topic=removed, namespace="", code="TOPIC_REMOVED")
+
+        def delivered() -> float:
+            return sidecar.metric("delay_sidecar_messages_delivered_total", topic=kept, subscription="a")
+
+        # Two looks, both while the drain is part-way, between which the kept topic delivered.
+        seen: list[tuple[float, float]] = []
+        deadline = time.monotonic() + DEADLINE_S
+        while dead() < pending and time.monotonic() < deadline:
+            look = (dead(), delivered())
+            if 0 < look[0] < pending:
+                seen.append(look)
+            time.sleep(0.005)
+        assert dead() == pending
+        interleaved = any(a[1] < b[1] and a[0] < b[0] for a, b in itertools.pairwise(seen))
+        assert interleaved, f"no delivery of the kept topic was seen while the drain was part-way: {seen[:10]}"
+        wait_for(lambda: outbound_end(kafka_helper, f"{kept}.a") >= len(due), DEADLINE_S, "the kept topic")
+    dead_letters = kafka_helper.read_to_end(f"{removed}.dlt")
+    assert origins(dead_letters) == Counter({(0, o) for o in range(pending)})
+    assert kafka_helper.read_to_end(f"{removed}.a") == []
+    assert sorted(deliveries(kafka_helper.read_to_end(f"{kept}.a")).values()) == [1] * len(due)
+
+
+def test_a_topic_back_in_the_policies_mid_drain_delivers_what_was_not_dead_lettered(
+    kafka: str,
+    kafka_helper: KafkaHelper,
+    topic_factory: Callable[..., str],
+    policy_file: Callable[[str], Path],
+    tmp_path: Path,
+) -> None:
+    """Removed, then added back at once: each pending record is either dead-lettered or delivered, once."""
+    topic = topic_factory("back")
+    path = policy_file(policy(topic))
+    pending = 40_000
+    with ThreadedSidecar(settings_for(kafka, path, tmp_path)) as sidecar:
+        soon = int(time.time() * 1000) + 5_000  # any time would do: a record delivered before is not pending
+        for i in range(pending):
+            kafka_helper.produce(topic, f"v{i}".encode(), headers=[("deliver-at", str(soon))])
+        kafka_helper.flush()
+        sidecar.wait_for_metric("delay_sidecar_messages_delayed_total", pending, DEADLINE_S, topic=topic)
+        path.write_text("allow_empty: true\ntopics: {}\n")
+        sidecar.app.reload_policies()
+        sidecar.wait_for_metric(REJECTED, 0, DEADLINE_S, topic=topic, namespace="", code="TOPIC_REMOVED")
+        deadline = time.monotonic() + DEADLINE_S
+        while sidecar.metric(REJECTED, topic=topic, namespace="", code="TOPIC_REMOVED") == 0:
+            assert time.monotonic() < deadline, "the drain did not start"
+            time.sleep(0.005)
+        path.write_text(policy(topic))  # part-way through the drain, as a rule
+        sidecar.app.reload_policies()
+        wait_for(
+            lambda: outbound_end(kafka_helper, f"{topic}.dlt") + outbound_end(kafka_helper, f"{topic}.a") >= pending,
+            DEADLINE_S,
+            "every record, dead or delivered",
+        )
+    dead = origins(kafka_helper.read_to_end(f"{topic}.dlt"))
+    delivered = origins(kafka_helper.read_to_end(f"{topic}.a"))
+    assert max([*dead.values(), *delivered.values()]) == 1, "a record went out twice"
+    assert not dead.keys() & delivered.keys(), "a record was both dead-lettered and delivered"
+    assert dead.keys() | delivered.keys() == {(0, o) for o in range(pending)}
+    print(f"re-added mid-drain: {len(dead)} dead-lettered, {len(delivered)} delivered")
+
+
+def test_a_kill_9_mid_drain_dead_letters_each_pending_record_once_in_exactly_once_mode(
+    kafka: str,
+    kafka_helper: KafkaHelper,
+    topic_factory: Callable[..., str],
+    policy_file: Callable[[str], Path],
+    tmp_path: Path,
+) -> None:
+    """The drain's progress is committed with the dead letters that made it: a restart resumes there."""
+    removed, kept = topic_factory("cut"), topic_factory("stays")
+    path = policy_file(policy(removed, kept))
+    group = f"g-{removed}"
+    port = free_ports(1)
+    args = run_args(kafka, path, tmp_path / "state", port, group, "--processing-guarantee", "exactly-once")
+    sidecar = SidecarProcess(args, tmp_path / "log")
+    pending = 40_000
+    try:
+        sidecar.start()
+        produce(kafka_helper, removed, 1, ["10m"] * pending)
+        wait_for(lambda: scrape(port, "delay_sidecar_tracked_messages", topic=removed) == pending, DEADLINE_S,
+                 "indexed")  # fmt: skip
+        path.write_text(policy(kept))
+
+        def dead() -> float:
+            return scrape(port, REJECTED, topic=removed, namespace="", code="TOPIC_REMOVED")
+
+        wait_for(lambda: dead() >= 0, DEADLINE_S, "the drain started")  # exported from its start on
+
+        deadline = time.monotonic() + DEADLINE_S
+        while not 0 < dead() < pending and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert 0 < dead() < pending, "the drain was not seen part-way"
+        sidecar.kill()
+        sidecar.start()
+        wait_for(lambda: nothing_pending(kafka, group, removed, 1), DEADLINE_S, "a commit with none pending")
+        assert sidecar.stop() == 0, sidecar.tail()
+    finally:
+        sidecar.close()
+    dead_letters = kafka_helper.read_to_end(f"{removed}.dlt", committed_only=True)
+    assert origins(dead_letters) == Counter({(0, o) for o in range(pending)}), sidecar.tail()
+    assert kafka_helper.read_to_end(f"{removed}.a", committed_only=True) == []
