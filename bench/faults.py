@@ -31,8 +31,9 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
+from confluent_kafka import Consumer, Message, Producer, TopicPartition
 
+from bench.probe import LiveReader
 from bench.procs import ROOT, Child
 from sidecar.broker.embedded import EmbeddedBroker, free_port
 from sidecar.outbound.records import DELIVER_AT, ORIGIN_OFFSET, ORIGIN_PARTITION, REDELIVERY_COUNT
@@ -142,7 +143,7 @@ class Rig:
         self.policies.write_text(POLICY)
         self.port = free_port()
         self.sidecar: Child | None = None
-        self.live: Live | None = None
+        self.live: tuple[LiveReader, dict[str, Counter[tuple[int, int]]]] | None = None
 
     def start_sidecar(self) -> None:
         self.sidecar = Child([sys.executable, "-m", "sidecar", "run", "--bootstrap-servers", self.bootstrap,
@@ -175,7 +176,9 @@ class Rig:
             row.duplicated += sum(copies.values()) - len(copies)
             row.early += sum(1 for *_, ts, at in records if ts < at)
         if self.live is not None:  # a consumer that kept reading through the faults, once all is delivered
-            seen = self.live.finish()
+            reader, seen = self.live
+            if not reader.finish(120):
+                print("live reader: not caught up after 120 s; its counts are of what it read", flush=True)
             row.live_lost = sum(produced - len(copies) for copies in seen.values())
             row.live_duplicated = sum(sum(copies.values()) - len(copies) for copies in seen.values())
 
@@ -185,49 +188,17 @@ class Rig:
         self.broker.stop()
 
 
-class Live:
-    """An outbound consumer reading live from offset 0, read_committed, with default fetch sizes."""
+def live_reader(bootstrap: str) -> tuple[LiveReader, dict[str, Counter[tuple[int, int]]]]:
+    """A reader of both outbound topics through the faults, and its first copies per origin."""
+    copies: dict[str, Counter[tuple[int, int]]] = {s: Counter() for s in SUBSCRIPTIONS}
 
-    def __init__(self, bootstrap: str) -> None:
-        self.log = logging.getLogger("bench.faults.live")
-        self._consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"live-{time.time_ns()}",
-                                   "enable.auto.commit": False, "isolation.level": ISOLATION[0],
-                                   "auto.offset.reset": "error"}, logger=self.log)  # fmt: skip
-        self.resets = 0
-        self._consumer.assign([TopicPartition(f"faults.{s}", p, 0) for s in SUBSCRIPTIONS for p in range(3)])
-        self.copies: dict[str, Counter[tuple[int, int]]] = {s: Counter() for s in SUBSCRIPTIONS}
-        self._stop = threading.Event()
-        self._lock = threading.Lock()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
+    def take(m: Message) -> None:
+        h = dict(m.headers() or [])
+        if int(h[REDELIVERY_COUNT]) == 0:
+            copies[m.topic().split(".", 1)[1]][(int(h[ORIGIN_PARTITION]), int(h[ORIGIN_OFFSET]))] += 1
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            with self._lock:
-                for m in self._consumer.consume(1000, 0.2):
-                    if m.error() is not None:
-                        self.resets += m.error().code() == KafkaError._AUTO_OFFSET_RESET
-                        print(f"live reader: {m.topic()}/{m.partition()} {m.error()}", flush=True)
-                    else:
-                        h = dict(m.headers() or [])
-                        if int(h[REDELIVERY_COUNT]) == 0:
-                            sub = m.topic().split(".", 1)[1]
-                            self.copies[sub][(int(h[ORIGIN_PARTITION]), int(h[ORIGIN_OFFSET]))] += 1
-
-    def finish(self, timeout_s: float = 120.0) -> dict[str, Counter[tuple[int, int]]]:
-        """Read on until every partition's position reaches its stable end."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            with self._lock:
-                positions = self._consumer.position(self._consumer.assignment())
-                ends = [self._consumer.get_watermark_offsets(tp, timeout=10, cached=False)[1] for tp in positions]
-            if all(tp.offset >= end or end <= 0 for tp, end in zip(positions, ends, strict=True)):
-                break
-            time.sleep(0.5)
-        self._stop.set()
-        self._thread.join(10)
-        self._consumer.close()
-        return self.copies
+    topics = [f"faults.{s}" for s in SUBSCRIPTIONS]
+    return LiveReader(bootstrap, topics, 3, take, ISOLATION[0]), copies
 
 
 def sample_health(rig: Rig, row: Row, during: Callable[[], None]) -> None:
@@ -254,7 +225,7 @@ def broker_restarts(work: Path, args: argparse.Namespace) -> Row:
     try:
         rig.start_sidecar()
         rig.wait_ready()
-        rig.live = Live(rig.bootstrap)
+        rig.live = live_reader(rig.bootstrap)
         load = Load(rig.bootstrap, args.rate).start()
         for _ in range(args.broker_restarts):
             time.sleep(2)
@@ -282,7 +253,7 @@ def sidecar_kills(work: Path, args: argparse.Namespace) -> Row:
     try:
         rig.start_sidecar()
         rig.wait_ready()
-        rig.live = Live(rig.bootstrap)
+        rig.live = live_reader(rig.bootstrap)
         load = Load(rig.bootstrap, args.rate).start()
         for _ in range(args.kills):
             time.sleep(3)

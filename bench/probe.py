@@ -318,3 +318,52 @@ def settle(ports: list[int], partitions: int, timeout_s: float = 120.0) -> float
         last = owned
         time.sleep(0.1)
     raise RuntimeError(f"the group did not settle on {partitions} partitions in {timeout_s:.0f} s (owned {last})")
+
+
+class LiveReader:
+    """An outbound consumer that keeps reading through faults, as users' consumers do: assigned
+    from offset 0 before the faults, librdkafka's default fetch sizes, each record to `take`.
+
+    `finish` reads on until every partition's position reaches its stable end, then stops.
+    """
+
+    def __init__(
+        self,
+        bootstrap: str,
+        topics: list[str],
+        partitions: int,
+        take: Callable[[Message], None],
+        isolation: str = "read_committed",
+    ) -> None:
+        self._take = take
+        self._consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"live-{uuid.uuid4().hex}",
+                                   "enable.auto.commit": False, "isolation.level": isolation})  # fmt: skip
+        self._consumer.assign([TopicPartition(t, p, 0) for t in topics for p in range(partitions)])
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            with self._lock:
+                for m in self._consumer.consume(1000, 0.2):
+                    if m.error() is None:
+                        self._take(m)
+
+    def finish(self, timeout_s: float = 60.0) -> bool:
+        """True once caught up; False when `timeout_s` passed first."""
+        deadline = time.monotonic() + timeout_s
+        try:
+            while time.monotonic() < deadline:
+                with self._lock:
+                    positions = self._consumer.position(self._consumer.assignment())
+                    ends = [self._consumer.get_watermark_offsets(tp, timeout=10, cached=False)[1] for tp in positions]
+                if all(end <= 0 or tp.offset >= end for tp, end in zip(positions, ends, strict=True)):
+                    return True
+                time.sleep(0.2)
+            return False
+        finally:
+            self._stop.set()
+            self._thread.join(10)
+            self._consumer.close()
