@@ -281,7 +281,8 @@ class Nacker:
     ) -> None:
         """Redeliver `message` to this subscription once `delay` (ms or timedelta) has passed.
 
-        The delay counts from when the sidecar accepts the command, so a slow control topic shifts it;
+        The delay counts from the command record's Kafka timestamp, as the sidecar reads it: a
+        producer with `log.message.timestamp.type=LogAppendTime` topics or a skewed clock shifts it;
         use `nack_at` when the instant matters more than the interval.
         """
         self._send(message, "delay_ms", _duration_ms(delay, "delay"), subscription, on_delivery)
