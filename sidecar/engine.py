@@ -24,12 +24,12 @@ from sidecar.control.acceptance import Acceptance
 from sidecar.control.nacks import LatestNacks
 from sidecar.control.redelivery import Redelivery
 from sidecar.dispatch.dispatcher import Dispatcher
-from sidecar.dispatch.drain import Drains, RemovedTopic
+from sidecar.dispatch.drain import Drains, RemovedTopic, holds_pending, removed_while_down
 from sidecar.dispatch.payload_cache import PayloadCache
 from sidecar.dispatch.reader import LogReader
 from sidecar.dispatch.roll import HorizonRoll
 from sidecar.dispatch.trail import TrailReader
-from sidecar.errors import BrokerError, ConfigError
+from sidecar.errors import BrokerError
 from sidecar.identity import TransactionalIds
 from sidecar.inbound.receiver import Receiver
 from sidecar.kafka_io import LIBRDKAFKA, Connectivity, consume_batch, consumer_config
@@ -308,32 +308,9 @@ class Sidecar:
             self._subscribed = topics
 
     def _removed_while_down(self, policies: PolicySet) -> dict[str, RemovedTopic]:
-        """Topics the group committed pending records of that the policies no longer name: removed
-        while the sidecar was down. Their records go to the dead-letter topic, as on a live removal.
-
-        The policies no longer say which dead-letter topic such a topic had: it is the default one,
-        `<topic>.dlt`."""
-        pending: dict[str, int] = {}
-        for (topic, _), (offset, metadata) in self._admin.group_offsets(self._group_id).items():
-            if topic in policies.topics or topic == self._control_topic or topic not in self._admin.partitions:
-                continue  # served, the nacks' topic, or deleted from the cluster
-            if _pending(offset, metadata):
-                pending[topic] = pending.get(topic, 0) + 1
-        found = {}
-        for topic, partitions in sorted(pending.items()):
-            try:
-                namespace = policies.namespace_of(topic) or ""
-            except ConfigError:
-                namespace = ""
-            found[topic] = RemovedTopic(topic, f"{topic}.dlt", namespace)
-            logger.warning(
-                "topic removed while the sidecar was down; its pending records go to the dead-letter topic "
-                "topic=%s partitions_pending=%d dead_letter_topic=%s",
-                topic,
-                partitions,
-                found[topic].dead_letter_topic,
-            )
-        return found
+        served = {*policies.topics, self._control_topic}
+        commits = self._admin.group_offsets(self._group_id)
+        return removed_while_down(commits, served, set(self._admin.partitions), policies)
 
     def _drain_removed(self, topic: str) -> None:
         """A topic left the policies: its partitions here dead-letter their pending records, a slice
@@ -395,7 +372,7 @@ class Sidecar:
         except KafkaException as e:
             logger.warning("cannot read the commits of a removed topic topic=%s error=%s", topic, e.args[0])
             return False
-        return not any(_pending(tp.offset, tp.metadata) for tp in found)
+        return not any(holds_pending(tp.offset, tp.metadata) for tp in found)
 
     def _restore(self, state: PartitionState, committed: int, metadata: CommitMetadata) -> int | None:
         """The index from the state topic; the roll then brings the payloads its buckets point at.
@@ -504,9 +481,3 @@ class Sidecar:
         self._dispatcher.checkpointed({(s.topic, s.partition): s.tracker for s in states if not s.control})
         self.degraded = publish_index_gauges(self.metrics, states, list(self._routes))
         self._admin.refresh_retention(list(self._routes))
-
-
-def _pending(offset: int, metadata: str | None) -> bool:
-    """A commit that says records below it are still pending."""
-    earliest = CommitMetadata.decode(metadata).earliest
-    return offset >= 0 and earliest is not None and earliest < offset

@@ -26,6 +26,7 @@ The loop gives the drains DRAIN_SLICE_S per turn, so deliveries of the other top
 
 import logging
 import time
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,12 +34,12 @@ from confluent_kafka import Consumer, KafkaError, Message, TopicPartition
 
 from sidecar.clock import Clock
 from sidecar.dispatch.reader import TopicPartitionKey
-from sidecar.errors import BrokerError
+from sidecar.errors import BrokerError, ConfigError
 from sidecar.inbound.intake import Judge
 from sidecar.kafka_io import LIBRDKAFKA, consume_batch, consumer_config
 from sidecar.metrics import Metrics
 from sidecar.outbound.writer import Writer
-from sidecar.policy.model import EffectiveDelay, Sourced
+from sidecar.policy.model import EffectiveDelay, PolicySet, Sourced
 from sidecar.policy.routes import IntakeRule
 from sidecar.tracker.base import pack
 from sidecar.tracker.partitions import CommitMetadata, PartitionState
@@ -85,6 +86,45 @@ class _Job:
     """Offsets of the range the log no longer has (retention, compaction) or never had as records
     (transaction markers)."""
     started: float = field(default_factory=time.monotonic)
+
+
+def holds_pending(offset: int, metadata: str | None) -> bool:
+    """A commit that says records below it are still pending."""
+    earliest = CommitMetadata.decode(metadata).earliest
+    return offset >= 0 and earliest is not None and earliest < offset
+
+
+def removed_while_down(
+    commits: Mapping[tuple[str, int], tuple[int, str | None]],
+    served: Collection[str],
+    existing: Collection[str],
+    policies: PolicySet,
+) -> dict[str, RemovedTopic]:
+    """The topics whose pending records the group's `commits` hold but that are not `served`: removed
+    from the policies while the sidecar was down. They drain as on a live removal.
+
+    A topic deleted from the cluster (not in `existing`) has nothing left to dead-letter. The
+    policies no longer say which dead-letter topic a removed topic had: it is the default one,
+    `<topic>.dlt`, and its namespace is the one a namespace glob still gives it."""
+    pending: dict[str, int] = {}
+    for (topic, _), (offset, metadata) in commits.items():
+        if topic not in served and topic in existing and holds_pending(offset, metadata):
+            pending[topic] = pending.get(topic, 0) + 1
+    found = {}
+    for topic, partitions in sorted(pending.items()):
+        try:
+            namespace = policies.namespace_of(topic) or ""
+        except ConfigError:
+            namespace = ""  # matches several namespace globs: it is no longer the policies' to say
+        found[topic] = RemovedTopic(topic, f"{topic}.dlt", namespace)
+        logger.warning(
+            "topic removed while the sidecar was down; its pending records go to the dead-letter topic "
+            "topic=%s partitions_pending=%d dead_letter_topic=%s",
+            topic,
+            partitions,
+            found[topic].dead_letter_topic,
+        )
+    return found
 
 
 class Drains:
