@@ -91,30 +91,81 @@ def test_a_second_static_member_with_the_same_instance_id_fences_the_first(
 def test_a_zombie_with_stale_group_metadata_cannot_commit_offsets(
     embedded_broker: bool, kafka: str, kafka_helper: KafkaHelper, topic_factory: Callable[..., str]
 ) -> None:
-    """KIP-447: the consumer group metadata sent with the offsets fences a zombie whose partitions
-    moved to another member (another transactional.id). NEEDS REAL KAFKA: noida-db does not check
-    the generation or member id of TxnOffsetCommit and lets the zombie commit. The sidecar's own
-    fencing (one transactional.id per instance id) does not rest on it; see README, exactly once."""
+    """KIP-447 on a consume-transform-produce loop: two members of one group, each with a
+    transactional producer of its own (transactional.ids are no longer tied to partitions). After a
+    rebalance, the older member's producer still holds the group metadata of the generation before:
+    a zombie that missed the rebalance. Its offsets for a partition that moved must be refused
+    (ILLEGAL_GENERATION; UNKNOWN_MEMBER_ID once the member is gone) and its transaction aborted, while
+    the new owner commits the same partition with the current metadata.
+
+    NEEDS REAL KAFKA: noida-db does not check the generation or member id of TxnOffsetCommit and lets
+    the zombie commit. The sidecar's own fencing (one transactional.id per instance id) does not rest
+    on it; see README, exactly once."""
     if embedded_broker:
         pytest.skip("noida-db accepts TxnOffsetCommit from a stale member (no KIP-447 fencing); needs real Kafka")
-    topic, group = topic_factory("kip447"), f"g-{uuid.uuid4().hex[:8]}"
-    kafka_helper.produce(topic, b"v")
+    source, out = topic_factory("kip447", partitions=2), topic_factory("kip447-out", partitions=2)
+    group = f"g-{uuid.uuid4().hex[:8]}"
+    for i in range(8):
+        kafka_helper.produce(source, f"v{i}".encode(), partition=i % 2)
     kafka_helper.flush()
-    first = member(kafka, group, topic, None)
-    poll_until(first, lambda seen: bool(first.assignment()))
-    stale = first.consumer_group_metadata()
-    first.close()  # leaves the group: its member id and generation are over
-    second = member(kafka, group, topic, None)
-    zombie = Producer({"bootstrap.servers": kafka, "transactional.id": f"tx-{uuid.uuid4().hex[:8]}"})
+
+    def transform(producer: Producer, records: list[Message], offsets: list[TopicPartition], meta: object) -> None:
+        """One turn of the loop: outputs and input offsets in one transaction (not committed here)."""
+        producer.begin_transaction()
+        for record in records:
+            producer.produce(out, b"out:" + record.value(), partition=record.partition())
+        producer.send_offsets_to_transaction(offsets, meta, 30)
+
+    first = member(kafka, group, source, None)
+    second: Consumer | None = None
+    first_tx = Producer({"bootstrap.servers": kafka, "transactional.id": f"tx-{uuid.uuid4().hex[:8]}"})
+    second_tx = Producer({"bootstrap.servers": kafka, "transactional.id": f"tx-{uuid.uuid4().hex[:8]}"})
     try:
-        poll_until(second, lambda seen: bool(second.assignment()))
-        zombie.init_transactions(30)
-        zombie.begin_transaction()
-        with pytest.raises(KafkaException):
-            zombie.send_offsets_to_transaction([TopicPartition(topic, 0, 1, metadata="zombie")], stale, 30)
-            zombie.commit_transaction(30)
+        # Generation 1: the first member owns both partitions and runs one turn of the loop.
+        records = [m for m in poll_until(first, lambda seen: len(seen) >= 8) if m.error() is None]
+        assert len(first.assignment()) == 2
+        stale = first.consumer_group_metadata()
+        first_tx.init_transactions(30)
+        transform(first_tx, records, [TopicPartition(source, p, 4, metadata="first") for p in (0, 1)], stale)
+        first_tx.commit_transaction(30)
+        assert committed(kafka, group, source, 2) == [(4, "first"), (4, "first")]
+
+        # A second member joins: a rebalance to the next generation, one partition each. Both poll,
+        # so that the first rejoins (its member id stays, its generation moves on).
+        second = member(kafka, group, source, None)
+        deadline = time.monotonic() + 60
+        while len(first.assignment()) != 1 or len(second.assignment()) != 1:
+            assert time.monotonic() < deadline, (first.assignment(), second.assignment())
+            first.consume(100, 0.1)
+            second.consume(100, 0.1)
+        moved = second.assignment()[0].partition
+        kafka_helper.produce(source, b"after the rebalance", partition=moved)
+        kafka_helper.flush()
+        taken = [m for m in poll_until(second, lambda seen: len(seen) >= 1) if m.error() is None]
+        assert [(m.partition(), m.offset()) for m in taken] == [(moved, 4)]
+
+        # The zombie: the first producer, with the old generation's metadata, for the partition that moved.
+        with pytest.raises(KafkaException) as refused:
+            transform(first_tx, taken, [TopicPartition(source, moved, 5, metadata="zombie")], stale)
+        error = refused.value.args[0]
+        assert error.code() in (KafkaError.ILLEGAL_GENERATION, KafkaError.UNKNOWN_MEMBER_ID), error
+        assert error.txn_requires_abort(), error
+        first_tx.abort_transaction(30)
+
+        # The new owner commits the same partition with the current generation's metadata.
+        second_tx.init_transactions(30)
+        offsets = [TopicPartition(source, moved, 5, metadata="second")]
+        transform(second_tx, taken, offsets, second.consumer_group_metadata())
+        second_tx.commit_transaction(30)
+        expected = [(4, "first"), (4, "first")]
+        expected[moved] = (5, "second")
+        assert committed(kafka, group, source, 2) == expected
+        outputs = sorted(r.value or b"" for r in kafka_helper.read_to_end(out, committed_only=True))
+        assert outputs == sorted([f"out:v{i}".encode() for i in range(8)] + [b"out:after the rebalance"])
     finally:
-        second.close()
+        first.close()
+        if second is not None:
+            second.close()
 
 
 def test_a_read_committed_fetch_past_an_aborted_transaction_still_returns_later_commits(
