@@ -16,10 +16,10 @@ from sidecar.control.commands import UNKNOWN_MESSAGE, UNKNOWN_SUBSCRIPTION, Acce
 from sidecar.control.nacks import LatestNacks
 from sidecar.dispatch.reader import LogReader, TopicPartitionKey
 from sidecar.errors import RejectedRecord
-from sidecar.inbound.intake import judge
 from sidecar.metrics import Metrics
 from sidecar.outbound.records import outbound_headers
 from sidecar.outbound.writer import Writer
+from sidecar.policy.intake import judge
 from sidecar.policy.routes import Routes
 from sidecar.tracker.partitions import PartitionState
 

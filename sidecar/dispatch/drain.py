@@ -35,10 +35,10 @@ from confluent_kafka import Consumer, KafkaError, Message, TopicPartition
 from sidecar.clock import Clock
 from sidecar.dispatch.reader import TopicPartitionKey
 from sidecar.errors import BrokerError, ConfigError
-from sidecar.inbound.intake import Judge
 from sidecar.kafka_io import LIBRDKAFKA, consume_batch, consumer_config
 from sidecar.metrics import Metrics
 from sidecar.outbound.writer import Writer
+from sidecar.policy.intake import Judge
 from sidecar.policy.model import EffectiveDelay, PolicySet, Sourced
 from sidecar.policy.routes import IntakeRule
 from sidecar.tracker.base import pack

@@ -20,10 +20,10 @@ from sidecar.dispatch.dispatcher import Dispatcher
 from sidecar.dispatch.payload_cache import CacheBatch, PayloadCache
 from sidecar.dispatch.reader import TopicPartitionKey
 from sidecar.errors import BrokerError
-from sidecar.inbound.intake import Fate, Judge, judge
 from sidecar.metrics import Metrics
 from sidecar.outbound.delivery import Delivery
 from sidecar.outbound.writer import Writer
+from sidecar.policy.intake import Fate, Judge, judge
 from sidecar.policy.routes import IntakeRule, Routes
 from sidecar.tracker.base import pack
 from sidecar.tracker.partitions import PartitionState, Rebuild

@@ -4,7 +4,7 @@ Every output record carries its origin (topic, partition, offset): that is the m
 consumers nack with, that auditors join on, and that makes duplicates detectable downstream.
 """
 
-from sidecar.inbound.headers import Headers
+from sidecar.policy.headers import Headers
 
 ORIGIN_TOPIC = "delay-origin-topic"
 ORIGIN_PARTITION = "delay-origin-partition"

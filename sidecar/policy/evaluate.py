@@ -8,7 +8,7 @@ from typing import NamedTuple
 
 from sidecar.durations import format_duration_ms
 from sidecar.errors import RejectedRecord
-from sidecar.inbound.headers import Headers, delay_request
+from sidecar.policy.headers import Headers, delay_request
 from sidecar.policy.model import EffectiveDelay
 
 EXCEEDS_MAX_DELAY = "EXCEEDS_MAX_DELAY"

@@ -5,7 +5,7 @@ from hypothesis import strategies as st
 
 from sidecar.durations import MAX_EPOCH_MS
 from sidecar.errors import InvalidDelayHeader
-from sidecar.inbound.headers import DELIVER_AFTER, DELIVER_AT, requested_deliver_at
+from sidecar.policy.headers import DELIVER_AFTER, DELIVER_AT, requested_deliver_at
 
 NAMES = st.sampled_from([DELIVER_AT, DELIVER_AFTER, "Deliver-At", "deliver_at", "trace-id"]) | st.text(max_size=10)
 VALUES = (

@@ -3,7 +3,7 @@
 import pytest
 
 from sidecar.errors import InvalidDelayHeader
-from sidecar.inbound.headers import requested_deliver_at
+from sidecar.policy.headers import requested_deliver_at
 
 PUBLISH = 1_795_000_000_000
 

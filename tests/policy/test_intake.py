@@ -3,7 +3,7 @@
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sidecar.inbound.intake import Fate, Judge, judge
+from sidecar.policy.intake import Fate, Judge, judge
 from sidecar.policy.model import EffectiveDelay, Sourced
 from sidecar.policy.routes import IntakeRule
 

@@ -7,8 +7,8 @@ force when the record first arrived, so they cannot disagree.
 from typing import NamedTuple
 
 from sidecar.errors import RejectedRecord
-from sidecar.inbound.headers import Headers
 from sidecar.policy.evaluate import decide
+from sidecar.policy.headers import Headers
 from sidecar.policy.routes import IntakeRule
 
 
