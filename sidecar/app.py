@@ -68,7 +68,7 @@ def tracker_factory(
 
     Nack indexes (control partitions) stay in memory: the control topic is their write-ahead log,
     and after a restart they come from the state topic, or from the control log read again from the
-    earliest pending accepted nack (tracker/partitions.py).
+    earliest pending accepted nack (partitions/metadata.py).
     """
     listener = BucketMetrics(metrics)
 

@@ -39,8 +39,8 @@ from confluent_kafka import Consumer, TopicPartition
 
 from sidecar.errors import BrokerError, SidecarError
 from sidecar.outbound.writer import Writer
+from sidecar.partitions.state import PartitionState
 from sidecar.state.topic import StateTopic
-from sidecar.tracker.partitions import PartitionState
 
 logger = logging.getLogger(__name__)
 

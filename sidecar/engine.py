@@ -2,7 +2,7 @@
 
     inbound (receiver: intake.judge) -> tracker -> dispatch -> outbound (delivery, writer)
     control (acceptance)             -> tracker -> control (redelivery) -> outbound
-    checkpoint.py: flush, tracker checkpoints, commit; tracker/partitions.py: what a commit means
+    checkpoint.py: flush, tracker checkpoints, commit; partitions/metadata.py: what a commit means
     state/: the state topic, where bucket snapshots go so a new owner of a partition need not
     read its whole pending range again
 
@@ -36,13 +36,15 @@ from sidecar.kafka_io import LIBRDKAFKA, Connectivity, consume_batch, consumer_c
 from sidecar.metrics import Metrics
 from sidecar.outbound.delivery import Delivery
 from sidecar.outbound.writer import Writer
+from sidecar.partitions.assignment import Assignment
+from sidecar.partitions.metadata import CommitMetadata
+from sidecar.partitions.state import PartitionState
 from sidecar.policy import PolicySet
 from sidecar.policy.routes import Routes
 from sidecar.state.mirror import MirroredStorage
 from sidecar.state.topic import StateTopic
 from sidecar.tracker import DelayedDeliveryTracker
 from sidecar.tracker.gauges import publish_index_gauges
-from sidecar.tracker.partitions import Assignment, CommitMetadata, PartitionState
 from sidecar.tracker.runs import Runs
 
 logger = logging.getLogger(__name__)

@@ -16,7 +16,7 @@ import pytest
 
 from sidecar.broker.embedded import free_ports
 from sidecar.outbound.records import ERROR_CODE, ORIGIN_OFFSET, ORIGIN_PARTITION, ORIGIN_TOPIC
-from sidecar.tracker.partitions import CommitMetadata
+from sidecar.partitions.metadata import CommitMetadata
 from tests.kafka_helpers import (
     KafkaHelper,
     Received,

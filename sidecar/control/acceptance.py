@@ -30,9 +30,9 @@ from sidecar.dispatch.reader import LogReader, TopicPartitionKey
 from sidecar.errors import RejectedRecord, SidecarError
 from sidecar.metrics import Metrics
 from sidecar.outbound.writer import Writer
+from sidecar.partitions.state import PartitionState
 from sidecar.policy.routes import Routes
 from sidecar.tracker.base import pack
-from sidecar.tracker.partitions import PartitionState
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ class Acceptance:
         if done:
             self._nacks.claim(accepted, offset)  # redelivered, or superseded, before
             return
-        # Exactly once: nothing is delivered while replaying (see tracker/partitions.py).
+        # Exactly once: nothing is delivered while replaying (see partitions/metadata.py).
         deliver_now = not (state.exact and offset < state.replay_until)
         if not state.tracker.add(offset, accepted.deliver_at, deliver_now=deliver_now):
             due_now.append((offset, accepted))

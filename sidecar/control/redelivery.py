@@ -19,9 +19,9 @@ from sidecar.errors import RejectedRecord
 from sidecar.metrics import Metrics
 from sidecar.outbound.records import outbound_headers
 from sidecar.outbound.writer import Writer
+from sidecar.partitions.state import PartitionState
 from sidecar.policy.intake import judge
 from sidecar.policy.routes import Routes
-from sidecar.tracker.partitions import PartitionState
 
 logger = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ whether the topic was removed while the sidecar ran or while it was down:
   is cleared, and the inbound consumer pauses the partition: records past the commit are not
   judged, and the committed offset stays where it was, as for any removed topic.
 - A consumer of its own reads that range once, in offset order, and judges each record again with
-  the intake rule the commit recorded for it, as a rebuild does (tracker/partitions.py): a delayed
+  the intake rule the commit recorded for it, as a rebuild does (partitions/state.py): a delayed
   record above the watermark is pending, and goes to the dead-letter topic with TOPIC_REMOVED.
 - Progress is the offset reached, `PartitionState.drain_from`. A checkpoint commits it as the
   partition's earliest pending offset, after the producer flush that acknowledged every dead letter
@@ -38,11 +38,12 @@ from sidecar.errors import BrokerError, ConfigError
 from sidecar.kafka_io import LIBRDKAFKA, consume_batch, consumer_config
 from sidecar.metrics import Metrics
 from sidecar.outbound.writer import Writer
+from sidecar.partitions.metadata import CommitMetadata
+from sidecar.partitions.state import PartitionState
 from sidecar.policy.intake import Judge
 from sidecar.policy.model import EffectiveDelay, PolicySet, Sourced
 from sidecar.policy.routes import IntakeRule
 from sidecar.tracker.base import pack
-from sidecar.tracker.partitions import CommitMetadata, PartitionState
 from sidecar.tracker.runs import Runs
 
 logger = logging.getLogger(__name__)

@@ -23,10 +23,10 @@ from sidecar.errors import BrokerError
 from sidecar.metrics import Metrics
 from sidecar.outbound.delivery import Delivery
 from sidecar.outbound.writer import Writer
+from sidecar.partitions.state import PartitionState, Rebuild
 from sidecar.policy.intake import Fate, Judge, judge
 from sidecar.policy.routes import IntakeRule, Routes
 from sidecar.tracker.base import pack
-from sidecar.tracker.partitions import PartitionState, Rebuild
 
 logger = logging.getLogger(__name__)
 

@@ -16,8 +16,8 @@ from sidecar.dispatch.reader import TopicPartitionKey
 from sidecar.metrics import Metrics
 from sidecar.outbound.records import outbound_headers
 from sidecar.outbound.writer import Writer
+from sidecar.partitions.state import PartitionState
 from sidecar.policy.routes import IntakeRule, Routes
-from sidecar.tracker.partitions import PartitionState
 
 logger = logging.getLogger(__name__)
 

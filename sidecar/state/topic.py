@@ -34,6 +34,8 @@ from sidecar.errors import BrokerError, StorageError
 from sidecar.kafka_io import LIBRDKAFKA, consume_batch, consumer_config
 from sidecar.metrics import Metrics
 from sidecar.outbound.writer import Writer
+from sidecar.partitions.metadata import CommitMetadata
+from sidecar.partitions.state import PartitionState
 from sidecar.policy.routes import IntakeRule
 from sidecar.state.image import (
     ImageError,
@@ -46,7 +48,6 @@ from sidecar.state.image import (
 )
 from sidecar.state.mirror import MirroredStorage
 from sidecar.tracker.bucket import BucketTracker
-from sidecar.tracker.partitions import CommitMetadata, PartitionState
 
 logger = logging.getLogger(__name__)
 

@@ -4,8 +4,8 @@ from collections import Counter
 from collections.abc import Iterable
 
 from sidecar.metrics import Metrics
+from sidecar.partitions.state import PartitionState
 from sidecar.tracker.bucket import BucketTracker
-from sidecar.tracker.partitions import PartitionState
 
 BUCKET_GAUGES = ("buckets", "loaded_indexes", "snapshot_bytes")
 

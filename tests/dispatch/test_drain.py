@@ -3,9 +3,9 @@
 from pathlib import Path
 
 from sidecar.dispatch.drain import RemovedTopic, holds_pending, removed_while_down
+from sidecar.partitions.metadata import CommitMetadata
 from sidecar.policy.loader import load_policies
 from sidecar.policy.model import PolicySet
-from sidecar.tracker.partitions import CommitMetadata
 
 
 def pending_at(earliest: int) -> str:

@@ -6,12 +6,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from sidecar.clock import ManualClock
+from sidecar.partitions.metadata import MAX_METADATA_BYTES, CommitMetadata, RuleHistory
+from sidecar.partitions.state import PartitionState
 from sidecar.policy.model import EffectiveDelay, Sourced
 from sidecar.policy.routes import IntakeRule
 from sidecar.tracker import InMemoryTracker
 from sidecar.tracker.base import NOTHING_DELIVERED, pack
 from sidecar.tracker.bucket import BucketTracker
-from sidecar.tracker.partitions import MAX_METADATA_BYTES, CommitMetadata, PartitionState, RuleHistory
 from sidecar.tracker.runs import Run
 from sidecar.tracker.storage.fake import FakeSnapshotStorage
 

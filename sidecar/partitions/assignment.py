@@ -1,0 +1,146 @@
+"""The partitions this member owns, kept in step with the consumer group's rebalances."""
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import replace
+
+from confluent_kafka import Consumer, TopicPartition
+
+from sidecar.errors import BrokerError, SidecarError
+from sidecar.partitions.metadata import CommitMetadata
+from sidecar.partitions.state import PartitionState, Restore
+from sidecar.policy.routes import IntakeRule
+from sidecar.tracker.base import DelayedDeliveryTracker
+
+logger = logging.getLogger(__name__)
+
+
+class Assignment:
+    """The partitions this member owns, kept in step with the group's rebalances.
+
+    `on_assign` opens each partition's tracker and seeks to where `PartitionState.start` says.
+    `on_revoke` checkpoints first (the partition goes to another member with nothing left
+    uncommitted); `on_lost` does not (another member may own it already), and in exactly-once
+    mode aborts the open transaction and has the engine start again.
+    """
+
+    def __init__(
+        self,
+        tracker_factory: Callable[[str, int], DelayedDeliveryTracker],
+        control_topic: str,
+        checkpoint: Callable[[], None],
+        forget: Callable[[PartitionState], None],
+        abort: Callable[[], None] | None = None,
+        incremental: bool = False,
+        on_handoff: Callable[[str, int, int], None] | None = None,
+        restore: Restore | None = None,
+        fence: Callable[[str], None] | None = None,
+        load_rules: Callable[[str, str], tuple[tuple[int, IntakeRule], ...] | None] | None = None,
+    ) -> None:
+        """`fence`: exactly-once mode, called with the transactional.id of each assigned partition's
+        last commit, before the partition is read (a zombie of this identity must not commit)."""
+        self.states: dict[tuple[str, int], PartitionState] = {}
+        self._fence = fence
+        self._load_rules = load_rules
+        """The whole rule history a commit's `rules_ref` names, from the state topic (None: not found)."""
+        self._restore = restore
+        self._abort = abort
+        """Exactly-once mode: drops the open transaction when partitions are lost."""
+        self.error: Exception | None = None
+        """Why the engine must start again, found in a callback: raised from there, an exception
+        would reach librdkafka's C code and come out of poll as a bare SystemError."""
+        self._factory = tracker_factory
+        self._control_topic = control_topic
+        self._checkpoint = checkpoint
+        self._forget = forget
+        self._incremental = incremental
+        self._on_handoff = on_handoff
+        """Told (event, partitions moved, partitions owned) after each change, for the metrics."""
+        """cooperative-sticky: callbacks name only the partitions that change; otherwise all of them."""
+        self.failed = False
+        """Set after a failure: nothing more may be committed, so revokes do not checkpoint."""
+        self.assigned = threading.Event()
+
+    def on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        starts = []
+        for tp in consumer.committed(partitions, timeout=30):
+            key = (tp.topic, tp.partition)
+            state = self.states.get(key)
+            if state is None:
+                tracker = self._factory(tp.topic, tp.partition)
+                control = tp.topic == self._control_topic
+                state = PartitionState(tp.topic, tp.partition, tracker, control=control, exact=self._abort is not None)
+                self.states[key] = state
+            committed = tp.offset if tp.offset >= 0 else None
+            metadata = CommitMetadata.decode(tp.metadata)
+            if metadata.rules_ref is not None:
+                metadata = self._full_rules(state.name, metadata)
+            if self._fence is not None and metadata.producer is not None and self.error is None:
+                try:
+                    self._fence(metadata.producer)
+                except SidecarError as e:  # raised by the engine after poll, not into librdkafka
+                    self.failed, self.error = True, e
+            start = state.start(committed, metadata, self._restore)
+            starts.append(TopicPartition(tp.topic, tp.partition, start if start is not None else tp.offset))
+        if self._incremental:
+            consumer.incremental_assign(starts)
+        else:
+            consumer.assign(starts)
+        self.assigned.set()
+        self._handoff("assigned", len(starts))
+        logger.info("partitions assigned partitions=%s", _names(starts))
+
+    def _full_rules(self, name: str, metadata: CommitMetadata) -> CommitMetadata:
+        ref = metadata.rules_ref
+        rules = self._load_rules(name, ref) if self._load_rules is not None and ref is not None else None
+        if rules is None:
+            logger.error(
+                "the rule history named by the commit is not in the state topic; records older than the "
+                "newest rules kept in the metadata are judged with the oldest of them partition=%s rules_ref=%s "
+                "rules_kept=%d",
+                name,
+                ref,
+                len(metadata.rules),
+            )
+            return metadata
+        return replace(metadata, rules=rules)
+
+    def on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        if not self.failed:
+            try:
+                self._checkpoint()
+            except Exception as e:  # a fenced producer, a broker gone: the engine raises it after poll
+                self.failed, self.error = True, e
+        self._drop(partitions)
+        self._handoff("revoked", len(partitions))
+        logger.info("partitions revoked partitions=%s", _names(partitions))
+
+    def on_lost(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        if self._abort is not None:
+            # Another member may own them and deliver what this transaction holds: abort it. Its
+            # pops of the partitions kept are undone only by starting again from the commit.
+            self._abort()
+            self.failed = True
+            self.error = BrokerError(
+                "partitions were lost to the group (this member was away longer than the session timeout); "
+                "their transaction was aborted and the engine starts again from the commit"
+            )
+        self._drop(partitions)
+        self._handoff("lost", len(partitions))
+        logger.warning("partitions lost partitions=%s", _names(partitions))
+
+    def _handoff(self, event: str, moved: int) -> None:
+        if self._on_handoff is not None:
+            self._on_handoff(event, moved, len(self.states))
+
+    def _drop(self, partitions: list[TopicPartition]) -> None:
+        for tp in partitions:
+            state = self.states.pop((tp.topic, tp.partition), None)
+            if state is not None:
+                self._forget(state)
+                state.tracker.close()
+
+
+def _names(partitions: list[TopicPartition]) -> str:
+    return ",".join(f"{tp.topic}/{tp.partition}" for tp in partitions) or "-"

@@ -1,0 +1,169 @@
+"""What a partition's commit says, and which intake rule judged which offset.
+
+Kafka's committed offset and its metadata are the durable truth of a partition. The metadata says:
+
+- `earliest`: the lowest offset still pending. Without a usable local index, the index is rebuilt
+  by reading the log again from there up to the committed offset.
+- `through`: the delivered watermark (deliver-at, offset). Positions leave the tracker in that
+  order, so every delayed record at or below it is done; a rebuild skips those instead of sending
+  them again.
+- `rules`: the intake rules in force over [earliest, committed), by first offset. A rebuild judges
+  each record with the rule of its first intake, and a due record goes to the subscriptions it was
+  owed then. Kafka caps commit metadata (offset.metadata.max.bytes), so a history that does not fit
+  is written whole to the state topic (state/topic.py), and `rules_ref` names that record; the
+  metadata then keeps only the newest rules that fit, for when the state topic cannot be read.
+- `runs`: the monotone runs still pending (tracker/runs.py), which no local index holds.
+- `producer`: exactly-once mode, the transactional.id whose transaction committed it. A sidecar of
+  the same identity that takes the partition over fences it (sidecar/identity.py).
+
+Local state (the bucket tracker's RocksDB) is used only when it matches the commit: its cursor and
+watermark at or past the committed ones. It keeps the runs of its checkpoint too, which may be one
+ahead of the commit. State left behind by an earlier owner of the partition is discarded, never
+merged. In exactly-once mode, local state ahead of the commit is discarded too: its pops may be
+deliveries of a transaction that was aborted, so only the commit says what was delivered (and
+which runs are pending), and local state must match it exactly.
+
+In exactly-once mode a partition whose index is being rebuilt (or, on the control topic, whose
+accepted nacks are being read again) delivers nothing until it is done: the log is read in offset
+order, not in delivery order, so the watermark could not describe deliveries made on the way, and
+a commit during the rebuild would cover records not read yet.
+"""
+
+import bisect
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from confluent_kafka import Message
+
+from sidecar.policy.routes import IntakeRule
+from sidecar.tracker.base import KEY_SHIFT, NOTHING_DELIVERED, pack
+from sidecar.tracker.runs import Runs
+
+METADATA_VERSION = 2
+# Kafka refuses commit metadata over offset.metadata.max.bytes (4096 by default).
+MAX_METADATA_BYTES = 3_500
+_MASK = (1 << KEY_SHIFT) - 1
+
+
+@dataclass(frozen=True)
+class CommitMetadata:
+    earliest: int | None = None
+    through: int = NOTHING_DELIVERED
+    rules: tuple[tuple[int, IntakeRule], ...] = ()
+    runs: tuple[list[int], ...] = ()
+    """Encoded runs (runs.Run.encode)."""
+    producer: str | None = None
+    rules_ref: str | None = None
+    """Decoded only: the state-topic record holding the whole rule history (`spill`)."""
+
+    def encode(self) -> str:
+        rules = self._encoded_rules()
+        data = self._fields(rules)
+        text = json.dumps(data, separators=(",", ":"))
+        if len(text) <= MAX_METADATA_BYTES:
+            return text
+        data["rules_ref"] = _digest(rules)
+        while len(rules) > 1 and len(text) > MAX_METADATA_BYTES:
+            rules = rules[1:]  # the newest that fit: a fallback for when the state topic cannot be read
+            data["rules"] = rules
+            text = json.dumps(data, separators=(",", ":"))
+        return text
+
+    def spill(self) -> tuple[str, bytes] | None:
+        """(ref, record value) of the whole rule history when `encode` cannot hold it, else None."""
+        rules = self._encoded_rules()
+        if len(json.dumps(self._fields(rules), separators=(",", ":"))) <= MAX_METADATA_BYTES:
+            return None
+        return _digest(rules), json.dumps(rules, separators=(",", ":")).encode()
+
+    def _fields(self, rules: list[list[Any]]) -> dict[str, Any]:
+        data: dict[str, Any] = {"v": METADATA_VERSION, "earliest": self.earliest}
+        if self.producer is not None:
+            data["producer"] = self.producer
+        if self.through != NOTHING_DELIVERED:
+            data["through"] = [self.through >> KEY_SHIFT, self.through & _MASK]
+        if self.runs:
+            data["runs"] = list(self.runs)
+        data["rules"] = rules
+        return data
+
+    def _encoded_rules(self) -> list[list[Any]]:
+        return [rule.encode(offset) for offset, rule in self.rules]
+
+    @staticmethod
+    def decode_rules(value: bytes) -> tuple[tuple[int, IntakeRule], ...]:
+        """A spilled rule history (`spill`); ValueError when it is not one."""
+        items = json.loads(value)
+        if not isinstance(items, list):
+            raise ValueError("not a list of rules")
+        rules = [IntakeRule.decode(item) for item in items]
+        if any(r is None for r in rules):
+            raise ValueError("an entry is not a rule")
+        return tuple(r for r in rules if r is not None)
+
+    @classmethod
+    def decode(cls, text: str | None) -> "CommitMetadata":
+        """Our metadata, v1 (earliest only) or v2; empty when foreign or absent."""
+        try:
+            data = json.loads(text or "")
+        except ValueError:
+            return cls()
+        if not isinstance(data, dict) or data.get("v") not in (1, METADATA_VERSION):
+            return cls()
+        earliest = data.get("earliest")
+        through = data.get("through")
+        rules = [r for item in data.get("rules") or [] if (r := IntakeRule.decode(item)) is not None]
+        watermark = NOTHING_DELIVERED
+        if isinstance(through, list) and len(through) == 2 and all(isinstance(v, int) for v in through):
+            watermark = pack(through[0], through[1])
+        runs = tuple(run.encode() for run in Runs[Message].decode(data.get("runs")).runs)
+        producer, ref = data.get("producer"), data.get("rules_ref")
+        return cls(
+            earliest if isinstance(earliest, int) else None,
+            watermark,
+            tuple(rules),
+            runs,
+            producer if isinstance(producer, str) else None,
+            ref if isinstance(ref, str) else None,
+        )
+
+
+def _digest(rules: list[list[Any]]) -> str:
+    return hashlib.sha1(json.dumps(rules, separators=(",", ":")).encode()).hexdigest()[:16]
+
+
+class RuleHistory:
+    """Intake rules by first offset, for one inbound partition."""
+
+    def __init__(self, rules: tuple[tuple[int, IntakeRule], ...] = ()) -> None:
+        self._offsets = [offset for offset, _ in rules]
+        self._rules = [rule for _, rule in rules]
+
+    def note(self, offset: int, rule: IntakeRule) -> None:
+        """`rule` judges records from `offset` on (a no-op when it decides as the last one did)."""
+        if self._rules and (self._rules[-1] is rule or self._rules[-1].key == rule.key):
+            self._rules[-1] = rule  # the same values, with today's sources for error messages
+            return
+        self._offsets.append(offset)
+        self._rules.append(rule)
+
+    def at(self, offset: int) -> IntakeRule | None:
+        if not self._rules:
+            return None
+        index = bisect.bisect_right(self._offsets, offset) - 1
+        return self._rules[max(index, 0)]
+
+    @property
+    def single(self) -> IntakeRule | None:
+        """The rule, when one rule covers every offset known (the common case: no lookup)."""
+        return self._rules[0] if len(self._rules) == 1 else None
+
+    def prune(self, earliest: int) -> None:
+        """Drop rules that only judged offsets below `earliest`: nothing there is pending."""
+        keep = max(bisect.bisect_right(self._offsets, earliest) - 1, 0)
+        del self._offsets[:keep], self._rules[:keep]
+
+    def items(self) -> tuple[tuple[int, IntakeRule], ...]:
+        return tuple(zip(self._offsets, self._rules, strict=True))

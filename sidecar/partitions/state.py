@@ -1,0 +1,210 @@
+"""One inbound partition as this member holds it: where reading starts, its index, its rebuild.
+
+The rules that decide where reading starts are in metadata.py's docstring.
+"""
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from confluent_kafka import Message
+
+from sidecar.partitions.metadata import CommitMetadata, RuleHistory
+from sidecar.policy.routes import IntakeRule
+from sidecar.tracker.base import NOTHING_DELIVERED, DelayedDeliveryTracker
+from sidecar.tracker.runs import Runs
+
+logger = logging.getLogger(__name__)
+
+REBUILD_REPORT_S = 2.0
+
+
+@dataclass
+class Rebuild:
+    """Reading [start, until) of a partition again, to rebuild an index that was not kept."""
+
+    start: int
+    until: int
+    through: int
+    """The committed watermark: records at or below it were delivered before."""
+    started: float = field(default_factory=time.monotonic)
+    reported: float = field(default_factory=time.monotonic)
+    indexed: int = 0
+    redelivered: int = 0
+
+    def progress(self, name: str, offset: int) -> bool:
+        """Log progress every few seconds and at the end; True once the rebuild is done."""
+        clock = time.monotonic()
+        done = offset + 1 >= self.until
+        if done or clock - self.reported >= REBUILD_REPORT_S:
+            self.reported = clock
+            rate = (offset + 1 - self.start) / max(clock - self.started, 1e-3)
+            logger.info(
+                "index rebuild %s partition=%s offset=%d until=%d indexed=%d redelivered=%d rate=%.0f/s eta=%.0fs",
+                "done" if done else "progress",
+                name,
+                offset,
+                self.until,
+                self.indexed,
+                self.redelivered,
+                rate,
+                max(self.until - offset - 1, 0) / max(rate, 1e-3),
+            )
+        return done
+
+
+Restore = Callable[["PartitionState", int, CommitMetadata], int | None]
+"""Loads a partition's index from elsewhere (the state topic) given the commit: returns the offset
+from which the log must be read again, or None when nothing usable was found."""
+
+
+@dataclass
+class PartitionState:
+    topic: str
+    partition: int
+    tracker: DelayedDeliveryTracker
+    control: bool = False
+    """A control-topic partition: its tracker indexes accepted nacks by their control offset."""
+    next_offset: int | None = None
+    committed: tuple[int, str] | None = None
+    """(offset, metadata) of the last commit, so an unchanged partition is not committed again."""
+    rules: RuleHistory = field(default_factory=RuleHistory)
+    rebuild: Rebuild | None = None
+    """Set while the index of this partition is rebuilt from the log (no usable local index)."""
+    replay_until: int = 0
+    """Control partitions: commands below this offset were judged before a restart; not again."""
+    replay_through: int = NOTHING_DELIVERED
+    """Control partitions: the committed watermark; accepted nacks at or below it are done."""
+    rule: IntakeRule | None = None
+    """The rule live intake noted last (the hot path compares identity, not values)."""
+    runs: Runs[Message] = field(default_factory=Runs)
+    exact: bool = False
+    """Exactly-once mode: local state is used only when it matches the commit exactly."""
+    rules_record: tuple[str, bytes] | None = None
+    """(ref, value) of the rule history the last commit point names, when the metadata cannot hold it:
+    the checkpoint writes it to the state topic before the commit."""
+    drain_from: int | None = None
+    """A partition of a topic that left the policies, whose pending records are being dead-lettered
+    in offset order (dispatch/drain.py): none is pending below this offset any more. Its index is
+    gone; the commit alone says what is left (its earliest is this)."""
+
+    def runs_text(self) -> str:
+        return json.dumps(self.runs.encode(), separators=(",", ":"))
+
+    @property
+    def name(self) -> str:
+        return f"{self.topic}/{self.partition}"
+
+    def start(self, committed: int | None, metadata: CommitMetadata, restore: "Restore | None" = None) -> int | None:
+        """Where reading starts, after checking the local index against the commit.
+
+        None means "where the group's auto.offset.reset says" (nothing committed yet). Without a
+        usable local index, `restore` may load one from the state topic; the log is then read
+        again only from the offset it returns (the unsealed tail), not from the earliest pending.
+        A control partition's nacks are held in memory, so it always goes that way.
+        """
+        tracker = self.tracker
+        self.rules = RuleHistory(metadata.rules)
+        if committed is not None:
+            self.committed = (committed, metadata.encode())
+        cursor = tracker.index_cursor()
+        self.runs = Runs[Message].decode(list(metadata.runs))
+        if cursor is not None:
+            if self._usable(cursor, committed, tracker.delivered_through(), metadata.through):
+                self.next_offset = cursor
+                stored = tracker.stored_runs()
+                # As of the local checkpoint, which may be one ahead of the commit (never in
+                # exactly-once mode, where the commit's runs are the truth).
+                if stored is not None and not self.exact:
+                    self.runs = Runs[Message].decode(json.loads(stored))
+                return cursor
+            logger.warning(
+                "local index is stale, discarding it partition=%s index_cursor=%d committed=%s "
+                "local_through=%d committed_through=%d (%s)",
+                self.name,
+                cursor,
+                committed,
+                tracker.delivered_through(),
+                metadata.through,
+                "exactly-once: its last checkpoint's transaction was not committed, or another member owned "
+                "the partition since"
+                if self.exact
+                else "another member owned the partition since this state dir was written",
+            )
+            tracker.clear()
+        elif len(tracker):
+            tracker.clear()
+        tracker.restore_delivered_through(metadata.through)
+        self.next_offset = committed
+        earliest = metadata.earliest
+        if committed is None or earliest is None or earliest >= committed:
+            self.replay_until = committed or 0
+            return committed
+        tail = restore(self, committed, metadata) if restore is not None else None
+        if self.control:  # accepted nacks: from the state topic's tail, else from the earliest pending
+            self.runs = Runs()
+            self.replay_until, self.replay_through = committed, metadata.through
+            return earliest if tail is None else max(earliest, min(tail, committed))
+        # Run members are in no bucket: with runs pending, read everything again (what the buckets
+        # hold is not indexed twice). The rebuild indexes their members one by one.
+        start = earliest if tail is None or metadata.runs else max(earliest, min(tail, committed))
+        self.runs = Runs()
+        if start < committed:
+            self.rebuild = Rebuild(start, committed, metadata.through)
+            logger.info(
+                "index rebuild started partition=%s from=%d until=%d pending_from=%d source=%s",
+                self.name,
+                start,
+                committed,
+                earliest,
+                "log" if tail is None else "state-topic+log",
+            )
+        return start
+
+    @property
+    def committed_through(self) -> int:
+        """The delivered watermark of the last commit: what a restart would take as done."""
+        return CommitMetadata.decode(self.committed[1]).through if self.committed else NOTHING_DELIVERED
+
+    def _usable(self, cursor: int, committed: int | None, local_through: int, through: int) -> bool:
+        if self.exact:  # (the bucket tracker's "nothing delivered" is 0, the metadata's -1)
+            return committed is not None and cursor == committed and max(local_through, 0) == max(through, 0)
+        return committed is None or (cursor >= committed and local_through >= through)
+
+    @property
+    def replaying(self) -> bool:
+        """Reading the log again after a restart: a rebuild, or accepted nacks below the commit."""
+        return self.rebuild is not None or (
+            self.control and self.next_offset is not None and self.next_offset < self.replay_until
+        )
+
+    def commit_point(
+        self, earliest_pending: int | None, exact: bool = False, producer: str | None = None
+    ) -> tuple[int, str] | None:
+        """(offset, metadata) to commit now, or None when there is nothing new to commit.
+
+        `exact`: the commit is a transaction's (that of `producer`), which the local index need not
+        have reached (see checkpoint.py); a partition still replaying delivered nothing and is not committed.
+        """
+        if self.next_offset is None or self.rebuild is not None or (exact and self.replaying):
+            return None  # nothing read yet, or a rebuild that a crash would simply start again
+        tracker = self.tracker
+        draining = self.drain_from is not None
+        if not exact and not draining and tracker.durable and tracker.index_cursor() != self.next_offset:
+            return None  # the index is not durable up to here: the commit must not pass it
+        runs = self.runs
+        earliest = min(
+            (o for o in (earliest_pending, runs.earliest_offset(), self.drain_from) if o is not None),
+            default=self.next_offset,
+        )
+        self.rules.prune(earliest)
+        metadata = CommitMetadata(
+            earliest, tracker.delivered_through(), self.rules.items(), tuple(runs.encode()), producer
+        )
+        point = (self.next_offset, metadata.encode())
+        if point == self.committed:
+            return None
+        self.rules_record = metadata.spill()
+        return point
