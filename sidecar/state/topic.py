@@ -47,7 +47,7 @@ from sidecar.state.image import (
     rules_key,
 )
 from sidecar.state.mirror import MirroredStorage
-from sidecar.tracker.bucket import BucketTracker
+from sidecar.tracker.base import Snapshots
 
 logger = logging.getLogger(__name__)
 
@@ -124,10 +124,11 @@ class StateTopic:
         if state.control:
             self._publish_nacks(state, state.next_offset)
             return
-        if not isinstance(tracker, BucketTracker):
+        snapshots = tracker.snapshots()
+        if snapshots is None:
             return
         name = state.name
-        buckets, next_id, lowest = tracker.sealed_layout()
+        buckets, next_id, lowest = snapshots.sealed_layout()
         cursor = state.next_offset
         tail = min(o for o in (lowest, state.runs.earliest_offset(), cursor, state.drain_from) if o is not None)
         manifest = Manifest(buckets, next_id, tail, cursor)
@@ -214,7 +215,8 @@ class StateTopic:
     def restore(self, state: PartitionState, committed: int, metadata: CommitMetadata) -> int | None:
         """Load the partition's index from the state topic; the offset to read the log again from, or None."""
         tracker = state.tracker
-        if not state.control and not isinstance(tracker, BucketTracker):
+        snapshots = tracker.snapshots()
+        if not state.control and snapshots is None:
             return None
         name = state.name
         started = time.monotonic()
@@ -226,8 +228,8 @@ class StateTopic:
                 raise ImageError("it holds no manifest for this partition")
             if state.control:
                 self._restore_nacks(state, image, metadata.through)
-            elif isinstance(tracker, BucketTracker):
-                tracker.restore(image.buckets(manifest), manifest.next_bucket_id, metadata.through)
+            elif snapshots is not None:
+                snapshots.restore(image.buckets(manifest), manifest.next_bucket_id, metadata.through)
         except (ImageError, BrokerError, StorageError) as e:
             logger.warning(
                 "state topic not usable, reading the log again from the earliest pending record "
@@ -237,8 +239,8 @@ class StateTopic:
                 e,
             )
             self._metrics.state_restores.labels("replay").inc()
-            if isinstance(tracker, BucketTracker):
-                self._fresh(tracker, image, metadata)
+            if snapshots is not None:
+                self._fresh(snapshots, image, metadata)
             return None
         if not state.control:
             self._mirror.adopt(name, list(manifest.buckets))
@@ -263,7 +265,7 @@ class StateTopic:
             self._nacks.restore(nack, offset)
         self._nacks.drop_later(state.partition, covered)
 
-    def _fresh(self, tracker: BucketTracker, image: PartitionImage | None, metadata: CommitMetadata) -> None:
+    def _fresh(self, tracker: Snapshots, image: PartitionImage | None, metadata: CommitMetadata) -> None:
         """An empty index whose new buckets take ids no record in the state topic uses."""
         try:
             tracker.restore([], image.first_free_bucket_id() if image is not None else 1, metadata.through)

@@ -15,9 +15,12 @@ carries it, and a rebuild of a lost index skips what it covers: nothing is deliv
 """
 
 from abc import ABC, abstractmethod
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from sidecar.clock import Clock
+
+if TYPE_CHECKING:
+    from sidecar.tracker.storage.base import BucketWrite
 
 
 class Due(NamedTuple):
@@ -32,6 +35,21 @@ NOTHING_DELIVERED = -1
 def pack(deliver_at: int, offset: int) -> int:
     """The entry's place in delivery order, as one integer: deliver-at, then offset."""
     return deliver_at << KEY_SHIFT | offset
+
+
+class Snapshots(Protocol):
+    """An index kept as sealed buckets with ids (PIP-195): what the state topic mirrors, so that
+    another member takes a partition over without reading its log again."""
+
+    def sealed_layout(self) -> tuple[tuple[int, ...], int, int | None]:
+        """(live bucket ids, next bucket id, lowest offset not sealed yet)."""
+        ...
+
+    def restore(self, buckets: "list[BucketWrite]", next_bucket_id: int, delivered_through: int) -> None:
+        """Replace the index by these sealed buckets; new buckets take ids from `next_bucket_id`."""
+        ...
+
+    def clear(self) -> None: ...
 
 
 class DelayedDeliveryTracker(ABC):
@@ -137,6 +155,10 @@ class DelayedDeliveryTracker(ABC):
         """Offset ranges [first, last] holding every pending entry due in (after_ms, until_ms], for
         reading their payloads in bulk (dispatch/roll.py). Empty: this tracker does not say."""
         return []
+
+    def snapshots(self) -> Snapshots | None:
+        """The index as sealed buckets for the state topic; None for an index that keeps none."""
+        return None
 
     def stored_runs(self) -> str | None:
         """The runs the last checkpoint kept (None: none kept, or not durable)."""

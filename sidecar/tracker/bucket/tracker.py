@@ -334,6 +334,9 @@ class BucketTracker(DelayedDeliveryTracker):
             out.append((mutable.bitmap.min(), mutable.bitmap.max()))
         return out
 
+    def snapshots(self) -> BucketTracker:
+        return self
+
     def sealed_layout(self) -> tuple[tuple[int, ...], int, int | None]:
         """(live bucket ids, next bucket id, lowest offset of the mutable bucket): what a state-topic
         manifest says of this index."""
