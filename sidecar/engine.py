@@ -37,6 +37,7 @@ from sidecar.metrics import Metrics
 from sidecar.outbound.delivery import Delivery
 from sidecar.outbound.writer import Writer
 from sidecar.partitions.assignment import Assignment
+from sidecar.partitions.gauges import publish_index_gauges
 from sidecar.partitions.metadata import CommitMetadata
 from sidecar.partitions.state import PartitionState
 from sidecar.policy import PolicySet
@@ -44,7 +45,6 @@ from sidecar.policy.routes import Routes
 from sidecar.state.mirror import MirroredStorage
 from sidecar.state.topic import StateTopic
 from sidecar.tracker import DelayedDeliveryTracker
-from sidecar.tracker.gauges import publish_index_gauges
 from sidecar.tracker.runs import Runs
 
 logger = logging.getLogger(__name__)

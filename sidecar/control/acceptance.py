@@ -26,10 +26,11 @@ from sidecar.control.commands import (
     parse_command,
 )
 from sidecar.control.nacks import LatestNacks
-from sidecar.dispatch.reader import LogReader, TopicPartitionKey
+from sidecar.dispatch.reader import LogReader
 from sidecar.errors import RejectedRecord, SidecarError
 from sidecar.metrics import Metrics
 from sidecar.outbound.writer import Writer
+from sidecar.partitions import TopicPartitionKey
 from sidecar.partitions.state import PartitionState
 from sidecar.policy.routes import Routes
 from sidecar.tracker.base import pack

@@ -14,11 +14,12 @@ from sidecar.clock import Clock
 from sidecar.control.acceptance import Acceptance
 from sidecar.control.commands import UNKNOWN_MESSAGE, UNKNOWN_SUBSCRIPTION, AcceptedNack, parse_accepted
 from sidecar.control.nacks import LatestNacks
-from sidecar.dispatch.reader import LogReader, TopicPartitionKey
+from sidecar.dispatch.reader import LogReader
 from sidecar.errors import RejectedRecord
 from sidecar.metrics import Metrics
 from sidecar.outbound.records import outbound_headers
 from sidecar.outbound.writer import Writer
+from sidecar.partitions import TopicPartitionKey
 from sidecar.partitions.state import PartitionState
 from sidecar.policy.intake import judge
 from sidecar.policy.routes import Routes

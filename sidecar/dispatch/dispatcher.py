@@ -30,9 +30,10 @@ from confluent_kafka import Message
 
 from sidecar.clock import Clock
 from sidecar.dispatch.payload_cache import PayloadCache
-from sidecar.dispatch.reader import LogReader, ReadInterrupted, TopicPartitionKey
+from sidecar.dispatch.reader import LogReader, ReadInterrupted
 from sidecar.dispatch.trail import Member, TrailReader
 from sidecar.metrics import Metrics
+from sidecar.partitions import TopicPartitionKey
 from sidecar.tracker import DelayedDeliveryTracker, Due
 from sidecar.tracker.base import KEY_SHIFT, pack
 from sidecar.tracker.runs import Runs

@@ -33,11 +33,11 @@ from typing import Any
 from confluent_kafka import Consumer, KafkaError, Message, TopicPartition
 
 from sidecar.clock import Clock
-from sidecar.dispatch.reader import TopicPartitionKey
 from sidecar.errors import BrokerError, ConfigError
 from sidecar.kafka_io import LIBRDKAFKA, consume_batch, consumer_config
 from sidecar.metrics import Metrics
 from sidecar.outbound.writer import Writer
+from sidecar.partitions import TopicPartitionKey
 from sidecar.partitions.metadata import CommitMetadata
 from sidecar.partitions.state import PartitionState
 from sidecar.policy.intake import Judge

@@ -35,11 +35,11 @@ from pathlib import Path
 import rocksdict
 from confluent_kafka import Message
 
+from sidecar.partitions import TopicPartitionKey
 from sidecar.tracker.base import Due
 
 logger = logging.getLogger(__name__)
 
-TopicPartitionKey = tuple[str, int]
 Entry = tuple[int, int, int, int, bytes | None, bytes | None, list[tuple[str, bytes | None]] | None]
 """(deliver_at, offset, timestamp type, timestamp, key, value, headers): what delivery uses."""
 

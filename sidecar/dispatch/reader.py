@@ -22,10 +22,10 @@ from confluent_kafka import Consumer, KafkaError, Message, TopicPartition
 
 from sidecar.errors import BrokerError, SidecarError
 from sidecar.kafka_io import LIBRDKAFKA, consume_batch, consumer_config
+from sidecar.partitions import TopicPartitionKey
 
 logger = logging.getLogger(__name__)
 
-TopicPartitionKey = tuple[str, int]
 
 # Reading through a gap of this many 100-byte records costs about what one extra fetch round trip
 # costs on a local broker; beyond it a seek is cheaper.

@@ -39,7 +39,8 @@ from confluent_kafka import Message
 
 from sidecar.clock import Clock
 from sidecar.dispatch.payload_cache import CacheBatch, PayloadCache
-from sidecar.dispatch.reader import LogReader, ReadInterrupted, TopicPartitionKey
+from sidecar.dispatch.reader import LogReader, ReadInterrupted
+from sidecar.partitions import TopicPartitionKey
 from sidecar.tracker import DelayedDeliveryTracker
 from sidecar.tracker.base import pack
 

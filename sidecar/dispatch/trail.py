@@ -18,9 +18,9 @@ from typing import Any
 
 from confluent_kafka import Consumer, KafkaError, Message, TopicPartition
 
-from sidecar.dispatch.reader import TopicPartitionKey
 from sidecar.errors import BrokerError
 from sidecar.kafka_io import LIBRDKAFKA, consumer_config
+from sidecar.partitions import TopicPartitionKey
 from sidecar.tracker.runs import Run, Runs, step_joins
 
 logger = logging.getLogger(__name__)

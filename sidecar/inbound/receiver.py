@@ -18,11 +18,11 @@ from sidecar.control.commands import AcceptedNack
 from sidecar.control.redelivery import Redelivery
 from sidecar.dispatch.dispatcher import Dispatcher
 from sidecar.dispatch.payload_cache import CacheBatch, PayloadCache
-from sidecar.dispatch.reader import TopicPartitionKey
 from sidecar.errors import BrokerError
 from sidecar.metrics import Metrics
 from sidecar.outbound.delivery import Delivery
 from sidecar.outbound.writer import Writer
+from sidecar.partitions import TopicPartitionKey
 from sidecar.partitions.state import PartitionState, Rebuild
 from sidecar.policy.intake import Fate, Judge, judge
 from sidecar.policy.routes import IntakeRule, Routes

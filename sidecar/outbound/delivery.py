@@ -12,10 +12,10 @@ from collections.abc import Callable
 from confluent_kafka import KafkaException, Message
 
 from sidecar.clock import Clock
-from sidecar.dispatch.reader import TopicPartitionKey
 from sidecar.metrics import Metrics
 from sidecar.outbound.records import outbound_headers
 from sidecar.outbound.writer import Writer
+from sidecar.partitions import TopicPartitionKey
 from sidecar.partitions.state import PartitionState
 from sidecar.policy.routes import IntakeRule, Routes
 
