@@ -61,6 +61,8 @@ def checkpoint(
             if state_topic is not None:
                 state_topic.publish(state)
         point = state.commit_point(state.tracker.earliest_pending_offset(), exact, writer.transactional_id)
+        if point is None and exact and writer.transactional_id is not None:
+            point = state.claim_point(writer.transactional_id)  # a rebuild: name the producer (identity.py)
         if point is not None:
             points.append((state, point))
     if _rule_histories(points, state_topic) and not exact:

@@ -12,7 +12,9 @@ kept reading past the abort marker. Before the new producer writes, every id thi
 before and did not close cleanly is opened once: that fences a zombie still holding it and ends
 whatever transaction it left open, so the last stable offset moves on. Fencing a zombie that moved
 to another state dir (the same --instance-id on another host) is done at assignment, from the
-commit metadata (`CommitMetadata.producer`). On Kafka, fencing by consumer group generation
+commit metadata (`CommitMetadata.producer`): each producer has its name committed for every
+partition it is assigned, before it writes for them, even for a partition whose rebuild commits
+nothing yet (`PartitionState.claim_point`). On Kafka, fencing by consumer group generation
 (KIP-447) is what keeps a zombie's offsets out after a rebalance; the ids only need to be unique.
 """
 

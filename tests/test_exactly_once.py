@@ -5,28 +5,38 @@ Each test reads every outbound topic to its high watermark as an outbound consum
 early record fails it.
 """
 
+import json
 import os
 import random
 import signal
+import threading
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from sidecar.broker.embedded import free_port
+from sidecar.identity import IDS_FILE
+from sidecar.inbound.receiver import Receiver
+from sidecar.partitions.metadata import CommitMetadata
+from sidecar.settings import RunSettings
 from tests.kafka_helpers import (
     KafkaHelper,
     LiveReader,
     PolicyFile,
     SidecarProcess,
+    ThreadedSidecar,
     TopicFactory,
     assert_once_each,
     assert_records_once_each,
+    committed,
     create_topics,
     outbound_end,
     run_args,
     scrape,
+    settings_for,
     wait_for,
 )
 
@@ -127,3 +137,57 @@ def test_a_zombie_is_fenced_and_its_writes_never_become_visible(
     assert "fenced" in woken, woken[-3000:]  # by the producer's epoch or the group's instance id
     assert_once_each(kafka_helper, f"{topic}.a", count)
     assert_once_each(kafka_helper, f"{topic}.o", count)
+
+
+def test_a_rebuilding_partition_names_its_new_producer_in_the_commit_before_it_writes(
+    kafka: str,
+    kafka_helper: KafkaHelper,
+    topic_factory: TopicFactory,
+    policy_file: PolicyFile,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A partition being rebuilt commits nothing, yet its producer may write (records of ordered
+    subscriptions past the rebuild's end). Unless the commit names that producer, a successor of
+    the same identity fences only the earlier one, and on a broker without KIP-447 the zombie's
+    transaction commits: duplicates (found by the chaos test's zombie step). Here the rebuild is
+    held at its first record: the commit must name the new producer all the same."""
+    topic = topic_factory("claim")
+    policies = policy_file(f"topics:\n  {topic}:\n    subscriptions: {{a: {{}}}}\n")
+    group = f"g-{topic}"
+
+    def settings(state_dir: Path) -> RunSettings:
+        return settings_for(kafka, policies, state_dir, group_id=group, instance_id="claimer", state_topic="none",
+                            processing_guarantee="exactly-once")  # fmt: skip
+
+    later = str(int(time.time() * 1000) + 3_600_000)
+    for i in range(200):
+        kafka_helper.produce(topic, f"v{i}".encode(), headers=[("deliver-at", later)])
+    kafka_helper.flush()
+
+    def producer() -> str | None:
+        return CommitMetadata.decode(committed(kafka, group, topic, 1)[0][1]).producer
+
+    with ThreadedSidecar(settings(tmp_path / "first")) as first:
+        first.wait_for_metric("delay_sidecar_messages_delayed_total", 200, 60, topic=topic)
+        wait_for(lambda: producer() is not None, 60, "the first sidecar's commit")
+    earlier = producer()
+    held = threading.Event()
+    release = threading.Event()
+    rebuild_one = Receiver._rebuild_one
+
+    def hold(self: Receiver, *args: Any, **kwargs: Any) -> None:
+        held.set()
+        release.wait(120)
+        rebuild_one(self, *args, **kwargs)
+
+    monkeypatch.setattr(Receiver, "_rebuild_one", hold)
+    try:
+        with ThreadedSidecar(settings(tmp_path / "second")):  # a lost state dir: a rebuild
+            wait_for(held.is_set, 60, "the rebuild to start")
+            own = json.loads((tmp_path / "second" / IDS_FILE).read_text())["open"][-1]
+            wait_for(lambda: producer() == own, 60, f"the commit to name {own} (it names {producer()})")
+            assert own != earlier
+            release.set()
+    finally:
+        release.set()

@@ -90,6 +90,13 @@ class Assignment:
         self.assigned.set()
         self._handoff("assigned", len(starts))
         logger.info("partitions assigned partitions=%s", _names(starts))
+        if self._abort is not None and not self.failed:
+            # Exactly once: before this producer writes for them, the commits of the new partitions
+            # name it, so that a successor of this identity fences it (identity.py).
+            try:
+                self._checkpoint()
+            except Exception as e:  # raised by the engine after poll, not into librdkafka
+                self.failed, self.error = True, e
 
     def _full_rules(self, name: str, metadata: CommitMetadata) -> CommitMetadata:
         ref = metadata.rules_ref

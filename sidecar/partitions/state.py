@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from confluent_kafka import Message
 
-from sidecar.partitions.metadata import CommitMetadata, RuleHistory
+from sidecar.partitions.metadata import MAX_METADATA_BYTES, CommitMetadata, RuleHistory
 from sidecar.policy.routes import IntakeRule
 from sidecar.tracker.base import NOTHING_DELIVERED, DelayedDeliveryTracker
 from sidecar.tracker.runs import Runs
@@ -208,3 +208,21 @@ class PartitionState:
             return None
         self.rules_record = metadata.spill()
         return point
+
+    def claim_point(self, producer: str) -> tuple[int, str] | None:
+        """The last commit again, naming `producer`: for a partition that commits nothing yet (a
+        rebuild) but whose output `producer` may write. A sidecar of this identity that takes the
+        partition over then fences `producer`, as it fences whatever a commit names (identity.py);
+        on a broker without KIP-447 that is what keeps a zombie's transaction from committing."""
+        if self.committed is None:
+            return None
+        offset, text = self.committed
+        try:
+            data = json.loads(text)
+        except ValueError:
+            return None  # foreign metadata: nothing of ours to claim
+        if not isinstance(data, dict) or data.get("producer") == producer:
+            return None
+        data["producer"] = producer
+        claimed = json.dumps(data, separators=(",", ":"))
+        return (offset, claimed) if len(claimed) <= MAX_METADATA_BYTES else None

@@ -1,6 +1,7 @@
 """Partition state without Kafka: the commit metadata, the rule history, and the start decision."""
 
 import json
+from dataclasses import replace
 
 from hypothesis import given
 from hypothesis import strategies as st
@@ -221,3 +222,17 @@ def test_with_runs_pending_the_whole_range_is_read_again_even_after_a_restore() 
     assert s.start(100, CommitMetadata(40, runs=runs), lambda _, committed, __: restored.append(committed) or 90) == 40
     assert s.rebuild is not None and s.rebuild.start == 40 and not s.runs
     assert restored == [100]
+
+
+def test_a_claim_renames_the_producer_of_the_last_commit_and_nothing_else() -> None:
+    state = PartitionState("t", 0, InMemoryTracker(ManualClock(0)), exact=True)
+    assert state.claim_point("p-2") is None  # nothing committed: nothing to claim
+    text = CommitMetadata(earliest=3, through=pack(10, 2), producer="p-1").encode()
+    state.committed = (7, text)
+    offset, claimed = state.claim_point("p-2") or (None, "")
+    assert offset == 7
+    assert CommitMetadata.decode(claimed) == replace(CommitMetadata.decode(text), producer="p-2")
+    state.committed = (7, claimed)
+    assert state.claim_point("p-2") is None  # named already
+    state.committed = (7, "written by another tool")
+    assert state.claim_point("p-2") is None  # foreign metadata is left alone
