@@ -11,15 +11,24 @@ records fall due, the sidecar (exactly-once) is killed with SIGKILL and started 
 dir `--kills` times; once the state dir is deleted before the restart; the broker is stopped and
 started once; and once the sidecar is stopped with SIGSTOP, a second sidecar with the same instance
 id takes its place, and the first is woken (SIGCONT): it must be fenced. At the end every outbound
-topic is read to its high watermark, read_committed, and counted per record (`audit`).
+topic is read to its high watermark, read_committed, and counted per record (`audit`), and the
+records of `excl` are checked for their order: each inbound partition's on the outbound partition of
+its number, first copies in inbound order.
 
-The test suite runs a short version (tests/test_chaos.py); the full one writes docs/reliability.md's
-table.
+With --spark-audit, `delay-sidecar audit` then judges the same topics independently. The run passes
+only if the audit exits 0 AND its counts equal the bench's own (`disagreements`): two oracles that
+disagree mean a bug in one of them, whichever looks clean.
+
+The test suite runs a short version (tests/test_chaos.py), with the Spark audit in its own process's
+session; the full one writes docs/reliability.md's table.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
+import itertools
 import json
 import os
 import random
@@ -33,9 +42,9 @@ import threading
 import time
 import uuid
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from confluent_kafka import OFFSET_BEGINNING, Consumer, Producer, TopicPartition
 
@@ -48,6 +57,9 @@ from sidecar.broker.embedded import EmbeddedBroker, free_port
 from sidecar.client import Nacker
 from sidecar.outbound.records import DELIVER_AT, ORIGIN_OFFSET, ORIGIN_PARTITION, REDELIVERY_COUNT
 
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
 ROOT = Path(__file__).resolve().parents[1]
 TOPIC, PARTITIONS, CONTROL = "chaos", 2, "delay-sidecar.control"
 # noida-db lists aborted transactions that ended before a fetch's offset, and librdkafka then drops
@@ -59,6 +71,9 @@ WHOLE_PARTITION_FETCH = {
     "receive.message.max.bytes": 600 * 1024 * 1024,
 }
 SUBSCRIPTIONS = ("shared", "excl")
+ORDERED = ("excl",)
+"""Subscriptions that promise inbound order (exclusive). Exclusive from the start, so none of their
+records is ever delayed: every first copy is an at-once delivery, in the order check."""
 
 
 @dataclass
@@ -86,6 +101,12 @@ class Audit:
     nacks_redelivered: int = 0
     nacks_missing_or_early: int = 0
     redeliveries_unasked: int = 0
+    redelivered: dict[str, int] = field(default_factory=dict)
+    """Distinct (record, redelivery count > 0) per subscription: what the Spark audit calls redelivered."""
+    out_of_order: dict[str, int] = field(default_factory=dict)
+    """Per ordered subscription: first copies written before the one of their inbound predecessor."""
+    wrong_partition: dict[str, int] = field(default_factory=dict)
+    """Per ordered subscription: first copies on another outbound partition than their inbound one."""
     written: dict[str, int] = field(default_factory=dict)
     """Distinct records written at least once, committed or not (read_uncommitted): a record lost
     read_committed but written was lost by the reader, not by the sidecar."""
@@ -98,7 +119,28 @@ class Audit:
             + sum(self.early.values())
             + self.nacks_missing_or_early
             + self.redeliveries_unasked
+            + sum(self.out_of_order.values())
+            + sum(self.wrong_partition.values())
         )
+
+
+@dataclass
+class SparkAudit:
+    """`delay-sidecar audit` over the run (read_committed): its exit code and report.json's counts."""
+
+    exit_code: int
+    seconds: float
+    subscriptions: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """report.json's summary per subscription of TOPIC; empty when the audit wrote no report."""
+    anomaly_counts: dict[str, int] = field(default_factory=dict)
+    output: str = ""
+    """The last lines it printed: its verdict and anomalies, or why it could not run."""
+    disagreements: list[str] = field(default_factory=list)
+    """Each count where it and the bench's own counter differ."""
+
+    @property
+    def passed(self) -> bool:
+        return self.exit_code == 0 and not self.disagreements
 
 
 @dataclass
@@ -113,8 +155,19 @@ class Outcome:
     aborted_records: int = 0
     wall_s: float = 0.0
     notes: list[str] = field(default_factory=list)
-    spark: str = ""
-    """The Spark audit's exit code and summary, when it ran."""
+    spark: SparkAudit | None = None
+    """The Spark audit's verdict and counts, when it ran."""
+
+    @property
+    def passed(self) -> bool:
+        """No anomaly by the bench's count, the zombie fenced, nothing noted, and the Spark audit (when
+        it ran) exited 0 with the same counts."""
+        return (
+            self.audit.anomalies == 0
+            and self.zombie_fenced is not False
+            and not self.notes
+            and (self.spark is None or self.spark.passed)
+        )
 
 
 class Sidecar:
@@ -238,6 +291,8 @@ def audit(bootstrap: str, records: int, nacked: dict[tuple[int, int], int]) -> A
     produced = {(i % PARTITIONS, i // PARTITIONS) for i in range(records)}
     for sub in SUBSCRIPTIONS:
         copies: Counter[tuple[int, int, int]] = Counter()
+        # (origin partition, origin offset) -> (outbound partition, offset) of its first copy.
+        placed: dict[tuple[int, int], tuple[int, int]] = {}
         early = 0
         for m in read_all(bootstrap, f"{TOPIC}.{sub}"):
             headers = dict(m.headers() or [])
@@ -248,6 +303,12 @@ def audit(bootstrap: str, records: int, nacked: dict[tuple[int, int], int]) -> A
             )
             copies[key] += 1
             early += m.timestamp()[1] < int(headers[DELIVER_AT])
+            if key[2] == 0:
+                origin, position = key[:2], (m.partition(), m.offset())
+                placed[origin] = min(placed.get(origin, position), position)
+        if sub in ORDERED:
+            result.wrong_partition[sub], result.out_of_order[sub] = order_counts(placed)
+        result.redelivered[sub] = sum(1 for _, _, n in copies if n > 0)
         firsts = {(p, o) for p, o, n in copies if n == 0}
         result.lost[sub] = len(produced - firsts)
         result.duplicated[sub] = sum(n - 1 for n in copies.values() if n > 1)
@@ -260,6 +321,24 @@ def audit(bootstrap: str, records: int, nacked: dict[tuple[int, int], int]) -> A
         else:
             result.redeliveries_unasked += len(again)
     return result
+
+
+def order_counts(placed: dict[tuple[int, int], tuple[int, int]]) -> tuple[int, int]:
+    """(wrong partition, out of order) among first copies, as the Spark audit counts them.
+
+    Wrong partition: on another outbound partition than the inbound one (the topics have as many
+    partitions). Out of order: per inbound partition and outbound partition, in inbound offset
+    order, a first copy at a lower outbound offset than its predecessor's (one per displaced record).
+    """
+    wrong = sum(1 for (partition, _), (out_partition, _) in placed.items() if out_partition != partition)
+    lanes: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    for (partition, offset), (out_partition, out_offset) in placed.items():
+        lanes.setdefault((partition, out_partition), []).append((offset, out_offset))
+    disorder = 0
+    for lane in lanes.values():
+        lane.sort()
+        disorder += sum(1 for (_, before), (_, after) in itertools.pairwise(lane) if after < before)
+    return wrong, disorder
 
 
 def produce(bootstrap: str, plan: Plan) -> None:
@@ -282,7 +361,9 @@ def visible(bootstrap: str, records: int, nacks: Nacks) -> bool:
     return counts["excl"] >= records and counts["shared"] >= records + len(nacks.sent)
 
 
-def run(plan: Plan, workdir: Path, log: Any = print) -> Outcome:
+def run(plan: Plan, workdir: Path, log: Any = print, spark: SparkSession | None = None) -> Outcome:
+    """The chaos run; with `plan.spark_audit`, the Spark audit judges it too (in `spark` when given,
+    a session shared across runs, else in a `delay-sidecar audit` process of its own)."""
     started = time.monotonic()
     rng = random.Random(plan.seed)
     outcome = Outcome(plan, Audit())
@@ -352,7 +433,8 @@ def run(plan: Plan, workdir: Path, log: Any = print) -> Outcome:
         written = sum(len(found) for found in uncommitted.values())
         outcome.aborted_records = written - sum(len(read_all(bootstrap, f"{TOPIC}.{s}")) for s in SUBSCRIPTIONS)
         if plan.spark_audit:
-            outcome.spark = spark_audit(bootstrap, policies, workdir)
+            outcome.spark = spark_audit(bootstrap, policies, workdir, spark)
+            outcome.spark.disagreements = disagreements(outcome.audit, plan.records, outcome.spark)
     finally:
         nacks.stop()
         for s in [sidecar, *others]:
@@ -362,14 +444,77 @@ def run(plan: Plan, workdir: Path, log: Any = print) -> Outcome:
     return outcome
 
 
-def spark_audit(bootstrap: str, policies: Path, workdir: Path) -> str:
-    """`delay-sidecar audit` (read_committed by default) over the run: its exit code and summary."""
-    argv = [sys.executable, "-m", "sidecar", "audit", "--bootstrap-servers", bootstrap, "--policies", str(policies),
-            "--output-dir", str(workdir / "audit"), "--control-topic", CONTROL]  # fmt: skip
+def spark_audit(bootstrap: str, policies: Path, workdir: Path, spark: SparkSession | None = None) -> SparkAudit:
+    """`delay-sidecar audit` (read_committed by default) over the run: its exit code and counts.
+
+    Without `spark`, in a process of its own, as an operator runs it. With it, the same job in this
+    process (spark.audit_job.run_job), which spares a test a JVM start per run. Either way the
+    counts come from the report.json it wrote, not from its printed table.
+    """
+    output = workdir / "audit"
     started = time.monotonic()
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=1200, check=False, cwd=ROOT)
-    lines = [line for line in done.stdout.splitlines() if line.strip()][-25:]
-    return f"exit {done.returncode} after {time.monotonic() - started:.0f} s\n" + "\n".join(lines)
+    if spark is None:
+        argv = [sys.executable, "-m", "sidecar", "audit", "--bootstrap-servers", bootstrap,
+                "--policies", str(policies), "--output-dir", str(output), "--control-topic", CONTROL]  # fmt: skip
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=1200, check=False, cwd=ROOT)
+        code, stdout, stderr = done.returncode, done.stdout, done.stderr
+    else:
+        from spark.audit_job import run_job  # noqa: PLC0415 (PySpark only when the audit runs)
+        from spark.settings import AuditSettings  # noqa: PLC0415
+
+        settings = AuditSettings(
+            bootstrap_servers=bootstrap, policies=policies, output_dir=output, control_topic=CONTROL
+        )
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = run_job(settings, spark)
+        stdout, stderr = out.getvalue(), err.getvalue()
+    # Its table and verdict are on stdout; stderr (Spark's chatter) matters only when it could not run.
+    printed = stdout if code in (0, 1) else stdout + stderr
+    lines = [line for line in printed.splitlines() if line.strip()][-25:]
+    result = SparkAudit(code, round(time.monotonic() - started, 1), output="\n".join(lines))
+    report = output / "report.json"
+    if code in (0, 1) and report.is_file():  # 2: it could not run, and wrote no report
+        data = json.loads(report.read_text())
+        result.subscriptions = {s["subscription"]: s for s in data["subscriptions"] if s["topic"] == TOPIC}
+        result.anomaly_counts = data["anomaly_counts"]
+    return result
+
+
+def disagreements(audit: Audit, records: int, spark: SparkAudit) -> list[str]:
+    """Each count where the Spark audit and the bench's own counter differ, in words.
+
+    Both read the same topics read_committed after the run, so they must agree exactly. A record
+    the bench produced but the audit did not find on the inbound topic counts as lost for the bench
+    and is named as such here.
+    """
+    if spark.exit_code not in (0, 1) or not spark.subscriptions:
+        return [f"the Spark audit gave no counts (exit {spark.exit_code})"]
+    found: list[str] = []
+    for sub in SUBSCRIPTIONS:
+        s = spark.subscriptions.get(sub)
+        if s is None:
+            found.append(f"{sub}: not in the Spark audit's report")
+            continue
+        unseen = records - s["inbound"]
+        undelivered = unseen + s["rejected"] + s["pending"] + s["missing"]
+        why = f"missing {s['missing']}, pending {s['pending']}, rejected {s['rejected']}, not inbound {unseen}"
+        pairs: list[tuple[str, int, int, str]] = [
+            ("lost", audit.lost.get(sub, 0), undelivered, f" ({why})"),
+            ("duplicated", audit.duplicated.get(sub, 0), s["duplicates"], ""),
+            ("early", audit.early.get(sub, 0), s["early"], ""),
+            ("redelivered", audit.redelivered.get(sub, 0), s["redelivered"], ""),
+            ("out of order", audit.out_of_order.get(sub, 0), s["out_of_order"], ""),
+            ("wrong partition", audit.wrong_partition.get(sub, 0), s["wrong_partition"], ""),
+        ]
+        if sub == "shared":
+            pairs += [
+                ("nacks", audit.nacks_sent, s["nacks"], ""),
+                ("nacks not redelivered", audit.nacks_missing_or_early, s["nacks_missing"] + s["nacks_pending"], ""),
+            ]
+        found += [f"{name} ({sub}): bench {mine}, Spark audit {theirs}{how}" for name, mine, theirs, how in pairs
+                  if mine != theirs]  # fmt: skip
+    return found
 
 
 def zombie(first: Sidecar, second: Sidecar) -> bool:
@@ -410,16 +555,31 @@ def table(outcome: Outcome, command: str) -> str:
         ("duplicated (shared / exclusive)", f"{a.duplicated.get('shared', 0)} / {a.duplicated.get('excl', 0)}"),
         ("early (shared / exclusive)", f"{a.early.get('shared', 0)} / {a.early.get('excl', 0)}"),
         (
+            "exclusive: out of inbound order / on another partition",
+            f"{a.out_of_order.get('excl', 0)} / {a.wrong_partition.get('excl', 0)}",
+        ),
+        (
             "nacks not redelivered / redeliveries not asked for",
             f"{a.nacks_missing_or_early} / {a.redeliveries_unasked}",
         ),
         ("anomalies in all", str(a.anomalies)),
-        ("wall time", f"{outcome.wall_s:.0f} s"),
     ]
+    spark = outcome.spark
+    if spark is not None:
+        verdict = {0: "PASS", 1: "FAIL (anomalies)"}.get(spark.exit_code, "**could not run**")
+        rows += [
+            ("Spark audit (`delay-sidecar audit`, read_committed)", f"exit {spark.exit_code}, {verdict}"),
+            ("Spark audit's counts equal the bench's", "yes" if not spark.disagreements else "**no**"),
+            ("Spark audit's wall time", f"{spark.seconds:.0f} s"),
+        ]
+    rows.append(("wall time", f"{outcome.wall_s:.0f} s"))
     lines = ["| | |", "| --- | --- |", *(f"| {k} | {v} |" for k, v in rows)]
     lines += [f"\nnote: {n}" for n in outcome.notes]
-    if outcome.spark:
-        lines += ["\nSpark audit (`delay-sidecar audit`, read_committed):\n```", outcome.spark, "```"]
+    if spark is not None:
+        if spark.exit_code != 0:
+            lines.append(f"\nSPARK AUDIT FAILED: exit {spark.exit_code} (0 passed, 1 anomalies, 2 could not run)")
+        lines += [f"\nSPARK AUDIT DISAGREES: {d}" for d in spark.disagreements]
+        lines += ["\nSpark audit's output (last lines):\n```", spark.output, "```"]
     return "\n".join(lines)
 
 
@@ -447,9 +607,12 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(workdir, ignore_errors=True)
     print(table(outcome, command))
     if args.json:
-        args.json.write_text(json.dumps({"plan": plan.__dict__, "audit": outcome.audit.__dict__,
+        spark = asdict(outcome.spark) if outcome.spark is not None else None
+        args.json.write_text(json.dumps({"plan": plan.__dict__, "audit": outcome.audit.__dict__, "spark_audit": spark,
                                          "kills": outcome.kills, "wall_s": outcome.wall_s}, indent=2))  # fmt: skip
-    return 0 if outcome.audit.anomalies == 0 and outcome.zombie_fenced is not False and not outcome.notes else 1
+    if outcome.spark is not None and not outcome.spark.passed:
+        print("FAIL: the Spark audit failed or disagrees with the bench's counts (above)", file=sys.stderr)
+    return 0 if outcome.passed else 1
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 
 It sees only the Prepared frames (spark.prepare), never headers or payloads, so the rules of the
 contract read here without the cost of parsing. The one large shuffle is _fates; every other side
-is small and joins by broadcast.
+is small and joins by broadcast, except the order check of exclusive and failover subscriptions
+(_order_anomalies), which must sort their deliveries and so shuffles their fates once more.
 """
 
 from __future__ import annotations
@@ -156,6 +157,105 @@ def _fates(prepared: Prepared, routes: DataFrame, params: AuditParams) -> DataFr
     )
 
 
+ORDER_BLOCK = 1_000_000
+"""Inbound offsets per sort of the order check. The records of one inbound partition are checked in
+blocks of this many offsets, each sorted on its own, and the blocks are then chained by their last
+record, so no task sorts a whole Kafka partition however large it grows."""
+
+
+def _order_anomalies(fates: DataFrame, routes: DataFrame) -> list[DataFrame]:
+    """The order check of exclusive and failover subscriptions (contract sections 2 and 4).
+
+    The promise: one inbound partition's records arrive on one outbound partition (the inbound
+    partition's own number, when the outbound topic has as many partitions), in inbound order.
+    Two kinds of anomaly, one per record:
+
+    * wrong_partition: a record's first delivery is on another outbound partition than its inbound
+      partition's number. Checked only when the partition counts match: otherwise the sidecar
+      partitions by key on purpose, and one inbound partition legitimately spreads over several.
+    * out_of_order: a record's first delivery was written on its outbound partition before the
+      delivery of the record that precedes it in inbound order (among the checked records of that
+      inbound partition on that outbound partition). A record moved by k places is one anomaly,
+      not k: each record is compared with its predecessor only. This holds on a keyed outbound
+      topic too: one producer writes an inbound partition's records in read order, so each
+      outbound partition receives a subsequence of them, still in order.
+
+    What the check leaves out, and why (each is correct behaviour the sidecar must not be blamed for):
+
+    * delayed records, for the order (not for the partition): a first delivery whose
+      `delay-deliver-at` is after the publish time was sent at its deliver-at, in deliver-at order.
+      On these subscriptions that happens only to records accepted while the subscription was
+      shared or key_shared (a type change: decide once, contract section 2). An at-once delivery
+      carries the publish time, so a delay header that these subscriptions ignored does not exempt
+      a record. Early or misdated deliveries are the `early` check's business.
+    * nack redeliveries (redelivery count > 0): they come back at the nack's deliver-at, by design.
+    * copies after the first: only a record's first copy (lowest outbound position) is placed;
+      the rest are duplicates (an at-least-once replay after a crash rewrites records already
+      written, and is reported there).
+    * dead-lettered records: the sidecar decided they go nowhere; one that was delivered anyway is
+      already `rejected_and_delivered`. Records not (yet) delivered have no place to check.
+    """
+    ordered = F.broadcast(routes.where(F.col("ordered")).select("topic", "subscription", "same_partitions"))
+    firsts = fates.where(F.col("has_inbound") & F.col("is_delivered") & ~F.col("is_rejected")).join(
+        ordered, ["topic", "subscription"]
+    )
+    wrong = firsts.where(F.col("same_partitions") & (F.col("outbound_partition") != F.col("partition")))
+    at_once = firsts.where(F.coalesce(F.col("deliver_at_ms") <= F.col("publish_ms"), F.lit(True))).withColumn(
+        "block", F.floor(F.col("offset") / F.lit(ORDER_BLOCK))
+    )
+    # A lane is what must be in order: one inbound partition's records on one outbound partition.
+    lane = ["topic", "partition", "subscription", "outbound_partition"]
+    in_block = Window.partitionBy(*lane, "block").orderBy("offset")
+    ends = at_once.groupBy(*lane, "block").agg(
+        F.max("offset").alias("last_offset"), F.max_by("outbound_offset", "offset").alias("last_out")
+    )
+    across = Window.partitionBy(*lane).orderBy("block")
+    chained = ends.select(
+        *lane,
+        "block",
+        F.lag("last_offset").over(across).alias("block_prev_offset"),
+        F.lag("last_out").over(across).alias("block_prev_out"),
+    )
+    checked = (
+        at_once.withColumns(
+            {"prev_offset": F.lag("offset").over(in_block), "prev_out": F.lag("outbound_offset").over(in_block)}
+        )
+        .join(F.broadcast(chained), [*lane, "block"], "left")
+        .withColumns(
+            {
+                "prev_offset": F.coalesce(F.col("prev_offset"), F.col("block_prev_offset")),
+                "prev_out": F.coalesce(F.col("prev_out"), F.col("block_prev_out")),
+            }
+        )
+    )
+    return [
+        _anomaly(
+            wrong,
+            "wrong_partition",
+            redelivery_count=F.lit(0),
+            detail=F.concat(
+                F.lit("on outbound partition "),
+                F.col("outbound_partition").cast("string"),
+                F.lit(", not "),
+                F.col("partition").cast("string"),
+                F.lit(" (the topics have as many partitions)"),
+            ),
+        ),
+        _anomaly(
+            checked.where(F.col("prev_out") > F.col("outbound_offset")),
+            "out_of_order",
+            redelivery_count=F.lit(0),
+            detail=F.concat(
+                F.lit("written before inbound offset "),
+                F.col("prev_offset").cast("string"),
+                F.lit(", which precedes it (outbound offset "),
+                F.col("prev_out").cast("string"),
+                F.lit(")"),
+            ),
+        ),
+    ]
+
+
 def analyse(spark: SparkSession, prepared: Prepared, routes: Sequence[AuditRoute], params: AuditParams) -> AuditResult:
     """Judge every audited record from the prepared (ideally cached) inputs."""
     routes_df = F.broadcast(routes_frame(spark, routes))
@@ -246,6 +346,8 @@ def analyse(spark: SparkSession, prepared: Prepared, routes: Sequence[AuditRoute
             ),
         ),
     ]
+    if any(r.ordered for r in routes):  # no sort at all when no subscription promises an order
+        anomaly_parts += _order_anomalies(fates, routes_df)
     if nack_fates is not None:
         anomaly_parts.append(
             _anomaly(
@@ -274,6 +376,8 @@ def analyse(spark: SparkSession, prepared: Prepared, routes: Sequence[AuditRoute
         "rejected_and_delivered": sum(s.rejected_and_delivered for s in summaries),
         "early": sum(s.early for s in summaries),
         "late": sum(s.late for s in summaries),
+        "out_of_order": sum(s.out_of_order for s in summaries),
+        "wrong_partition": sum(s.wrong_partition for s in summaries),
     }
     # The small tables of the report in one Spark job: (section, name, code, count).
     info = [
@@ -380,10 +484,11 @@ def _summaries(
             F.max("publish_ms").alias("_last_publish_ms"),
         )
     )
+    per_subscription: list[bool | float | int | str] = ["duplicate", "early", "late", "out_of_order", "wrong_partition"]
     by_kind = (
-        anomalies.where(F.col("kind").isin("duplicate", "early", "late"))
+        anomalies.where(F.col("kind").isin(*per_subscription))
         .groupBy("topic", "subscription")
-        .pivot("kind", ["duplicate", "early", "late"])
+        .pivot("kind", per_subscription)
         .agg(F.count(F.lit(1)))
         .withColumnsRenamed({"duplicate": "duplicates"})
     )

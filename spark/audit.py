@@ -25,12 +25,18 @@ Rules (contract sections 1-5):
   followed by a redelivery to that subscription, at or after the latest command's timestamp, by
   its deliver-at + grace; otherwise `nack_missing` (or pending). Only `"type":"nack"` records of
   the control topic are commands: the sidecar's own `"type":"accepted"` records there are not.
+* order (exclusive and failover subscriptions only): one inbound partition's records on the outbound
+  partition of the same number (when the topics have as many partitions; otherwise the sidecar
+  partitions by key), their at-once first deliveries in inbound offset order; `wrong_partition`
+  and `out_of_order`. Delayed records, nack redeliveries, extra copies and dead-lettered records
+  are exempt, for the reasons in spark.analysis._order_anomalies.
 
 How it runs (the shape matters at a billion records): every input is first reduced to a few
 columns (prepare: the headers parsed once, the payloads dropped) and cached; that is the read.
 Then ONE shuffle brings each record's inbound row, its first deliveries and its dead-letter rows
 together per (record, subscription), and a hash aggregation judges them. Everything else
-(redeliveries, duplicates, early deliveries, nack commands) is small and joins by broadcast.
+(redeliveries, duplicates, early deliveries, nack commands) is small and joins by broadcast; only the
+order check sorts, and only the first deliveries of exclusive and failover subscriptions.
 
 Where the parts live: spark.model (inputs, results, schemas), spark.columns (header
 expressions), spark.prepare (the read), spark.analysis (the judgement) and spark.timeline (the

@@ -4,8 +4,8 @@
     spark-submit [--master URL --packages ...] spark/audit_job.py --bootstrap-servers HOST:PORT --policies policies/
 
 Exit codes: 0 every threshold met; 1 anomalies over a threshold (--max-missing, --max-duplicates,
---max-early, --max-late); 2 the audit could not run, whatever the cause (a usage or configuration
-error, an unreachable cluster, a crash inside Spark), with the reason on stderr.
+--max-early, --max-late, --max-out-of-order); 2 the audit could not run, whatever the cause (a usage
+or configuration error, an unreachable cluster, a crash inside Spark), with the reason on stderr.
 """
 
 # ruff: noqa: E402 (under spark-submit the interpreter is checked, and maybe replaced, before the imports)
@@ -21,7 +21,7 @@ import time
 import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
 from typing import Any, TextIO
@@ -132,6 +132,22 @@ def audit_routes(settings: AuditSettings) -> list[AuditRoute]:
             raise ConfigError(f"--dead-letter-topics: expected TOPIC=DLT, got {item!r}")
         dead[topic] = dlt
     return [AuditRoute(t, s, o, dead.get(t, f"{t}.dlt")) for (t, s), o in sorted(outbound.items())]
+
+
+def with_partition_layout(routes: list[AuditRoute], partitions: dict[str, int]) -> list[AuditRoute]:
+    """Whether each outbound topic keeps the inbound partition numbers, decided as the sidecar does.
+
+    The sidecar writes a record on its inbound partition's number only when the outbound topic has
+    as many partitions as the inbound one, and partitions by key otherwise (contract section 4). The
+    order check must not blame a keyed topic for spreading one inbound partition. An outbound topic
+    that does not exist holds nothing to check, so it keeps the default.
+    """
+    return [
+        replace(r, same_partitions=partitions[r.outbound] == partitions[r.topic])
+        if r.outbound in partitions and r.topic in partitions
+        else r
+        for r in routes
+    ]
 
 
 CONF_KEY = re.compile(r"^[A-Za-z_][\w.\-]*$")
@@ -257,6 +273,7 @@ def audit(settings: AuditSettings, spark: SparkSession | None = None, out: TextI
         to_ms = parse_time(settings.to_time, "to-time") if settings.to_time else None
         conf = spark_conf(settings.conf)
         snapshot = take_snapshot(settings, routes, kafka_options, from_ms)
+        routes = with_partition_layout(routes, snapshot.partitions)
     with phases.phase("spark_start"):
         spark = spark or session_for(settings)
         decision = resolve_source(spark, settings.source)

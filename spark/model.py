@@ -24,8 +24,18 @@ from pyspark.sql.types import (
 
 DEAD_LETTER_SUBSCRIPTION = "(dead-letter)"
 
-KINDS = ("missing", "nack_missing", "duplicate", "rejected_and_delivered", "early", "late")
-"""Every anomaly kind; `late` is reported but has no threshold by default."""
+KINDS = (
+    "missing",
+    "nack_missing",
+    "duplicate",
+    "rejected_and_delivered",
+    "early",
+    "late",
+    "out_of_order",
+    "wrong_partition",
+)
+"""Every anomaly kind; `late` is reported but has no threshold by default. `out_of_order` and
+`wrong_partition` are the order check of exclusive and failover subscriptions (spark.analysis)."""
 
 ANOMALY_SCHEMA = StructType(
     [
@@ -55,6 +65,7 @@ ROUTE_SCHEMA = StructType(
         StructField("ordered", BooleanType(), False),
         StructField("delays_enabled", BooleanType(), False),
         StructField("fixed_delay_ms", LongType(), False),
+        StructField("same_partitions", BooleanType(), False),
     ]
 )
 
@@ -83,8 +94,13 @@ class AuditRoute:
     outbound: str
     dead_letter_topic: str
     ordered: bool = False
+    """An exclusive or failover subscription: every record at once, in inbound order (contract section 2)."""
     delays_enabled: bool = True
     fixed_delay_ms: int = 0
+    same_partitions: bool = True
+    """The outbound topic has as many partitions as the inbound topic, so the sidecar writes each record
+    on its inbound partition's number; otherwise it partitions by key and only per-key order holds
+    (contract section 4). The job reads the counts from the cluster; in-memory callers say so here."""
 
 
 @dataclass(frozen=True)
@@ -124,6 +140,8 @@ class SubscriptionSummary:
     early: int = 0
     late: int = 0
     rejected_and_delivered: int = 0
+    out_of_order: int = 0
+    wrong_partition: int = 0
     lateness_p50_ms: float | None = None
     lateness_p95_ms: float | None = None
     lateness_p99_ms: float | None = None
@@ -231,7 +249,16 @@ class Prepared:
 
 def routes_frame(spark: SparkSession, routes: Sequence[AuditRoute]) -> DataFrame:
     rows = [
-        (r.topic, r.subscription, r.outbound, r.dead_letter_topic, r.ordered, r.delays_enabled, int(r.fixed_delay_ms))
+        (
+            r.topic,
+            r.subscription,
+            r.outbound,
+            r.dead_letter_topic,
+            r.ordered,
+            r.delays_enabled,
+            int(r.fixed_delay_ms),
+            r.same_partitions,
+        )
         for r in routes
     ]
     return spark.createDataFrame(rows, ROUTE_SCHEMA)

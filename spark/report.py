@@ -47,6 +47,8 @@ COLUMNS = [
     ("duplicates", "dup"),
     ("early", "early"),
     ("late", "late"),
+    ("out_of_order", "order"),
+    ("wrong_partition", "wrong part"),
     ("lateness_p50_ms", "p50 ms"),
     ("lateness_p95_ms", "p95 ms"),
     ("lateness_p99_ms", "p99 ms"),
@@ -82,12 +84,15 @@ def thresholds_report(result: AuditResult, settings: AuditSettings) -> tuple[dic
         "duplicates": c["duplicate"] + c["rejected_and_delivered"],
         "early": c["early"],
         "late": c["late"],
+        # A record off its inbound partition's number is out of that partition's order too.
+        "out_of_order": c["out_of_order"] + c["wrong_partition"],
     }
     limits = {
         "missing": settings.max_missing,
         "duplicates": settings.max_duplicates,
         "early": settings.max_early,
         "late": settings.max_late,
+        "out_of_order": settings.max_out_of_order,
     }
     report = {
         name: {"limit": limits[name], "actual": actual[name], "exceeded": 0 <= limits[name] < actual[name]}
@@ -141,6 +146,8 @@ KIND_COLOURS = {
     "rejected_and_delivered": "tab:brown",
     "early": "tab:pink",
     "late": "tab:olive",
+    "out_of_order": "tab:cyan",
+    "wrong_partition": "tab:blue",
 }
 
 

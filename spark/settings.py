@@ -55,6 +55,11 @@ class AuditSettings(KafkaSettings):
     max_duplicates: int = Field(0, description="Most duplicates (and dead-lettered-and-delivered) that still pass")
     max_early: int = Field(0, description="Most early deliveries that still pass")
     max_late: int = Field(-1, description="Most deliveries later than deliver-at + grace that pass (-1: no limit)")
+    max_out_of_order: int = Field(
+        0,
+        description="Most records of exclusive and failover subscriptions out of inbound order or off their "
+        "inbound partition's number that still pass",
+    )
     output_dir: Path = Field(
         Path("audit-report"),
         description="Where report.json, report.html, report.png, anomalies/ and rejections/ go",

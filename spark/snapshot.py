@@ -34,6 +34,9 @@ class Snapshot:
     control_dead_letter: Ranges
     as_of_ms: int
     absent: list[str] = field(default_factory=list)
+    partitions: dict[str, int] = field(default_factory=dict)
+    """Partitions per existing topic read, from the cluster's metadata: whether an outbound topic
+    keeps its inbound topic's partition numbers depends on both counts (contract section 4)."""
 
     def as_json(self) -> dict[str, Any]:
         def show(r: Ranges) -> dict[str, dict[str, list[int]]]:
@@ -47,6 +50,7 @@ class Snapshot:
             "control": show(self.control),
             "control_dead_letter": show(self.control_dead_letter),
             "absent_topics": self.absent,
+            "partitions": dict(sorted(self.partitions.items())),
         }
 
 
@@ -55,6 +59,12 @@ CONSUMER_ONLY = ("isolation.level",)
 
 
 def existing_topics(kafka_options: dict[str, str]) -> set[str]:
+    """For callers that only need to know which topics exist (the partition counts cost nothing more)."""
+    return set(topic_partitions(kafka_options))
+
+
+def topic_partitions(kafka_options: dict[str, str]) -> dict[str, int]:
+    """Every topic of the cluster with its partition count (one metadata request)."""
     config = {
         k[len("kafka.") :]: v
         for k, v in kafka_options.items()
@@ -64,7 +74,7 @@ def existing_topics(kafka_options: dict[str, str]) -> set[str]:
         metadata = AdminClient(config).list_topics(timeout=20)
     except Exception as e:
         raise SidecarError(f"cannot reach Kafka at {config.get('bootstrap.servers')}: {e}") from e
-    return {t for t, m in metadata.topics.items() if m.error is None}
+    return {t: len(m.partitions) for t, m in metadata.topics.items() if m.error is None}
 
 
 def resolve(kafka_options: dict[str, str], topics: list[str], extra: dict[str, str]) -> Ranges:
@@ -83,7 +93,7 @@ def resolve(kafka_options: dict[str, str], topics: list[str], extra: dict[str, s
 def take_snapshot(
     settings: AuditSettings, routes: list[AuditRoute], kafka_options: dict[str, str], from_ms: int | None
 ) -> Snapshot:
-    exists = existing_topics(kafka_options)
+    exists = topic_partitions(kafka_options)
     inbound = sorted({r.topic for r in routes})
     missing_inbound = [t for t in inbound if t not in exists]
     if missing_inbound:
@@ -115,6 +125,7 @@ def take_snapshot(
         ranges["control_dead_letter"],
         as_of_ms,
         absent,
+        {t: n for t, n in exists.items() if t in set(inbound).union(*wanted.values())},
     )
 
 

@@ -1,39 +1,122 @@
 """The short chaos run (bench/chaos.py): kill -9 three times and one zombie while records fall due,
-in exactly-once mode, then count every record of both subscriptions read_committed.
+in exactly-once mode, then count every record of both subscriptions read_committed, and have the
+Spark audit judge the same topics.
+
+Two oracles: the bench's own counter and `delay-sidecar audit`. The audit must exit 0 and report
+the same counts, so that the audit is checked on a real faulty run, and a clean count by the bench
+is not taken on its word alone. The audit runs in this process, one Spark session for both runs (a
+JVM start is most of an audit's time here).
 
 The full run (20 kills, a deleted state dir, a broker restart) is `python -m bench.chaos`; its
 result is in docs/reliability.md.
 """
 
+from collections.abc import Iterator
 from pathlib import Path
 
-from bench.chaos import Outcome, Plan, run, table
+import pytest
+from pyspark.sql import SparkSession
+
+from bench.chaos import SUBSCRIPTIONS, Audit, Outcome, Plan, SparkAudit, disagreements, order_counts, run, table
+from spark.session import build_session
+
+
+@pytest.fixture(scope="module")
+def spark() -> Iterator[SparkSession]:
+    """local[2], as tests/spark; left running if this process had one already.
+
+    Adaptive execution off for these audits: on a few thousand records it turns the audit's
+    dozens of small stages into twice as many jobs, and doubles its time (about 25 s to 13 s
+    warm, on 2 cores). The audit's own tests keep Spark's default.
+    """
+    existing = SparkSession.getActiveSession()
+    session = build_session("local[2]", "delay-sidecar-chaos-audit", shuffle_partitions=4)
+    session.sparkContext.setLogLevel("ERROR")
+    adaptive = session.conf.get("spark.sql.adaptive.enabled") or "true"
+    session.conf.set("spark.sql.adaptive.enabled", "false")
+    yield session
+    session.conf.set("spark.sql.adaptive.enabled", adaptive)
+    if existing is None:
+        session.stop()
 
 
 def assert_clean(outcome: Outcome) -> None:
     audit, report = outcome.audit, table(outcome, "tests/test_chaos.py")
     assert not outcome.notes, report
     assert outcome.kills == 3 and outcome.zombie_fenced, report
+    # First that the two oracles agree: then a failure below is the sidecar's, not a counter's.
+    assert outcome.spark is not None and outcome.spark.disagreements == [], report
     assert audit.lost == {"shared": 0, "excl": 0}, report
     assert audit.duplicated == {"shared": 0, "excl": 0}, report
     assert audit.early == {"shared": 0, "excl": 0}, report
     assert audit.nacks_redelivered == audit.nacks_sent and audit.redeliveries_unasked == 0, report
+    assert (audit.out_of_order, audit.wrong_partition) == ({"excl": 0}, {"excl": 0}), report
+    assert_audited_clean(outcome, report)
 
 
-def test_three_kills_and_a_zombie_lose_duplicate_and_advance_nothing(tmp_path: Path) -> None:
-    outcome = run(Plan(records=3_000, kills=3, window_s=12.0, seed=3, broker_restart=False, state_loss=False,
-                       nack_fraction=0.0), tmp_path)  # fmt: skip
-    print(table(outcome, "tests/test_chaos.py"))
-    assert_clean(outcome)
+def assert_audited_clean(outcome: Outcome, report: str) -> None:
+    """The Spark audit's own verdict, not only its agreement: exit 0 and every count clean."""
+    spark, records = outcome.spark, outcome.plan.records
+    assert spark is not None, report
+    assert spark.exit_code == 0, report
+    assert spark.anomaly_counts and spark.anomaly_counts == dict.fromkeys(spark.anomaly_counts, 0), report
+    assert set(spark.subscriptions) == set(SUBSCRIPTIONS), report
+    for s in spark.subscriptions.values():
+        assert (s["inbound"], s["rejected"], s["delivered"], s["pending"], s["missing"]) == (
+            records,
+            0,
+            records,
+            0,
+            0,
+        ), report
+        assert (s["duplicates"], s["early"], s["out_of_order"], s["wrong_partition"]) == (0, 0, 0, 0), report
+    shared = spark.subscriptions["shared"]
+    assert (shared["nacks"], shared["nacks_missing"]) == (outcome.audit.nacks_sent, 0), report
+    assert shared["redelivered"] == outcome.audit.nacks_redelivered, report
 
 
-def test_with_nacks_every_accepted_nack_comes_back_once(tmp_path: Path) -> None:
-    """Was xfail on noida-db: its read_committed fetches drop a producer id's commits after that
+def test_three_kills_and_a_zombie_with_nacks_lose_duplicate_and_advance_nothing(
+    tmp_path: Path, spark: SparkSession
+) -> None:
+    """One run covers both: records that fall due and nacks, through the kills and the zombie (a run
+    without nacks is a subset of this one, and the suite's time is spent once).
+
+    Was xfail on noida-db: its read_committed fetches drop a producer id's commits after that
     id's abort (tests/broker/test_transactions.py), and the sidecar wrote under one producer id
     across kills, so its own reader of the control topic lost accepted nacks (7 of 142). Each
     producer now has a transactional.id, so a producer id, of its own (sidecar/identity.py)."""
-    outcome = run(Plan(records=3_000, kills=3, window_s=12.0, seed=3, broker_restart=False, state_loss=False),
-                  tmp_path)  # fmt: skip
+    outcome = run(Plan(records=3_000, kills=3, window_s=12.0, seed=3, broker_restart=False, state_loss=False,
+                       spark_audit=True), tmp_path, spark=spark)  # fmt: skip
     print(table(outcome, "tests/test_chaos.py"))
     assert outcome.audit.nacks_sent > 0
     assert_clean(outcome)
+
+
+def test_the_bench_counts_order_as_the_audit_does() -> None:
+    """(inbound partition, offset) -> (outbound partition, offset) of first copies: tests/spark/test_audit_order.py's
+    swap and split scenarios give the audit's counts here too."""
+    swap = {(0, 0): (0, 0), (0, 1): (0, 2), (0, 2): (0, 1), (0, 3): (0, 3), (1, 0): (1, 0)}
+    assert order_counts(swap) == (0, 1)
+    split = {(0, 0): (0, 0), (0, 1): (0, 1), (0, 2): (1, 0), (0, 3): (1, 1)}
+    assert order_counts(split) == (2, 0)
+
+
+def test_a_spark_audit_that_fails_or_counts_otherwise_fails_the_run_and_says_where() -> None:
+    """No broker: the verdict of the bench from a made-up audit and report."""
+    clean = {"inbound": 10, "rejected": 0, "pending": 0, "missing": 0, "duplicates": 0, "early": 0, "redelivered": 0}
+    clean |= {"out_of_order": 0, "wrong_partition": 0, "nacks": 0, "nacks_missing": 0, "nacks_pending": 0}
+    bench = Audit(lost={"shared": 0, "excl": 0}, duplicated={"shared": 0, "excl": 1}, early={"shared": 0, "excl": 0})
+    spark = SparkAudit(1, 1.0, {"shared": clean, "excl": clean | {"duplicates": 1}})
+    assert disagreements(bench, 10, spark) == []
+    spark.subscriptions["excl"] = clean | {"missing": 2, "out_of_order": 3}
+    assert disagreements(bench, 10, spark) == [
+        "lost (excl): bench 0, Spark audit 2 (missing 2, pending 0, rejected 0, not inbound 0)",
+        "duplicated (excl): bench 1, Spark audit 0",
+        "out of order (excl): bench 0, Spark audit 3",
+    ]
+    assert disagreements(bench, 10, SparkAudit(2, 1.0)) == ["the Spark audit gave no counts (exit 2)"]
+    outcome = Outcome(Plan(), Audit(), spark=SparkAudit(1, 1.0, {"shared": clean, "excl": clean}))
+    assert not outcome.passed  # the bench counted nothing wrong, but the audit exited 1
+    assert "SPARK AUDIT FAILED: exit 1" in table(outcome, "test")
+    outcome.spark = SparkAudit(0, 1.0, {"shared": clean, "excl": clean})
+    assert outcome.passed

@@ -363,6 +363,8 @@ def test_anomaly_counts_add_up_over_the_world(result: AuditResult, all_anomalies
         "rejected_and_delivered": 2,
         "early": 1,
         "late": 2,
+        "out_of_order": 0,  # the order check: tests/spark/test_audit_order.py
+        "wrong_partition": 0,
     }
     assert by_kind == {k: n for k, n in result.anomaly_counts.items() if n}
 
