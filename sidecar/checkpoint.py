@@ -52,7 +52,14 @@ def checkpoint(
     writer.flush()
     exact = writer.transactional
     points: list[tuple[PartitionState, tuple[int, str]]] = []
+    claims: list[tuple[PartitionState, tuple[int, str]]] = []
     for state in states:
+        if state.claiming:
+            # Just assigned, not set up yet: only its last commit again, naming this producer.
+            claim = state.claim_point(writer.transactional_id) if writer.transactional_id is not None else None
+            if claim is not None:
+                claims.append((state, claim))
+            continue
         if state.next_offset is not None and state.rebuild is None:
             # A draining partition's index was cleared and stays so: a local index "complete and
             # empty" would hide from a restart the records its commit still says are pending.
@@ -61,14 +68,13 @@ def checkpoint(
             if state_topic is not None:
                 state_topic.publish(state)
         point = state.commit_point(state.tracker.earliest_pending_offset(), exact, writer.transactional_id)
-        if point is None and exact and writer.transactional_id is not None:
-            point = state.claim_point(writer.transactional_id)  # a rebuild: name the producer (identity.py)
         if point is not None:
             points.append((state, point))
     if _rule_histories(points, state_topic) and not exact:
         writer.flush()  # at least once: a history is acknowledged before a commit names it
     if not points and not exact:
         return 0
+    points += claims
     offsets = [TopicPartition(s.topic, s.partition, offset, metadata=meta) for s, (offset, meta) in points]
     try:
         if exact:

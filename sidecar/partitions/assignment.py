@@ -64,6 +64,7 @@ class Assignment:
 
     def on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         starts = []
+        assigned: list[PartitionState] = []
         for tp in consumer.committed(partitions, timeout=30):
             key = (tp.topic, tp.partition)
             state = self.states.get(key)
@@ -82,6 +83,7 @@ class Assignment:
                 except SidecarError as e:  # raised by the engine after poll, not into librdkafka
                     self.failed, self.error = True, e
             start = state.start(committed, metadata, self._restore)
+            assigned.append(state)
             starts.append(TopicPartition(tp.topic, tp.partition, start if start is not None else tp.offset))
         if self._incremental:
             consumer.incremental_assign(starts)
@@ -92,11 +94,17 @@ class Assignment:
         logger.info("partitions assigned partitions=%s", _names(starts))
         if self._abort is not None and not self.failed:
             # Exactly once: before this producer writes for them, the commits of the new partitions
-            # name it, so that a successor of this identity fences it (identity.py).
+            # name it, so that a successor of this identity fences it (identity.py). Only their last
+            # commit again: the engine sets some of them up after this (a removed topic's drain).
+            for state in assigned:
+                state.claiming = True
             try:
                 self._checkpoint()
             except Exception as e:  # raised by the engine after poll, not into librdkafka
                 self.failed, self.error = True, e
+            finally:
+                for state in assigned:
+                    state.claiming = False
 
     def _full_rules(self, name: str, metadata: CommitMetadata) -> CommitMetadata:
         ref = metadata.rules_ref

@@ -73,6 +73,8 @@ class PartitionState:
     rules: RuleHistory = field(default_factory=RuleHistory)
     rebuild: Rebuild | None = None
     """Set while the index of this partition is rebuilt from the log (no usable local index)."""
+    claiming: bool = False
+    """Exactly-once, during the checkpoint of its assignment: commit only `claim_point`."""
     replay_until: int = 0
     """Control partitions: commands below this offset were judged before a restart; not again."""
     replay_through: int = NOTHING_DELIVERED
@@ -210,10 +212,11 @@ class PartitionState:
         return point
 
     def claim_point(self, producer: str) -> tuple[int, str] | None:
-        """The last commit again, naming `producer`: for a partition that commits nothing yet (a
-        rebuild) but whose output `producer` may write. A sidecar of this identity that takes the
-        partition over then fences `producer`, as it fences whatever a commit names (identity.py);
-        on a broker without KIP-447 that is what keeps a zombie's transaction from committing."""
+        """The last commit again, naming `producer`: committed at assignment (`claiming`), before
+        `producer` writes anything for the partition, which may commit nothing of its own for a
+        while (a rebuild). A sidecar of this identity that takes the partition over then fences
+        `producer`, as it fences whatever a commit names (identity.py); on a broker without
+        KIP-447 that is what keeps a zombie's transaction from committing."""
         if self.committed is None:
             return None
         offset, text = self.committed
