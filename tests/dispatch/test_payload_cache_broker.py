@@ -27,9 +27,11 @@ from tests.kafka_helpers import (
 )
 
 COUNT = 2_000
-# Far enough ahead that intake (after the sidecar's start and group join) sees every record as not
-# yet near due, so each one either goes to the cache or is left for a read-back.
-LEAD_MS = 15_000
+# Far enough ahead that intake (after the sidecar's start and group join, a second or two) sees
+# every record as not yet near due, beyond the read-ahead these tests run with (READ_AHEAD, not the
+# default 10 s: the suite's time), so each one either goes to the cache or is left for a read-back.
+LEAD_MS = 9_000
+READ_AHEAD = ("--read-ahead-ms", "2000")
 
 
 def scattered(due: int) -> list[int]:
@@ -87,7 +89,9 @@ def test_payloads_over_the_budget_are_read_back_from_the_log(
 ) -> None:
     topic, policies, port = setup(topic_factory, policy_file, "miss")
     # A payload costs about 100 bytes in the cache: the budget holds about a tenth of them.
-    args = run_args(kafka, policies, tmp_path / "state", port, f"g-{topic}", "--payload-cache-bytes", "20000")
+    args = run_args(
+        kafka, policies, tmp_path / "state", port, f"g-{topic}", "--payload-cache-bytes", "20000", *READ_AHEAD
+    )
     sidecar = SidecarProcess(args, tmp_path / "log")
     due = int(time.time() * 1000) + LEAD_MS
     produce_due(kafka_helper, topic, scattered(due))
@@ -110,7 +114,7 @@ def test_the_horizon_passing_over_the_index_brings_payloads_into_the_cache(
     roll reads their offset ranges from the log in bulk and caches them, so at due time (no
     read-ahead here) every payload comes from the cache."""
     topic, policies, port = setup(topic_factory, policy_file, "roll")
-    limit = ["--payload-cache-horizon-ms", "4000", "--read-ahead-ms", "0"]
+    limit = ["--payload-cache-horizon-ms", "2000", "--read-ahead-ms", "0"]
     sidecar = SidecarProcess(
         run_args(kafka, policies, tmp_path / "state", port, f"g-{topic}", *limit), tmp_path / "log"
     )
@@ -141,7 +145,7 @@ def test_a_lost_cache_loses_nothing_and_delivers_nothing_early(
     every payload is read back from the log."""
     topic, policies, port = setup(topic_factory, policy_file, "lost", partitions=2)
     state = tmp_path / "state"
-    sidecar = SidecarProcess(run_args(kafka, policies, state, port, f"g-{topic}"), tmp_path / "log")
+    sidecar = SidecarProcess(run_args(kafka, policies, state, port, f"g-{topic}", *READ_AHEAD), tmp_path / "log")
     due = int(time.time() * 1000) + LEAD_MS
     produce_due(kafka_helper, topic, scattered(due), partitions=2)
     try:
