@@ -46,7 +46,7 @@ class Sizes:
             fixed=30_000,
             window_ms=5_000,
             fixed_delay_ms=3_000,
-            startup_s=6.0,
+            startup_s=3.0,
         )
 
     def scaled(self, records: int) -> Sizes:
