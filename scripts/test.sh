@@ -7,4 +7,6 @@ source "$(dirname "$0")/bootstrap.sh" "dev,spark"
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 .venv/bin/mypy
-exec .venv/bin/pytest "$@"
+# Two workers, a test file each at a time (module fixtures such as a Spark session stay in one
+# process); each worker starts its own embedded broker. `-n 0` runs in one process.
+exec .venv/bin/pytest -n 2 --dist loadfile "$@"
