@@ -99,8 +99,8 @@ def test_a_zombie_with_stale_group_metadata_cannot_commit_offsets(
     the new owner commits the same partition with the current metadata.
 
     NEEDS REAL KAFKA: noida-db does not check the generation or member id of TxnOffsetCommit and lets
-    the zombie commit. The sidecar's own fencing (one transactional.id per instance id) does not rest
-    on it; see README, exactly once."""
+    the zombie commit. There the sidecar's own fencing (each commit names its producer, and a
+    successor of the same identity fences it: sidecar/identity.py) is what keeps a zombie out."""
     if embedded_broker:
         pytest.skip("noida-db accepts TxnOffsetCommit from a stale member (no KIP-447 fencing); needs real Kafka")
     source, out = topic_factory("kip447", partitions=2), topic_factory("kip447-out", partitions=2)
@@ -171,8 +171,9 @@ def test_a_zombie_with_stale_group_metadata_cannot_commit_offsets(
 def test_a_read_committed_fetch_past_an_aborted_transaction_still_returns_later_commits(
     embedded_broker: bool, kafka: str, kafka_helper: KafkaHelper, topic_factory: Callable[..., str]
 ) -> None:
-    """After a crash, the sidecar's next producer has the same transactional.id, so the same
-    producer id: its commits must reach a consumer that already read past the abort marker.
+    """A producer id's commits after its abort must reach a consumer that already read past the
+    abort marker. The sidecar no longer depends on it (a new transactional.id, so a new producer
+    id, after every restart: sidecar/identity.py), but Kafka's clients do.
 
     KNOWN NOIDA-DB DEFECT (xfail on the embedded broker): its fetch responses list aborted
     transactions that ended before the fetch offset, and librdkafka then drops every later batch
