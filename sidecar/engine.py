@@ -297,8 +297,8 @@ class Sidecar:
         self._writer.partition_map(inbound, outbound)
         self._admin.refresh_retention(list(routes), force=True)
         self._subscribe()
-        for topic in removed:
-            self._drain_removed(topic)
+        if removed:
+            self._adopt_drains()  # from the commit just made
 
     def _subscribe(self) -> None:
         """The policies' topics, the control topic, and the removed topics still draining."""
@@ -314,14 +314,9 @@ class Sidecar:
         commits = self._admin.group_offsets(self._group_id)
         return removed_while_down(commits, served, set(self._admin.partitions), policies)
 
-    def _drain_removed(self, topic: str) -> None:
-        """A topic left the policies: its partitions here dead-letter their pending records, a slice
-        per turn (drain.py), starting from the commit `_apply` just made."""
-        for state in [s for s in self._assignment.states.values() if s.topic == topic]:
-            self._start_drain(state)
-
     def _adopt_drains(self) -> None:
-        """Partitions of removed topics assigned since the last turn drain from their commit."""
+        """Partitions of removed topics not draining yet (just removed, or just assigned) dead-letter
+        their pending records from their commit, a slice per turn (drain.py)."""
         for state in list(self._assignment.states.values()):
             if state.drain_from is None and state.topic in self._draining:
                 self._start_drain(state)

@@ -55,6 +55,24 @@ def consumer_config(client_config: dict[str, Any], **overrides: Any) -> dict[str
     return {**CONSUMER_DEFAULTS, **client_config, **overrides}
 
 
+def log_reader(client_config: dict[str, Any], group_id: str, **overrides: Any) -> Consumer:
+    """A consumer of partitions it assigns itself, for reading the log rather than following it.
+
+    It never commits: `group_id` only satisfies the client, and positions come from the caller. It
+    reports each partition's end, and an offset deleted by retention reads from the log start, so
+    the caller finds what is gone instead of failing.
+    """
+    settings = {
+        "group.id": group_id,
+        "enable.auto.commit": False,
+        "enable.auto.offset.store": False,
+        "enable.partition.eof": True,
+        "auto.offset.reset": "earliest",
+        **overrides,
+    }
+    return Consumer(consumer_config(client_config, **settings), logger=LIBRDKAFKA)
+
+
 def consume_batch(consumer: Consumer, max_records: int, wait_s: float) -> list[Message]:
     """What is buffered, at once; otherwise wait until one record arrives or wait_s passes.
 

@@ -34,7 +34,7 @@ from confluent_kafka import Consumer, KafkaError, Message, TopicPartition
 
 from sidecar.clock import Clock
 from sidecar.errors import BrokerError, ConfigError
-from sidecar.kafka_io import LIBRDKAFKA, consume_batch, consumer_config
+from sidecar.kafka_io import consume_batch, log_reader
 from sidecar.metrics import Metrics
 from sidecar.outbound.writer import Writer
 from sidecar.partitions import TopicPartitionKey
@@ -284,22 +284,8 @@ class Drains:
 
     def _reader(self) -> Consumer:
         if self._consumer is None:
-            self._consumer = Consumer(
-                consumer_config(
-                    self._client_config,
-                    **{
-                        # Never commits: the range comes from the group's commit.
-                        "group.id": "delay-sidecar.drain-reader",
-                        "enable.auto.commit": False,
-                        "enable.auto.offset.store": False,
-                        "enable.partition.eof": True,
-                        # The start of the range deleted by retention: read from the log start and
-                        # count the offsets that are gone.
-                        "auto.offset.reset": "earliest",
-                    },
-                ),
-                logger=LIBRDKAFKA,
-            )
+            # The range comes from the group's commit; offsets of it deleted by retention are counted.
+            self._consumer = log_reader(self._client_config, "delay-sidecar.drain-reader")
         return self._consumer
 
     def close(self) -> None:

@@ -18,10 +18,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from confluent_kafka import Consumer, KafkaError, Message, TopicPartition
+from confluent_kafka import KafkaError, Message, TopicPartition
 
 from sidecar.errors import BrokerError, SidecarError
-from sidecar.kafka_io import LIBRDKAFKA, consume_batch, consumer_config
+from sidecar.kafka_io import consume_batch, log_reader
 from sidecar.partitions import TopicPartitionKey
 
 logger = logging.getLogger(__name__)
@@ -51,29 +51,20 @@ class LogReader:
         self._max_gap = max_gap
         self._assigned: set[TopicPartitionKey] = set()
         """Partitions of the read under way whose wanted offsets are not all read yet."""
-        self._consumer = Consumer(
-            consumer_config(
-                client_config,
-                **{
-                    # Never commits: the group id only satisfies the client; positions come from the tracker.
-                    "group.id": "delay-sidecar.log-reader",
-                    "enable.auto.commit": False,
-                    "enable.auto.offset.store": False,
-                    "enable.partition.eof": True,
-                    # An offset below the log start was deleted by retention: read from the start and
-                    # report the wanted offsets that are gone, rather than fail.
-                    "auto.offset.reset": "earliest",
-                    # Fetch again only once a partition's queue is nearly read. A read that is
-                    # suspended between loop turns (read-ahead, roll) has often been sent the whole
-                    # rest of a partition in one fetch; librdkafka then kept fetching at its end,
-                    # and noida-db answers at once instead of waiting fetch.wait.max.ms: a spin
-                    # that cost 0.15 core here and 0.25 in the broker for one reader of 4 partitions,
-                    # against 0.04 and 0.10 with this (measured, librdkafka 2.16).
-                    "queued.min.messages": 1_000,
-                    "fetch.queue.backoff.ms": 20,
-                },
-            ),
-            logger=LIBRDKAFKA,
+        # Positions come from the tracker; a wanted offset deleted by retention is reported as gone.
+        self._consumer = log_reader(
+            client_config,
+            "delay-sidecar.log-reader",
+            **{
+                # Fetch again only once a partition's queue is nearly read. A read that is
+                # suspended between loop turns (read-ahead, roll) has often been sent the whole
+                # rest of a partition in one fetch; librdkafka then kept fetching at its end,
+                # and noida-db answers at once instead of waiting fetch.wait.max.ms: a spin
+                # that cost 0.15 core here and 0.25 in the broker for one reader of 4 partitions,
+                # against 0.04 and 0.10 with this (measured, librdkafka 2.16).
+                "queued.min.messages": 1_000,
+                "fetch.queue.backoff.ms": 20,
+            },
         )
 
     def read(

@@ -31,7 +31,7 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 from sidecar.broker.admin import TopicAdmin
 from sidecar.control.nacks import LatestNacks
 from sidecar.errors import BrokerError, StorageError
-from sidecar.kafka_io import LIBRDKAFKA, consume_batch, consumer_config
+from sidecar.kafka_io import consume_batch, log_reader
 from sidecar.metrics import Metrics
 from sidecar.outbound.writer import Writer
 from sidecar.partitions.metadata import CommitMetadata
@@ -310,18 +310,9 @@ class StateTopic:
 
     def _reader(self) -> Consumer:
         if self._consumer is None:
-            self._consumer = Consumer(
-                consumer_config(
-                    self._client_config,
-                    **{
-                        "group.id": "delay-sidecar.state-reader",  # never commits: read whole each time
-                        "enable.auto.commit": False,
-                        "enable.partition.eof": True,
-                        "isolation.level": "read_committed",
-                        "auto.offset.reset": "earliest",
-                    },
-                ),
-                logger=LIBRDKAFKA,
+            # Read whole each time, committed records only.
+            self._consumer = log_reader(
+                self._client_config, "delay-sidecar.state-reader", **{"isolation.level": "read_committed"}
             )
         return self._consumer
 
