@@ -7,6 +7,7 @@ from pyspark.sql import DataFrame, SparkSession
 
 from sidecar.outbound.records import dead_letter_headers, outbound_headers
 from spark.kafka_source import kafka_schema
+from spark.model import AuditRoute
 
 Header = tuple[str, bytes]
 Row = tuple[object, ...]
@@ -44,3 +45,15 @@ def dead_lettered(dlt: str, dlt_offset: int, ts_ms: int, origin: tuple[str, int,
 
 def frame(spark: SparkSession, rows: Sequence[Row]) -> DataFrame:
     return spark.createDataFrame(list(rows), kafka_schema(include_headers=True))
+
+
+class World:
+    """The topics of one in-memory audit: rows per input, and the routes the policies give."""
+
+    def __init__(self) -> None:
+        self.inbound: list[Row] = []
+        self.outbound: list[Row] = []
+        self.dead: list[Row] = []
+        self.control: list[Row] = []
+        self.control_dead: list[Row] = []
+        self.routes: list[AuditRoute] = []

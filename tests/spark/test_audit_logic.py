@@ -15,7 +15,7 @@ from pyspark.sql import functions as F  # noqa: N812
 from spark.audit import run_audit
 from spark.columns import with_requested_deliver_at
 from spark.model import AuditInputs, AuditParams, AuditResult, AuditRoute, SubscriptionSummary
-from tests.spark.records import Row, dead_lettered, delivered, frame, record
+from tests.spark.records import Row, World, dead_lettered, delivered, frame, record
 
 T0 = 1_700_000_000_000
 NOW = T0 + 3_600_000
@@ -49,16 +49,6 @@ def accepted(offset: int, ts_ms: int, topic: str, origin_offset: int, redelivery
     body |= {"deliver_at": ts_ms + 30_000, "redelivery_count": redelivery_count}
     body |= {"command_partition": 0, "command_offset": offset - 7}
     return record(CONTROL, offset, ts_ms, value=json.dumps(body).encode())
-
-
-class World:
-    def __init__(self) -> None:
-        self.inbound: list[Row] = []
-        self.outbound: list[Row] = []
-        self.dead: list[Row] = []
-        self.control: list[Row] = []
-        self.control_dead: list[Row] = []
-        self.routes: list[AuditRoute] = []
 
 
 def build_world() -> World:

@@ -17,7 +17,7 @@ from spark.audit_job import with_partition_layout
 from spark.model import AuditInputs, AuditParams, AuditResult, AuditRoute, SubscriptionSummary
 from spark.report import thresholds_report
 from spark.settings import AuditSettings
-from tests.spark.records import Row, dead_lettered, delivered, frame, record
+from tests.spark.records import Row, World, dead_lettered, delivered, frame, record
 
 T0 = 1_700_000_000_000
 NOW = T0 + 3_600_000
@@ -35,14 +35,6 @@ def at_once(topic: str, offset: int, out_offset: int, partition: int = 0, out_pa
     return delivered(
         f"{topic}.excl", out_offset, T0 + 10 + out_offset, (topic, partition, offset), T0, out_partition=out
     )
-
-
-class World:
-    def __init__(self) -> None:
-        self.inbound: list[Row] = []
-        self.outbound: list[Row] = []
-        self.dead: list[Row] = []
-        self.routes: list[AuditRoute] = []
 
 
 def build_world() -> World:
