@@ -55,7 +55,7 @@ from bench.probe import create_topic, now_ms
 from bench.procs import Child
 from sidecar.broker.embedded import EmbeddedBroker, free_port
 from sidecar.client import Nacker
-from sidecar.outbound.records import DELIVER_AT, ORIGIN_OFFSET, ORIGIN_PARTITION, REDELIVERY_COUNT
+from sidecar.outbound.records import read_delivery
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -233,12 +233,12 @@ class Nacks:
         try:
             while not self._stop.wait(0.5):
                 for m in read_all(self._bootstrap, f"{TOPIC}.shared"):
-                    headers = dict(m.headers() or [])
                     if (m.partition(), m.offset()) in seen:
                         continue
                     seen.add((m.partition(), m.offset()))
-                    origin = (int(headers[ORIGIN_PARTITION]), int(headers[ORIGIN_OFFSET]))
-                    if int(headers.get(REDELIVERY_COUNT, b"0")) or origin in self.sent:
+                    d = read_delivery(dict(m.headers() or []))
+                    origin = (d.partition, d.offset)
+                    if d.redelivery_count or origin in self.sent:
                         continue
                     if self._rng.random() < self._fraction:
                         delay = self._rng.randint(1_000, 5_000)
@@ -295,14 +295,10 @@ def audit(bootstrap: str, records: int, nacked: dict[tuple[int, int], int]) -> A
         placed: dict[tuple[int, int], tuple[int, int]] = {}
         early = 0
         for m in read_all(bootstrap, f"{TOPIC}.{sub}"):
-            headers = dict(m.headers() or [])
-            key = (
-                int(headers[ORIGIN_PARTITION]),
-                int(headers[ORIGIN_OFFSET]),
-                int(headers.get(REDELIVERY_COUNT, b"0")),
-            )
+            d = read_delivery(dict(m.headers() or []))
+            key = (d.partition, d.offset, d.redelivery_count)
             copies[key] += 1
-            early += m.timestamp()[1] < int(headers[DELIVER_AT])
+            early += m.timestamp()[1] < d.deliver_at
             if key[2] == 0:
                 origin, position = key[:2], (m.partition(), m.offset())
                 placed[origin] = min(placed.get(origin, position), position)
@@ -426,10 +422,8 @@ def run(plan: Plan, workdir: Path, log: Any = print, spark: SparkSession | None 
         outcome.audit = audit(bootstrap, plan.records, nacks.sent)
         uncommitted = {s: read_all(bootstrap, f"{TOPIC}.{s}", committed_only=False) for s in SUBSCRIPTIONS}
         for sub, found in uncommitted.items():
-            firsts = [dict(m.headers() or []) for m in found]
-            outcome.audit.written[sub] = len(
-                {(h[ORIGIN_PARTITION], h[ORIGIN_OFFSET]) for h in firsts if not int(h.get(REDELIVERY_COUNT, b"0"))}
-            )
+            firsts = [read_delivery(dict(m.headers() or [])) for m in found]
+            outcome.audit.written[sub] = len({(d.partition, d.offset) for d in firsts if not d.redelivery_count})
         written = sum(len(found) for found in uncommitted.values())
         outcome.aborted_records = written - sum(len(read_all(bootstrap, f"{TOPIC}.{s}")) for s in SUBSCRIPTIONS)
         if plan.spark_audit:

@@ -223,6 +223,7 @@ def run(work: Path, pending: int, partitions: int, rate: int) -> dict[str, Any]:
 
 
 def _origin(m: Any) -> tuple[int, int]:
+    """Of a dead letter: they keep the v1 origin headers."""
     h = dict(m.headers())
     return int(h[ORIGIN_PARTITION]), int(h[ORIGIN_OFFSET])
 

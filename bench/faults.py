@@ -36,7 +36,7 @@ from confluent_kafka import Consumer, Message, Producer, TopicPartition
 from bench.probe import LiveReader
 from bench.procs import ROOT, Child
 from sidecar.broker.embedded import EmbeddedBroker, free_port
-from sidecar.outbound.records import DELIVER_AT, ORIGIN_OFFSET, ORIGIN_PARTITION, REDELIVERY_COUNT
+from sidecar.outbound.records import read_delivery
 
 SUBSCRIPTIONS = ("shared", "ordered")
 GUARANTEE = ["at-least-once"]
@@ -122,9 +122,8 @@ def read_to_end(bootstrap: str, topic: str) -> list[tuple[int, int, int, int, in
         while ends:
             for m in consumer.consume(10_000, 0.5):
                 if m.error() is None and m.offset() < ends.get(m.partition(), -1):
-                    h = dict(m.headers() or [])
-                    out.append((int(h[ORIGIN_PARTITION]), int(h[ORIGIN_OFFSET]), int(h[REDELIVERY_COUNT]),
-                                m.timestamp()[1], int(h[DELIVER_AT])))  # fmt: skip
+                    d = read_delivery(dict(m.headers() or []))
+                    out.append((d.partition, d.offset, d.redelivery_count, m.timestamp()[1], d.deliver_at))
                 if m.partition() in ends and m.offset() >= ends[m.partition()] - 1:
                     del ends[m.partition()]
         return out
@@ -193,9 +192,9 @@ def live_reader(bootstrap: str) -> tuple[LiveReader, dict[str, Counter[tuple[int
     copies: dict[str, Counter[tuple[int, int]]] = {s: Counter() for s in SUBSCRIPTIONS}
 
     def take(m: Message) -> None:
-        h = dict(m.headers() or [])
-        if int(h[REDELIVERY_COUNT]) == 0:
-            copies[m.topic().split(".", 1)[1]][(int(h[ORIGIN_PARTITION]), int(h[ORIGIN_OFFSET]))] += 1
+        d = read_delivery(dict(m.headers() or []))
+        if d.redelivery_count == 0:
+            copies[m.topic().split(".", 1)[1]][(d.partition, d.offset)] += 1
 
     topics = [f"faults.{s}" for s in SUBSCRIPTIONS]
     return LiveReader(bootstrap, topics, 3, take, ISOLATION[0]), copies

@@ -65,11 +65,11 @@ from bench.probe import Watermarks, create_topic, metric_sum, now_ms, read_recor
 from bench.procs import Child, load_argv, py_spy, run_load, start_sidecar
 from bench.report import environment
 from sidecar.broker.embedded import EmbeddedBroker, free_port, free_ports
+from sidecar.outbound.records import read_delivery
 
 CONTROL_TOPIC = "delay-sidecar.control"
 SUBSCRIPTION = "a"
 NAMES = ("A", "B", "C")
-ORIGIN_PARTITION, ORIGIN_OFFSET, DELIVER_AT = "delay-origin-partition", "delay-origin-offset", "delay-deliver-at"
 _ASSIGNED = re.compile(r'^ts=(\S+) .*event="partitions assigned" partitions=(\S+)')
 _REBUILT = re.compile(r'^ts=(\S+) .*event="index rebuild done" partition=(\S+)')
 # Lines written inside the assignment callback, before "partitions assigned": where it started.
@@ -152,10 +152,10 @@ def read_outbound(bootstrap: str, topic: str, watermarks: Watermarks) -> Outboun
     cols: list[list[int]] = [[], [], [], []]
     part, off, at, ts = cols
     for m in read_records(bootstrap, topic, watermarks, timeout_s=600.0):
-        headers = dict(m.headers() or ())  # the last value of a name wins, as the sidecar appends
-        part.append(int(headers[ORIGIN_PARTITION]))
-        off.append(int(headers[ORIGIN_OFFSET]))
-        at.append(int(headers[DELIVER_AT]))
+        d = read_delivery(dict(m.headers() or ()))  # the last value of a name wins, as the sidecar appends
+        part.append(d.partition)
+        off.append(d.offset)
+        at.append(d.deliver_at)
         ts.append(m.timestamp()[1])
     p, o, d, t = (np.asarray(c, dtype=np.int64) for c in cols)
     return Outbound(p, o, d, t)

@@ -33,6 +33,10 @@ SHAPES: dict[str, list[tuple[str, bytes]]] = {
     "1 compact header (topic/partition/offset@deliver_at#count)": [
         ("delay-origin", b"orders/3/1234567@1795255200000#0")
     ],
+    "2 headers (the compact form: delay-origin, delay-deliver-at)": [
+        ("delay-origin", b"orders/3/1234567"),
+        ("delay-deliver-at", b"1795255200000"),
+    ],
 }
 
 

@@ -222,6 +222,7 @@ class SidecarApp:
                     read_ahead_ms=settings.read_ahead_ms,
                     payload_cache=payload_cache,
                     monotone_runs=settings.monotone_runs,
+                    outbound_headers=settings.outbound_headers,
                     producer={"compression.type": settings.compression_type, "linger.ms": settings.linger_ms},
                     assignment_strategy=settings.assignment_strategy,
                     transactional_ids=ids,

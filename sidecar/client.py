@@ -18,6 +18,7 @@ __all__ = [
     "DELIVER_AFTER_HEADER",
     "DELIVER_AT_HEADER",
     "EFFECTIVE_DELIVER_AT_HEADER",
+    "ORIGIN_HEADER",
     "ORIGIN_OFFSET_HEADER",
     "ORIGIN_PARTITION_HEADER",
     "ORIGIN_TOPIC_HEADER",
@@ -37,7 +38,10 @@ __all__ = [
 DELIVER_AT_HEADER = "deliver-at"
 DELIVER_AFTER_HEADER = "deliver-after"
 
-# Contract section 4: what the sidecar puts on every outbound record.
+# Contract section 4: what the sidecar puts on every delivery. The compact form (the default) is
+# ORIGIN_HEADER ("topic/partition/offset") and the deliver-at, with the count only above 0; the v1 form
+# (--outbound-headers v1) is the three ORIGIN_*_HEADER and the count always. Both are read here.
+ORIGIN_HEADER = "delay-origin"
 ORIGIN_TOPIC_HEADER = "delay-origin-topic"
 ORIGIN_PARTITION_HEADER = "delay-origin-partition"
 ORIGIN_OFFSET_HEADER = "delay-origin-offset"
@@ -177,41 +181,66 @@ class MessageId:
 
 def origin(message: Record) -> MessageId:
     """The message id of an outbound record, to nack it or to recognise a redelivery of it."""
-    topic = _header(message, ORIGIN_TOPIC_HEADER)
+    compact, ours = _ours(message)
+    if compact:
+        text = _text(ours, ORIGIN_HEADER)
+        parts = text.rsplit("/", 2)
+        if len(parts) != 3 or not parts[0] or not all(_DECIMAL.fullmatch(p) for p in parts[1:]):
+            raise ValueError(f"header '{ORIGIN_HEADER}' is {text!r}, not topic/partition/offset")
+        return MessageId(parts[0], int(parts[1]), int(parts[2]))
+    topic = _text(ours, ORIGIN_TOPIC_HEADER)
     if not topic:
         raise ValueError(f"header '{ORIGIN_TOPIC_HEADER}' is empty")
     return MessageId(
         topic=topic,
-        partition=_int_header(message, ORIGIN_PARTITION_HEADER),
-        offset=_int_header(message, ORIGIN_OFFSET_HEADER),
+        partition=_int(ours, ORIGIN_PARTITION_HEADER),
+        offset=_int(ours, ORIGIN_OFFSET_HEADER),
     )
 
 
 def redelivery_count(message: Record) -> int:
     """How many times this message was nacked before: 0 on first delivery, the input of a backoff."""
-    return _int_header(message, REDELIVERY_COUNT_HEADER)
+    compact, ours = _ours(message)
+    if compact and not any(key == REDELIVERY_COUNT_HEADER for key, _ in ours):
+        return 0  # the compact form writes the count only above 0
+    return _int(ours, REDELIVERY_COUNT_HEADER)
 
 
 def deliver_at(message: Record) -> int:
     """The effective deliver-at in epoch ms, after the sidecar's policies: what lateness is measured from."""
-    return _int_header(message, EFFECTIVE_DELIVER_AT_HEADER)
+    return _int(_ours(message)[1], EFFECTIVE_DELIVER_AT_HEADER)
 
 
-def _header(message: Record, name: str) -> str:
+Pairs = list[tuple[str, HeaderValue]]
+
+
+def _ours(message: Record) -> tuple[bool, Pairs]:
+    """(compact form?, the headers the sidecar wrote): those from its last origin header on.
+
+    The sidecar appends its headers after the record's original ones, so when a record that already
+    went through a sidecar is delayed again, the first sidecar's headers come before ours."""
     headers = message.headers()
-    pairs = headers.items() if isinstance(headers, Mapping) else (headers or ())
+    pairs: Pairs = list(headers.items() if isinstance(headers, Mapping) else (headers or ()))
+    start, compact = -1, False
+    for i, (key, _) in enumerate(pairs):
+        if key in (ORIGIN_HEADER, ORIGIN_TOPIC_HEADER):
+            start, compact = i, key == ORIGIN_HEADER
+    if start < 0:
+        raise ValueError(
+            f"record has no '{ORIGIN_HEADER}' header (nor the v1 form's '{ORIGIN_TOPIC_HEADER}'): it was not "
+            "delivered by the delay sidecar (read the subscription's outbound topic, not the inbound one)"
+        )
+    return compact, pairs[start:]
+
+
+def _text(pairs: Pairs, name: str) -> str:
     found: HeaderValue = None
     present = False
-    # The sidecar appends its headers after the record's original ones, so when a record that already
-    # went through a sidecar is delayed again, the last occurrence is the one this sidecar wrote.
     for key, value in pairs:
         if key == name:
             found, present = value, True
     if not present:
-        raise ValueError(
-            f"record has no '{name}' header: it was not delivered by the delay sidecar "
-            "(read the subscription's outbound topic, not the inbound one)"
-        )
+        raise ValueError(f"record has no '{name}' header: the sidecar writes it on every delivery")
     if found is None:
         raise ValueError(f"header '{name}' has no value")
     if isinstance(found, bytes):
@@ -222,8 +251,8 @@ def _header(message: Record, name: str) -> str:
     return found
 
 
-def _int_header(message: Record, name: str) -> int:
-    text = _header(message, name)
+def _int(pairs: Pairs, name: str) -> int:
+    text = _text(pairs, name)
     if not _DECIMAL.fullmatch(text):
         raise ValueError(f"header '{name}' is {text!r}, not a non-negative decimal integer")
     return int(text)

@@ -21,6 +21,7 @@ from sidecar.broker.admin import TopicAdmin
 from sidecar.checkpoint import checkpoint
 from sidecar.clock import Clock, SystemClock
 from sidecar.control.acceptance import Acceptance
+from sidecar.control.intake import ControlIntake
 from sidecar.control.nacks import LatestNacks
 from sidecar.control.redelivery import Redelivery
 from sidecar.dispatch.dispatcher import Dispatcher
@@ -31,10 +32,14 @@ from sidecar.dispatch.roll import HorizonRoll
 from sidecar.dispatch.trail import TrailReader
 from sidecar.errors import BrokerError
 from sidecar.identity import TransactionalIds
+from sidecar.inbound.admission import Admission
+from sidecar.inbound.indexing import Indexer
+from sidecar.inbound.rebuild import Rebuilder
 from sidecar.inbound.receiver import Receiver
 from sidecar.kafka_io import LIBRDKAFKA, Connectivity, consume_batch, consumer_config
 from sidecar.metrics import Metrics
 from sidecar.outbound.delivery import Delivery
+from sidecar.outbound.records import HeaderForm
 from sidecar.outbound.writer import Writer
 from sidecar.partitions.assignment import Assignment
 from sidecar.partitions.gauges import publish_index_gauges
@@ -82,6 +87,7 @@ class Sidecar:
         payload_cache: PayloadCache | None = None,
         producer: dict[str, Any] | None = None,
         monotone_runs: bool = False,
+        outbound_headers: HeaderForm = "compact",
         assignment_strategy: str = "roundrobin",
         transactional_ids: TransactionalIds | None = None,
         state_topic: str | None = None,
@@ -151,7 +157,7 @@ class Sidecar:
         self._ids = transactional_ids
         self._fenced = set(writer.fenced)
         states = assignment.states
-        self._delivery = Delivery(writer, states, self._current_routes, retention, metrics, clock)
+        self._delivery = Delivery(writer, states, self._current_routes, retention, metrics, clock, outbound_headers)
         trail = TrailReader(client_config, self._rejudge, self._lost)
         self._roll_reader = LogReader(client_config, self._stop) if payload_cache is not None else None
         self._roll = (
@@ -175,11 +181,14 @@ class Sidecar:
             control_topic, group_id, writer, self._reader, states, self._current_routes, self._nacks, metrics, clock
         )
         self._redelivery = Redelivery(
-            self._acceptance, writer, self._reader, states, self._current_routes, retention, self._nacks, metrics, clock
-        )
+            self._acceptance, writer, self._reader, states, self._current_routes, retention, self._nacks, metrics,
+            clock, outbound_headers,
+        )  # fmt: skip
+        indexer = Indexer(self._dispatcher, self._delivery, monotone_runs)
+        self._admission = Admission(retention, writer, self._delivery, indexer, metrics)
         self._receiver = Receiver(
-            states, self._current_routes, retention, writer, self._delivery, self._dispatcher, self._acceptance,
-            self._redelivery, metrics, clock, payload_cache, monotone_runs,
+            states, self._current_routes, self._admission, indexer, Rebuilder(self._delivery, retention, metrics),
+            ControlIntake(self._acceptance, self._redelivery), writer.poll, metrics, clock, payload_cache,
         )  # fmt: skip
         self.assigned = assignment.assigned
         """Set once the group gave this member partitions: it is serving."""
@@ -453,7 +462,9 @@ class Sidecar:
         }
 
     def _rejudge(self, partition: tuple[str, int], record: Message) -> int | None:
-        return self._receiver.rejudge(partition, record)
+        state = self._assignment.states.get(partition)
+        routes = self._routes.get(partition[0])
+        return self._admission.rejudge(state, routes, record) if state is not None and routes is not None else None
 
     def _lost(self, partition: str, count: int) -> None:
         topic = partition.rsplit("/", 1)[0]

@@ -4,6 +4,8 @@ The flow calls these objects directly, but counts per batch where it can: a labe
 costs a dictionary lookup and a lock, which matters at hundreds of thousands of records a second.
 """
 
+import bisect
+from collections.abc import Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -155,6 +157,30 @@ class Metrics:
         if found is None:
             found = self._children[key] = metric.labels(*labels)
         return found
+
+    def observe_many(self, histogram: Any, values: Sequence[float]) -> None:
+        """`histogram.observe(v)` for each of `values` (a labelled child), with one lock per bucket touched.
+
+        Observing one delivery at a time took 6% of a burst's profile. This reaches into
+        prometheus_client's Histogram (`_upper_bounds`, `_buckets`, `_sum`, unchanged since 0.4);
+        without them it observes one by one."""
+        if not values:
+            return
+        bounds = getattr(histogram, "_upper_bounds", None)
+        buckets = getattr(histogram, "_buckets", None)
+        total = getattr(histogram, "_sum", None)
+        if bounds is None or buckets is None or total is None:
+            for value in values:
+                histogram.observe(value)
+            return
+        counts = [0] * len(bounds)
+        left = bisect.bisect_left
+        for value in values:
+            counts[left(bounds, value)] += 1  # the first bound >= value, as observe() picks it
+        for i, n in enumerate(counts):
+            if n:
+                buckets[i].inc(n)
+        total.inc(sum(values))
 
     def export_topics(self, topics: list[str]) -> None:
         """Export each topic's counters at 0 from the start: a scrape can tell "none yet" from "not served"."""

@@ -150,6 +150,12 @@ class RunSettings(KafkaSettings):
         description="Keep records whose deliver-at rises with the offset (fixed delays) as runs read back in "
         "order, instead of indexing and caching each one (see the README before turning it on)",
     )
+    outbound_headers: Literal["compact", "v1"] = Field(
+        "compact",
+        description="Header form of deliveries: compact (delay-origin: topic/partition/offset, delay-deliver-at, "
+        "and delay-redelivery-count above 0) or v1 (delay-origin-topic, -partition and -offset, and the count "
+        "always), for consumers written against the first form",
+    )
     compression_type: Literal["none", "gzip", "snappy", "lz4", "zstd"] = Field(
         "lz4", description="Compression of the records the sidecar writes (librdkafka compression.type)"
     )

@@ -15,6 +15,7 @@ from sidecar.outbound.records import (
     DELIVER_AT,
     ERROR_CODE,
     ERROR_MESSAGE,
+    ORIGIN,
     ORIGIN_OFFSET,
     ORIGIN_PARTITION,
     ORIGIN_TOPIC,
@@ -25,10 +26,18 @@ from spark.model import NACK_SCHEMA, AuditInputs, AuditParams, AuditRoute, Prepa
 
 
 def _origin() -> list[Column]:
+    """The origin in either header form: `delay-origin: topic/partition/offset` (compact, the default
+    for deliveries) or the v1 form's three headers (dead letters, and `--outbound-headers v1`)."""
+    compact = F.split(header_text(ORIGIN), "/")  # topic names hold no "/": three parts
+    has = F.size(compact) == 3
+
+    def part(i: int) -> Column:
+        return F.when(has, F.element_at(compact, i))
+
     return [
-        header_text(ORIGIN_TOPIC).alias("topic"),
-        header_long(ORIGIN_PARTITION).cast("int").alias("partition"),
-        header_long(ORIGIN_OFFSET).alias("offset"),
+        F.coalesce(part(1), header_text(ORIGIN_TOPIC)).alias("topic"),
+        F.coalesce(part(2).try_cast("long"), header_long(ORIGIN_PARTITION)).cast("int").alias("partition"),
+        F.coalesce(part(3).try_cast("long"), header_long(ORIGIN_OFFSET)).alias("offset"),
     ]
 
 

@@ -21,7 +21,15 @@ from bench import probe
 from sidecar.app import SidecarApp
 from sidecar.broker.base import wait_for_metadata
 from sidecar.broker.lifeline import die_with_parent
-from sidecar.outbound.records import DELIVER_AT, ORIGIN_OFFSET, ORIGIN_PARTITION, REDELIVERY_COUNT
+from sidecar.outbound.records import (
+    DELIVER_AT,
+    ORIGIN,
+    ORIGIN_OFFSET,
+    ORIGIN_PARTITION,
+    ORIGIN_TOPIC,
+    REDELIVERY_COUNT,
+    read_delivery,
+)
 from sidecar.settings import RunSettings
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -47,8 +55,12 @@ class Received:
     key: bytes | None
     value: bytes | None
     headers: dict[str, bytes]
+    """As written, except that a delivery in the compact form also gets the v1 form's origin and count
+    (`as_v1`): tests compare fates whatever the form; tests/outbound and the engine tests check the form."""
     timestamp: int
     received_ms: int
+    wire: list[tuple[str, bytes]] | None = None
+    """The headers exactly as written."""
 
     def header_int(self, name: str) -> int:
         return int(self.headers[name])
@@ -164,10 +176,21 @@ def _received(m: Any) -> Received:
         m.offset(),
         m.key(),
         m.value(),
-        {k: v for k, v in (m.headers() or [])},
+        as_v1({k: v for k, v in (m.headers() or [])}),
         m.timestamp()[1],
         time.time_ns() // 1_000_000,
+        m.headers(),
     )
+
+
+def as_v1(headers: dict[str, bytes]) -> dict[str, bytes]:
+    """`headers` with the v1 origin headers and count added to a compact-form delivery."""
+    if ORIGIN not in headers:
+        return headers
+    d = read_delivery(headers)
+    v1 = {ORIGIN_TOPIC: d.topic.encode(), ORIGIN_PARTITION: b"%d" % d.partition, ORIGIN_OFFSET: b"%d" % d.offset,
+          REDELIVERY_COUNT: b"%d" % d.redelivery_count}  # fmt: skip
+    return {**headers, **v1}
 
 
 def deliveries(records: list[Received]) -> Counter[tuple[int, int, int]]:

@@ -24,6 +24,7 @@ from sidecar.client import (
     outbound_consumer_config,
     redelivery_count,
 )
+from sidecar.outbound.records import outbound_headers
 
 Headers = list[tuple[str, bytes | None]] | None
 
@@ -84,7 +85,7 @@ class FakeProducer:
 def outbound(
     topic: str = "payments.orders", partition: int = 3, offset: int = 1234, count: int = 0, at: int = 1_700_000_000_000
 ) -> FakeMessage:
-    """An outbound record as contract section 4 describes it, after the producer's own headers."""
+    """An outbound record in the v1 header form of contract section 4, after the producer's own headers."""
     return FakeMessage(
         [
             ("trace-id", b"abc"),
@@ -211,13 +212,50 @@ def test_str_header_values_are_accepted() -> None:
 @pytest.mark.parametrize("headers", [None, [], [("deliver-after", b"30s")]])
 def test_record_not_from_the_sidecar(headers: Headers) -> None:
     record = FakeMessage(headers)
-    for read, name in [
-        (origin, "delay-origin-topic"),
-        (redelivery_count, "delay-redelivery-count"),
-        (deliver_at, "delay-deliver-at"),
-    ]:
-        with pytest.raises(ValueError, match=f"no '{name}' header"):
+    for read in (origin, redelivery_count, deliver_at):
+        with pytest.raises(ValueError, match=r"no 'delay-origin' header .*'delay-origin-topic'"):
             read(record)
+
+
+def compact(topic: str = "payments.orders", partition: int = 3, offset: int = 1234, count: int = 0,
+            at: int = 1_700_000_000_000) -> FakeMessage:  # fmt: skip
+    """A delivery in the compact header form (the default), as the sidecar writes it."""
+    return FakeMessage([("trace-id", b"abc"), *outbound_headers(None, topic, partition, offset, at, count)])
+
+
+@pytest.mark.parametrize("count", [0, 3])
+def test_the_compact_form_reads_as_the_v1_form(count: int) -> None:
+    short, long = compact(count=count), outbound(count=count)
+    assert short._headers is not None
+    assert {name for name, _ in short._headers} - {"trace-id"} == (
+        {"delay-origin", "delay-deliver-at"} | ({"delay-redelivery-count"} if count else set())
+    )
+    for read in (origin, redelivery_count, deliver_at):
+        assert read(short) == read(long)
+    assert origin(compact(topic="a.b-c_d")) == MessageId("a.b-c_d", 3, 1234)
+
+
+def test_a_compact_delivery_of_a_record_that_was_delivered_before_reads_its_own_headers() -> None:
+    """The first sidecar's headers (either form, a count among them) are originals of the second delivery."""
+    for earlier in (outbound(topic="old", count=9), compact(topic="old", count=9)):
+        assert earlier._headers is not None
+        record = compact(topic="new", partition=1, offset=5)
+        assert record._headers is not None
+        record._headers[:0] = earlier._headers
+        assert (origin(record), redelivery_count(record)) == (MessageId("new", 1, 5), 0)
+        again = outbound(topic="new", partition=1, offset=5, count=2)
+        assert again._headers is not None
+        again._headers[:0] = earlier._headers
+        assert (origin(again), redelivery_count(again)) == (MessageId("new", 1, 5), 2)
+
+
+@pytest.mark.parametrize("value", [b"", b"t", b"t/1", b"/1/2", b"t/x/2", b"t/1/-2", b"t/1/2 ", "é/1/2".encode()])
+def test_a_malformed_compact_origin_is_named(value: bytes) -> None:
+    record = compact()
+    assert record._headers is not None
+    record._headers = [(n, value if n == "delay-origin" else v) for n, v in record._headers]
+    with pytest.raises(ValueError, match="'delay-origin'"):
+        origin(record)
 
 
 def test_missing_origin_header_is_named() -> None:
@@ -333,7 +371,7 @@ def test_subscription_is_required_not_guessed_from_the_topic() -> None:
 def test_nack_of_a_record_without_origin_headers() -> None:
     producer = FakeProducer()
     nacker = Nacker(producer, subscription="billing")
-    with pytest.raises(ValueError, match="no 'delay-origin-topic' header"):
+    with pytest.raises(ValueError, match="no 'delay-origin' header"):
         nacker.nack(FakeMessage([("deliver-after", b"30s")]), 1000)
     record = outbound()
     assert record._headers is not None

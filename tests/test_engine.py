@@ -60,19 +60,30 @@ def test_deliver_after_reaches_both_subscriptions_on_time(
             assert (record.key, record.value) == (b"k", b"v")
             assert record.headers["trace"] == b"x" and record.headers["deliver-after"] == b"2s"
             assert record.headers[REDELIVERY_COUNT] == b"0"
+            # The compact form: two headers of the sidecar's own after the producer's, no count at 0.
+            assert record.wire == [
+                ("deliver-after", b"2s"),
+                ("trace", b"x"),
+                ("delay-origin", f"{topic}/0/0".encode()),
+                ("delay-deliver-at", b"%d" % deliver_at),
+            ]
         assert sidecar.metric("delay_sidecar_messages_delayed_total", topic=topic) == 1
         assert sidecar.metric("delay_sidecar_messages_delivered_total", topic=topic, subscription="billing") == 1
 
 
+@pytest.mark.parametrize("form", ["compact", "v1"])
 def test_records_without_delay_pass_straight_through_with_origin(
     kafka: str,
     kafka_helper: KafkaHelper,
     topic_factory: Callable[..., str],
     policy_file: Callable[[str], Path],
     tmp_path: Path,
+    form: str,
 ) -> None:
     topic = topic_factory("plain", partitions=2)
-    settings = settings_for(kafka, policy_file(two_subscriptions(topic)), tmp_path)
+    settings = settings_for(kafka, policy_file(two_subscriptions(topic)), tmp_path, outbound_headers=form)
+    own = {"compact": ["delay-origin", "delay-deliver-at"],
+           "v1": [ORIGIN_TOPIC, ORIGIN_PARTITION, ORIGIN_OFFSET, DELIVER_AT, REDELIVERY_COUNT]}[form]  # fmt: skip
     with ThreadedSidecar(settings):
         for i in range(20):
             kafka_helper.produce(topic, f"v{i}".encode(), f"k{i}".encode(), partition=i % 2)
@@ -87,6 +98,7 @@ def test_records_without_delay_pass_straight_through_with_origin(
             assert origins == {(topic.encode(), p, o) for p in (0, 1) for o in range(10)}
             for r in records:
                 assert r.headers[DELIVER_AT] and r.received_ms - r.header_int(DELIVER_AT) < 5000
+                assert [name for name, _ in r.wire or []] == own
 
 
 def test_invalid_header_lands_on_dead_letter_topic_with_code_and_origin(

@@ -19,7 +19,7 @@ import pytest
 
 from sidecar.broker.embedded import free_port
 from sidecar.identity import IDS_FILE
-from sidecar.inbound.receiver import Receiver
+from sidecar.inbound.rebuild import Rebuilder
 from sidecar.partitions.metadata import CommitMetadata
 from sidecar.settings import RunSettings
 from tests.kafka_helpers import (
@@ -174,14 +174,14 @@ def test_a_rebuilding_partition_names_its_new_producer_in_the_commit_before_it_w
     earlier = producer()
     held = threading.Event()
     release = threading.Event()
-    rebuild_one = Receiver._rebuild_one
+    rebuild = Rebuilder.take
 
-    def hold(self: Receiver, *args: Any, **kwargs: Any) -> None:
+    def hold(self: Rebuilder, *args: Any, **kwargs: Any) -> int:
         held.set()
         release.wait(120)
-        rebuild_one(self, *args, **kwargs)
+        return rebuild(self, *args, **kwargs)
 
-    monkeypatch.setattr(Receiver, "_rebuild_one", hold)
+    monkeypatch.setattr(Rebuilder, "take", hold)
     try:
         with ThreadedSidecar(settings(tmp_path / "second")):  # a lost state dir: a rebuild
             wait_for(held.is_set, 60, "the rebuild to start")

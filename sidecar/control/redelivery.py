@@ -17,7 +17,7 @@ from sidecar.control.nacks import LatestNacks
 from sidecar.dispatch.reader import LogReader
 from sidecar.errors import RejectedRecord
 from sidecar.metrics import Metrics
-from sidecar.outbound.records import outbound_headers
+from sidecar.outbound.records import HeaderForm, outbound_headers
 from sidecar.outbound.writer import Writer
 from sidecar.partitions import TopicPartitionKey
 from sidecar.partitions.state import PartitionState
@@ -44,7 +44,9 @@ class Redelivery:
         nacks: LatestNacks,
         metrics: Metrics,
         clock: Clock,
+        header_form: HeaderForm = "compact",
     ) -> None:
+        self._header_form = header_form
         self._acceptance = acceptance
         self._writer = writer
         self._reader = reader
@@ -130,6 +132,7 @@ class Redelivery:
             command.offset,
             nack.deliver_at,
             command.redelivery_count + 1,
+            self._header_form,
         )
         outbound = sub.outbound
         self._writer.send(

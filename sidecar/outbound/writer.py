@@ -201,6 +201,10 @@ class Writer:
         """The outbound partition for a record from inbound `partition` (ANY_PARTITION: by key)."""
         return partition if topic in self._same_partition else ANY_PARTITION
 
+    def keeps_partition(self, topic: str) -> bool:
+        """Whether `topic` takes each record on its inbound partition's number (else: by key)."""
+        return topic in self._same_partition
+
     def send(
         self,
         topic: str,

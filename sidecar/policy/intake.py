@@ -4,6 +4,7 @@ Pure code. Live intake and the rebuild of a lost index both call `judge`, with t
 force when the record first arrived, so they cannot disagree.
 """
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 from sidecar.errors import RejectedRecord
@@ -49,10 +50,30 @@ class Judge:
     def __call__(self, rule: IntakeRule, headers: Headers, publish_ms: int) -> Fate:
         if headers is not None:
             return judge(rule, headers, publish_ms)
+        fate = self._plain_fate(rule)
+        return fate if fate.deliver_at is None else Fate(fate.deliver_at + publish_ms)
+
+    def many(self, rule: IntakeRule, records: Sequence[tuple[Headers, int]]) -> list[Fate]:
+        """The fates of (headers, publish ms) judged under one rule, in order: what calling this
+        judge on each would give. A record without headers costs a comparison, not a decision."""
+        plain = self._plain_fate(rule)
+        shift = plain.deliver_at
+        fates: list[Fate] = []
+        add = fates.append
+        for headers, publish_ms in records:
+            if headers is not None:
+                add(judge(rule, headers, publish_ms))
+            elif shift is None:
+                add(plain)
+            else:
+                add(Fate(shift + publish_ms))
+        return fates
+
+    def _plain_fate(self, rule: IntakeRule) -> Fate:
+        """The fate of a record without headers published at 0 under `rule`."""
         entry = self._plain.get(id(rule))
         if entry is None or entry[0] is not rule:
             if len(self._plain) >= self._KEEP:  # rules are made per batch: keep the recent ones
                 self._plain.clear()
             entry = self._plain[id(rule)] = (rule, judge(rule, None, 0))
-        fate = entry[1]
-        return fate if fate.deliver_at is None else Fate(fate.deliver_at + publish_ms)
+        return entry[1]

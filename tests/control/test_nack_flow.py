@@ -33,7 +33,7 @@ class RecordView:
         self._record = record
 
     def headers(self) -> list[tuple[str, bytes]]:
-        return list(self._record.headers.items())
+        return list(self._record.wire or self._record.headers.items())
 
     def topic(self) -> str:
         return self._record.topic

@@ -5,7 +5,7 @@ from datetime import UTC, datetime
 
 from pyspark.sql import DataFrame, SparkSession
 
-from sidecar.outbound.records import dead_letter_headers, outbound_headers
+from sidecar.outbound.records import HeaderForm, dead_letter_headers, outbound_headers
 from spark.kafka_source import kafka_schema
 from spark.model import AuditRoute
 
@@ -35,7 +35,9 @@ def delivered(
     redelivery_count: int = 0,
     out_partition: int = 0,
 ) -> Row:
-    headers = outbound_headers(None, *origin, deliver_at, redelivery_count)
+    # Both header forms in every world: the compact one (the default) on even outbound offsets.
+    form: HeaderForm = "compact" if out_offset % 2 == 0 else "v1"
+    headers = outbound_headers(None, *origin, deliver_at, redelivery_count, form)
     return record(outbound, out_offset, delivered_ms, headers, partition=out_partition)
 
 

@@ -1,0 +1,30 @@
+"""The control partitions' records in a consumed batch: commands judged and accepted records
+indexed (acceptance.py); the accepted nacks already due are redelivered once, at the batch's end.
+"""
+
+from collections.abc import Sequence
+
+from confluent_kafka import Message
+
+from sidecar.control.acceptance import Acceptance
+from sidecar.control.commands import AcceptedNack
+from sidecar.control.redelivery import Redelivery
+from sidecar.partitions.state import PartitionState
+
+
+class ControlIntake:
+    def __init__(self, acceptance: Acceptance, redelivery: Redelivery) -> None:
+        self._acceptance = acceptance
+        self._redelivery = redelivery
+        self._due: list[tuple[int, int, AcceptedNack]] = []
+
+    def take(self, state: PartitionState, records: Sequence[Message]) -> None:
+        due: list[tuple[int, AcceptedNack]] = []
+        for record in records:
+            self._acceptance.take(record, state, due)
+        self._due += [(state.partition, offset, nack) for offset, nack in due]
+
+    def settle(self) -> None:
+        if self._due:
+            due, self._due = self._due, []
+            self._redelivery.redeliver(due)

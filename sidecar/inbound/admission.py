@@ -1,0 +1,92 @@
+"""A slice of one partition's records, admitted as a batch: judged by the policy step, then sent
+now, dead-lettered or indexed.
+
+The fate of each record is decided by `Judge.many` (policy/intake.py), the one place that decides
+fates; this step only carries the decisions out. Records sent now go out as lists: to the delayed
+subscriptions the ones with no deliver-at, to the ordered subscriptions every admitted record, in
+offset order (those ignore delays).
+"""
+
+from collections.abc import Sequence
+
+from confluent_kafka import Message
+
+from sidecar.inbound.batch import IntakeBatch
+from sidecar.inbound.indexing import Delayed, Indexer
+from sidecar.metrics import Metrics
+from sidecar.outbound.delivery import Delivery
+from sidecar.outbound.writer import Writer
+from sidecar.partitions.state import PartitionState
+from sidecar.policy.intake import Fate, Judge
+from sidecar.policy.routes import Routes
+
+
+class Admission:
+    def __init__(
+        self,
+        retention_ms: dict[str, int | None],
+        writer: Writer,
+        delivery: Delivery,
+        indexer: Indexer,
+        metrics: Metrics,
+    ) -> None:
+        self._retention_ms = retention_ms
+        self._writer = writer
+        self._delivery = delivery
+        self._indexer = indexer
+        self._metrics = metrics
+        self.judge = Judge()
+
+    def take(self, batch: IntakeBatch, state: PartitionState, routes: Routes, records: Sequence[Message]) -> None:
+        topic = state.topic
+        rule = batch.rule(topic, routes, self._retention_ms.get(topic))
+        if state.rule is not rule:
+            state.rules.note(records[0].offset(), rule)
+            state.rule = rule
+        now = batch.now
+        stamps = [record.timestamp()[1] for record in records]
+        judged = [(r.headers(), s if s > 0 else now) for r, s in zip(records, stamps, strict=True)]
+        fates = self.judge.many(rule, judged)
+        delayed: list[tuple[Delayed, bool]] = []
+        now_list: list[tuple[Message, int]] = []
+        ordered: list[tuple[Message, int]] | None = [] if routes.ordered else None
+        route = routes.route
+        for record, publish_ms, fate in zip(records, stamps, fates, strict=True):
+            deliver_at, rejected, overridden, disabled, miscased = fate
+            if rejected is not None:
+                self._writer.dead_letter(route.dead_letter_topic, record, rejected.code, rejected.message)
+                self._metrics.rejected.labels(topic, route.namespace or "", rejected.code).inc()
+                continue
+            if overridden or disabled or miscased:
+                self._count(fate, topic, route.namespace or "")
+            at = publish_ms if publish_ms > 0 else now
+            if deliver_at is None:
+                now_list.append((record, at))
+            else:
+                delayed.append(((record.offset(), deliver_at, record), publish_ms > 0))
+            if ordered is not None:
+                ordered.append((record, at))  # exclusive and failover ignore delays: now, in offset order
+        state.next_offset = records[-1].offset() + 1
+        sent = batch.sent[topic]
+        if now_list:
+            self._delivery.send_many(topic, routes.delayed, now_list, sent)
+        if ordered:
+            self._delivery.send_many(topic, routes.ordered, ordered, sent)
+        if delayed:
+            self._indexer.take(batch, state, routes, delayed)
+
+    def rejudge(self, state: PartitionState, routes: Routes, record: Message) -> int | None:
+        """The deliver-at intake gave `record` (for reading runs back), or None: not delayed, or no timestamp."""
+        publish_ms = record.timestamp()[1]
+        if publish_ms <= 0:
+            return None
+        rule = state.rules.at(record.offset()) or routes.rule(self._retention_ms.get(state.topic))
+        return self.judge(rule, record.headers(), publish_ms).deliver_at
+
+    def _count(self, fate: Fate, topic: str, namespace: str) -> None:
+        if fate.overridden:
+            self._metrics.fixed_delay_overridden.labels(topic, namespace).inc()
+        if fate.disabled:
+            self._metrics.delay_disabled.labels(topic, namespace).inc()
+        if fate.miscased:
+            self._metrics.delay_header_miscased.labels(topic).inc()

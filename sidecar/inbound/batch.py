@@ -1,0 +1,45 @@
+"""What one consumed batch accumulates on its way through the steps, settled once at its end.
+
+Counters are labelled Prometheus children: touching one per record costs a lookup and a lock, so
+the steps count here and `settle` adds each count once.
+"""
+
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+
+from sidecar.dispatch.payload_cache import CacheBatch
+from sidecar.metrics import Metrics
+from sidecar.partitions import TopicPartitionKey
+from sidecar.partitions.state import PartitionState
+from sidecar.policy.routes import IntakeRule, Routes
+
+
+@dataclass
+class IntakeBatch:
+    now: int
+    routes: dict[str, Routes]
+    payloads: CacheBatch | None
+    """Payloads of records indexed for later, written once per batch."""
+    rules: dict[str, IntakeRule] = field(default_factory=dict)
+    """The rule in force per topic, made once per batch (a policy reload changes it between batches)."""
+    received: Counter[str] = field(default_factory=Counter)
+    delayed: Counter[str] = field(default_factory=Counter)
+    sent: defaultdict[str, Counter[str]] = field(default_factory=lambda: defaultdict(Counter))
+    """Records written per topic and subscription."""
+    offered: dict[TopicPartitionKey, PartitionState] = field(default_factory=dict)
+    """Partitions whose open run took members in this batch (settled at its end)."""
+
+    def rule(self, topic: str, routes: Routes, retention_ms: int | None) -> IntakeRule:
+        found = self.rules.get(topic)
+        if found is None:
+            found = self.rules[topic] = routes.rule(retention_ms)
+        return found
+
+    def settle(self, metrics: Metrics) -> None:
+        for topic, n in self.received.items():
+            metrics.child(metrics.messages_in, topic).inc(n)
+        for topic, n in self.delayed.items():
+            metrics.child(metrics.messages_delayed, topic).inc(n)
+        for topic, subs in self.sent.items():
+            for sub, n in subs.items():
+                metrics.child(metrics.delivered, topic, sub).inc(n)

@@ -1,0 +1,78 @@
+"""Delayed records into the partition's index: as members of a monotone run, or one entry each
+with the payload kept (in memory when near due, else in the payload cache). A record already
+due when it is indexed (the tracker refuses it) goes out at once.
+"""
+
+from collections import Counter
+
+from confluent_kafka import Message
+
+from sidecar.dispatch.dispatcher import Dispatcher
+from sidecar.inbound.batch import IntakeBatch
+from sidecar.outbound.delivery import Delivery
+from sidecar.partitions.state import PartitionState
+from sidecar.policy.routes import Routes
+
+Delayed = tuple[int, int, Message]
+"""(offset, deliver-at, record)"""
+
+
+class Indexer:
+    def __init__(self, dispatcher: Dispatcher, delivery: Delivery, runs: bool) -> None:
+        """`runs`: form monotone runs at intake (runs already pending are delivered either way)."""
+        self._dispatcher = dispatcher
+        self._delivery = delivery
+        self._runs = runs
+
+    def take(
+        self, batch: IntakeBatch, state: PartitionState, routes: Routes, delayed: list[tuple[Delayed, bool]]
+    ) -> None:
+        """Delayed records of one partition in offset order, each with whether it has a timestamp of its own
+        (a run needs one: a reread judges it again from it)."""
+        now, runs = batch.now, state.runs
+        sent = batch.sent[state.topic]
+        indexed = 0
+        for item, stamped in delayed:
+            offset, deliver_at, record = item
+            if deliver_at > now and stamped and self._runs:
+                joined, dropped = runs.offer(offset, deliver_at, record)
+                if dropped:  # counted when they joined
+                    self.index(batch, state, routes, dropped, sent)
+                if joined:
+                    indexed += 1
+                    batch.offered[(state.topic, state.partition)] = state
+                    continue
+            elif runs.open and runs.would_join(deliver_at):
+                # Due already, so not a member; a reread would count it as one: the run ends before it.
+                self.index(batch, state, routes, runs.close(), sent)
+            indexed += self.index(batch, state, routes, [item], sent)
+        batch.delayed[state.topic] += indexed
+
+    def settle(self, batch: IntakeBatch) -> None:
+        """At the end of a batch, runs still on probation are indexed one by one (see Runs.settle)."""
+        for state in batch.offered.values():
+            if dropped := state.runs.settle():
+                routes = batch.routes.get(state.topic)
+                if routes is not None:
+                    self.index(batch, state, routes, dropped, batch.sent[state.topic])
+
+    def index(
+        self, batch: IntakeBatch, state: PartitionState, routes: Routes, records: list[Delayed], sent: Counter[str]
+    ) -> int:
+        """Each record into the tracker, keeping its payload; one due now is sent now. Returns how many were indexed."""
+        tracker, indexed = state.tracker, 0
+        hold_from = state.runs.lower_bound()
+        partition = (state.topic, state.partition)
+        payloads, dispatcher, now = batch.payloads, self._dispatcher, batch.now
+        due: list[tuple[Message, int]] = []
+        for offset, deliver_at, record in records:
+            if tracker.add(offset, deliver_at, hold_from):
+                indexed += 1
+                kept = dispatcher.near(deliver_at, now) and dispatcher.keep_payload(partition, offset, record)
+                if not kept and payloads is not None:
+                    payloads.add(state.topic, state.partition, offset, deliver_at, record, record.headers())
+            else:
+                due.append((record, deliver_at))
+        if due:
+            self._delivery.send_many(state.topic, routes.delayed, due, sent)
+        return indexed

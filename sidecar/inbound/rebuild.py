@@ -1,0 +1,53 @@
+"""Records below a rebuild's end, read again because the partition's index was not kept.
+
+They were judged before the restart: each is judged again with the rule recorded for its offset,
+and only those the committed watermark does not cover are indexed again (with their payloads
+cached, as at intake: a new owner has no cache) or, when due, sent now.
+"""
+
+from collections.abc import Sequence
+
+from confluent_kafka import Message
+
+from sidecar.inbound.batch import IntakeBatch
+from sidecar.metrics import Metrics
+from sidecar.outbound.delivery import Delivery
+from sidecar.partitions.state import PartitionState
+from sidecar.policy.intake import judge
+from sidecar.policy.routes import Routes
+from sidecar.tracker.base import pack
+
+
+class Rebuilder:
+    def __init__(self, delivery: Delivery, retention_ms: dict[str, int | None], metrics: Metrics) -> None:
+        self._delivery = delivery
+        self._retention_ms = retention_ms
+        self._metrics = metrics
+
+    def take(self, batch: IntakeBatch, state: PartitionState, routes: Routes, records: Sequence[Message]) -> int:
+        """Rebuild from the first of `records` on; returns how many it took (the rest come after the rebuild)."""
+        rebuild = state.rebuild
+        taken = 0
+        sent = batch.sent[state.topic]
+        current = routes.rule(self._retention_ms.get(state.topic))
+        for record in records:
+            if rebuild is None:
+                break
+            offset = record.offset()
+            publish_ms = record.timestamp()[1]
+            rule = state.rules.at(offset) or current
+            deliver_at = judge(rule, record.headers(), publish_ms if publish_ms > 0 else batch.now).deliver_at
+            if deliver_at is not None and pack(deliver_at, offset) > rebuild.through:
+                if state.tracker.add(offset, deliver_at, deliver_now=not state.exact):
+                    rebuild.indexed += 1
+                    if batch.payloads is not None:
+                        batch.payloads.add(state.topic, state.partition, offset, deliver_at, record, record.headers())
+                else:
+                    self._delivery.send_many(state.topic, routes.targets(rule), [(record, deliver_at)], sent)
+                    rebuild.redelivered += 1
+            state.next_offset = offset + 1
+            taken += 1
+            if rebuild.progress(state.name, offset):
+                state.rebuild = rebuild = None
+        self._metrics.child(self._metrics.replayed, state.topic).inc(taken)
+        return taken
