@@ -33,6 +33,7 @@ from sidecar.dispatch.trail import TrailReader
 from sidecar.errors import BrokerError
 from sidecar.identity import TransactionalIds
 from sidecar.inbound.admission import Admission
+from sidecar.inbound.batch import batches
 from sidecar.inbound.indexing import Indexer
 from sidecar.inbound.rebuild import Rebuilder
 from sidecar.inbound.receiver import Receiver
@@ -187,8 +188,9 @@ class Sidecar:
         indexer = Indexer(self._dispatcher, self._delivery, monotone_runs)
         self._admission = Admission(retention, writer, self._delivery, indexer, metrics)
         self._receiver = Receiver(
-            states, self._current_routes, self._admission, indexer, Rebuilder(self._delivery, retention, metrics),
-            ControlIntake(self._acceptance, self._redelivery), writer.poll, metrics, clock, payload_cache,
+            states, batches(self._current_routes, metrics, clock, payload_cache), self._admission,
+            Rebuilder(self._delivery, retention, metrics), ControlIntake(self._acceptance, self._redelivery),
+            writer.poll,
         )  # fmt: skip
         self.assigned = assignment.assigned
         """Set once the group gave this member partitions: it is serving."""

@@ -31,6 +31,15 @@ TRAIL_AHEAD_MS = 1_000
 READ_PER_TURN = 5_000
 # Records between runs read through rather than skipped with a seek (about one fetch's worth).
 SEEK_OVER = 2_000
+# The reader trails the log end by the runs' delay, so every fetch finds a whole backlog: its own
+# limits keep each answer to about a turn's reading (READ_PER_TURN records of a few hundred bytes)
+# and what librdkafka queues ahead to a few fetches, instead of the intake's 32 MiB.
+# noida-db ignores them (it answers with the rest of the partition): see README, Monotone runs.
+FETCH_LIMITS: dict[str, Any] = {
+    "max.partition.fetch.bytes": 1024 * 1024,
+    "fetch.max.bytes": 4 * 1024 * 1024,
+    "queued.max.messages.kbytes": 4 * 1024,
+}
 
 Rejudge = Callable[[TopicPartitionKey, Message], int | None]
 """The deliver-at intake gave a record (its rule, its headers, its timestamp), or None when it was
@@ -65,6 +74,7 @@ class TrailReader:
                     "enable.auto.offset.store": False,
                     "auto.offset.reset": "earliest",
                     "fetch.wait.max.ms": 10,
+                    **FETCH_LIMITS,
                 },
             ),
             logger=LIBRDKAFKA,

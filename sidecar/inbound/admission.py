@@ -14,7 +14,7 @@ from confluent_kafka import Message
 from sidecar.inbound.batch import IntakeBatch
 from sidecar.inbound.indexing import Delayed, Indexer
 from sidecar.metrics import Metrics
-from sidecar.outbound.delivery import Delivery
+from sidecar.outbound.delivery import Delivery, Due
 from sidecar.outbound.writer import Writer
 from sidecar.partitions.state import PartitionState
 from sidecar.policy.intake import Fate, Judge
@@ -48,8 +48,8 @@ class Admission:
         judged = [(r.headers(), s if s > 0 else now) for r, s in zip(records, stamps, strict=True)]
         fates = self.judge.many(rule, judged)
         delayed: list[tuple[Delayed, bool]] = []
-        now_list: list[tuple[Message, int]] = []
-        ordered: list[tuple[Message, int]] | None = [] if routes.ordered else None
+        now_list: list[Due] = []
+        ordered: list[Due] | None = [] if routes.ordered else None
         route = routes.route
         for record, publish_ms, fate in zip(records, stamps, fates, strict=True):
             deliver_at, rejected, overridden, disabled, miscased = fate
@@ -59,13 +59,13 @@ class Admission:
                 continue
             if overridden or disabled or miscased:
                 self._count(fate, topic, route.namespace or "")
-            at = publish_ms if publish_ms > 0 else now
+            at, offset = publish_ms if publish_ms > 0 else now, record.offset()
             if deliver_at is None:
-                now_list.append((record, at))
+                now_list.append((at, offset, record))
             else:
-                delayed.append(((record.offset(), deliver_at, record), publish_ms > 0))
+                delayed.append(((offset, deliver_at, record), publish_ms > 0))
             if ordered is not None:
-                ordered.append((record, at))  # exclusive and failover ignore delays: now, in offset order
+                ordered.append((at, offset, record))  # exclusive and failover ignore delays: now, in offset order
         state.next_offset = records[-1].offset() + 1
         sent = batch.sent[topic]
         if now_list:
@@ -74,6 +74,10 @@ class Admission:
             self._delivery.send_many(topic, routes.ordered, ordered, sent)
         if delayed:
             self._indexer.take(batch, state, routes, delayed)
+
+    def settle(self, batch: IntakeBatch) -> None:
+        """At the end of a batch: runs still on probation are indexed one by one."""
+        self._indexer.settle(batch)
 
     def rejudge(self, state: PartitionState, routes: Routes, record: Message) -> int | None:
         """The deliver-at intake gave `record` (for reading runs back), or None: not delayed, or no timestamp."""

@@ -1,13 +1,16 @@
 """What one consumed batch accumulates on its way through the steps, settled once at its end.
 
 Counters are labelled Prometheus children: touching one per record costs a lookup and a lock, so
-the steps count here and `settle` adds each count once.
+the steps count here and `settle` adds each count once. The payload cache is written once per
+batch for the same reason.
 """
 
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from sidecar.dispatch.payload_cache import CacheBatch
+from sidecar.clock import Clock
+from sidecar.dispatch.payload_cache import CacheBatch, PayloadCache
 from sidecar.metrics import Metrics
 from sidecar.partitions import TopicPartitionKey
 from sidecar.partitions.state import PartitionState
@@ -20,6 +23,7 @@ class IntakeBatch:
     routes: dict[str, Routes]
     payloads: CacheBatch | None
     """Payloads of records indexed for later, written once per batch."""
+    metrics: Metrics
     rules: dict[str, IntakeRule] = field(default_factory=dict)
     """The rule in force per topic, made once per batch (a policy reload changes it between batches)."""
     received: Counter[str] = field(default_factory=Counter)
@@ -35,7 +39,11 @@ class IntakeBatch:
             found = self.rules[topic] = routes.rule(retention_ms)
         return found
 
-    def settle(self, metrics: Metrics) -> None:
+    def settle(self) -> None:
+        """The cached payloads written, the counts added."""
+        if self.payloads is not None:
+            self.payloads.write()
+        metrics = self.metrics
         for topic, n in self.received.items():
             metrics.child(metrics.messages_in, topic).inc(n)
         for topic, n in self.delayed.items():
@@ -43,3 +51,15 @@ class IntakeBatch:
         for topic, subs in self.sent.items():
             for sub, n in subs.items():
                 metrics.child(metrics.delivered, topic, sub).inc(n)
+
+
+def batches(
+    routes: Callable[[], dict[str, Routes]], metrics: Metrics, clock: Clock, payloads: PayloadCache | None
+) -> Callable[[], IntakeBatch]:
+    """Opens the batch of one `take`: the time and the routes it is judged by, fixed for the whole batch."""
+
+    def open_batch() -> IntakeBatch:
+        now = clock.now_ms()
+        return IntakeBatch(now, routes(), payloads.batch(now) if payloads is not None else None, metrics)
+
+    return open_batch

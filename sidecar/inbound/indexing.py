@@ -9,7 +9,7 @@ from confluent_kafka import Message
 
 from sidecar.dispatch.dispatcher import Dispatcher
 from sidecar.inbound.batch import IntakeBatch
-from sidecar.outbound.delivery import Delivery
+from sidecar.outbound.delivery import Delivery, Due
 from sidecar.partitions.state import PartitionState
 from sidecar.policy.routes import Routes
 
@@ -64,7 +64,7 @@ class Indexer:
         hold_from = state.runs.lower_bound()
         partition = (state.topic, state.partition)
         payloads, dispatcher, now = batch.payloads, self._dispatcher, batch.now
-        due: list[tuple[Message, int]] = []
+        due: list[Due] = []
         for offset, deliver_at, record in records:
             if tracker.add(offset, deliver_at, hold_from):
                 indexed += 1
@@ -72,7 +72,7 @@ class Indexer:
                 if not kept and payloads is not None:
                     payloads.add(state.topic, state.partition, offset, deliver_at, record, record.headers())
             else:
-                due.append((record, deliver_at))
+                due.append((deliver_at, offset, record))
         if due:
             self._delivery.send_many(state.topic, routes.delayed, due, sent)
         return indexed

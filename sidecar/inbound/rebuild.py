@@ -43,7 +43,7 @@ class Rebuilder:
                     if batch.payloads is not None:
                         batch.payloads.add(state.topic, state.partition, offset, deliver_at, record, record.headers())
                 else:
-                    self._delivery.send_many(state.topic, routes.targets(rule), [(record, deliver_at)], sent)
+                    self._delivery.send_many(state.topic, routes.targets(rule), [(deliver_at, offset, record)], sent)
                     rebuild.redelivered += 1
             state.next_offset = offset + 1
             taken += 1

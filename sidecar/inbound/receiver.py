@@ -10,18 +10,13 @@ from collections.abc import Callable
 
 from confluent_kafka import KafkaError, Message
 
-from sidecar.clock import Clock
 from sidecar.control.intake import ControlIntake
-from sidecar.dispatch.payload_cache import PayloadCache
 from sidecar.errors import BrokerError
 from sidecar.inbound.admission import Admission
 from sidecar.inbound.batch import IntakeBatch
-from sidecar.inbound.indexing import Indexer
 from sidecar.inbound.rebuild import Rebuilder
-from sidecar.metrics import Metrics
 from sidecar.partitions import TopicPartitionKey
 from sidecar.partitions.state import PartitionState
-from sidecar.policy.routes import Routes
 
 logger = logging.getLogger(__name__)
 
@@ -30,31 +25,22 @@ class Receiver:
     def __init__(
         self,
         partitions: dict[TopicPartitionKey, PartitionState],
-        routes: Callable[[], dict[str, Routes]],
+        batches: Callable[[], IntakeBatch],
         admission: Admission,
-        indexer: Indexer,
         rebuilder: Rebuilder,
         control: ControlIntake,
         poll: Callable[[], None],
-        metrics: Metrics,
-        clock: Clock,
-        payloads: PayloadCache | None = None,
     ) -> None:
-        """`poll`: serve the producer's delivery reports, once per batch."""
+        """`batches` opens each batch (inbound/batch.py); `poll` serves the producer's delivery reports."""
         self._partitions = partitions
-        self._routes = routes
+        self._batches = batches
         self._admission = admission
-        self._indexer = indexer
         self._rebuilder = rebuilder
         self._control = control
         self._poll = poll
-        self._metrics = metrics
-        self._clock = clock
-        self._payloads = payloads
 
     def take(self, records: list[Message]) -> None:
-        now = self._clock.now_ms()
-        batch = IntakeBatch(now, self._routes(), self._payloads.batch(now) if self._payloads is not None else None)
+        batch = self._batches()
         for state, chunk in self._slices(records):
             if state.control:
                 self._control.take(state, chunk)
@@ -66,12 +52,10 @@ class Receiver:
             taken = self._rebuilder.take(batch, state, routes, chunk) if state.rebuild is not None else 0
             if taken < len(chunk):
                 self._admission.take(batch, state, routes, chunk[taken:])
-        self._indexer.settle(batch)
-        if batch.payloads is not None:
-            batch.payloads.write()
+        self._admission.settle(batch)
+        batch.settle()
         self._control.settle()
         self._poll()
-        batch.settle(self._metrics)
 
     def _slices(self, records: list[Message]) -> list[tuple[PartitionState, list[Message]]]:
         """Consecutive records of one served partition, in consumed order; errors reported, revoked skipped."""

@@ -8,7 +8,7 @@ lateness histogram are touched once per list, not per record.
 
 import logging
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Sequence
 
 from confluent_kafka import KafkaException, Message
 
@@ -24,6 +24,8 @@ logger = logging.getLogger(__name__)
 
 Targets = list[tuple[str, str]]
 """(subscription, outbound topic) pairs a record is owed to."""
+Due = tuple[int, int, Message]
+"""(deliver-at, offset, record): what is sent, and what the dispatcher hands over."""
 
 
 class Delivery:
@@ -47,28 +49,25 @@ class Delivery:
 
     def send(self, targets: Targets, record: Message, deliver_at: int, sent: Counter[str] | None = None) -> None:
         """`record` to each (subscription, outbound) now, with its origin and effective deliver-at."""
-        self.send_many(record.topic(), targets, [(record, deliver_at)], sent)
+        self.send_many(record.topic(), targets, [(deliver_at, record.offset(), record)], sent)
 
-    def send_many(
-        self,
-        topic: str,
-        targets: Targets,
-        records: Iterable[tuple[Message, int]],
-        sent: Counter[str] | None = None,
-    ) -> int:
-        """Records of `topic`, each with its deliver-at, to each target in order. Returns how many."""
+    def send_many(self, topic: str, targets: Targets, records: Sequence[Due], sent: Counter[str] | None = None) -> None:
+        """(deliver-at, offset, record) of `topic`, each to each target, in order."""
         writer = self._writer
         produce = writer.producer.produce
         outs = [(outbound, writer.keeps_partition(outbound)) for _, outbound in targets]
         compact = self._form == "compact"
-        n = 0
-        for record, deliver_at in records:
-            partition, offset = record.partition(), record.offset()
+        prefixes: dict[int, str] = {}
+        for deliver_at, offset, record in records:
+            partition = record.partition()
             original = record.headers()
             headers: OutHeaders
             if compact:
+                prefix = prefixes.get(partition)
+                if prefix is None:
+                    prefix = prefixes[partition] = f"{topic}/{partition}/"
                 headers = [(k, v if v is not None else b"") for k, v in original] if original else []
-                headers.append((ORIGIN, f"{topic}/{partition}/{offset}".encode()))
+                headers.append((ORIGIN, (prefix + str(offset)).encode()))
                 headers.append((DELIVER_AT, b"%d" % deliver_at))
             else:
                 headers = outbound_headers(original, topic, partition, offset, deliver_at, form="v1")
@@ -79,11 +78,9 @@ class Delivery:
                     produce(outbound, value, key, headers=headers, partition=target)
                 except (BufferError, KafkaException):  # a full queue waits; a fenced producer raises Fenced
                     writer.send(outbound, key, value, headers, target)
-            n += 1
-        if sent is not None and n:
+        if sent is not None and records:
             for sub, _ in targets:
-                sent[sub] += n
-        return n
+                sent[sub] += len(records)
 
     def delayed(self, partition: TopicPartitionKey, due: list[tuple[int, int, Message | None]]) -> None:
         """Due records of one partition, in deliver-at order (the dispatcher's callback)."""
@@ -94,26 +91,30 @@ class Delivery:
             logger.error("due records of a partition no longer served dropped partition=%s/%d", topic, number)
             return
         now = self._clock.now_ms()
-        single = state.rules.single
-        current = routes.rule(self._retention_ms.get(topic))
+        found: list[Due] = [d for d in due if d[2] is not None]
+        if len(found) < len(due):
+            for deliver_at, offset, record in due:
+                if record is None:
+                    self._lost(topic, number, offset, deliver_at)
         sent: Counter[str] = Counter()
-        late: list[float] = []
-        # Consecutive records with one rule go out as one list; a rule change (rare) starts the next.
-        run: list[tuple[Message, int]] = []
-        run_rule: IntakeRule | None = None
-        for deliver_at, offset, record in due:
-            if record is None:
-                self._lost(topic, number, offset, deliver_at)
-                continue
-            rule: IntakeRule = single or state.rules.at(offset) or current
-            if rule is not run_rule:
-                if run and run_rule is not None:
-                    self.send_many(topic, routes.targets(run_rule), run, sent)
-                run, run_rule = [], rule
-            run.append((record, deliver_at))
-            late.append((now - deliver_at) / 1000 if now > deliver_at else 0.0)
-        if run and run_rule is not None:
-            self.send_many(topic, routes.targets(run_rule), run, sent)
+        single = state.rules.single
+        if single is not None:
+            self.send_many(topic, routes.targets(single), found, sent)
+        else:
+            # Consecutive records with one rule go out as one list; a rule change starts the next.
+            current = routes.rule(self._retention_ms.get(topic))
+            run: list[Due] = []
+            run_rule: IntakeRule | None = None
+            for item in found:
+                rule = state.rules.at(item[1]) or current
+                if rule is not run_rule:
+                    if run and run_rule is not None:
+                        self.send_many(topic, routes.targets(run_rule), run, sent)
+                    run, run_rule = [], rule
+                run.append(item)
+            if run and run_rule is not None:
+                self.send_many(topic, routes.targets(run_rule), run, sent)
+        late = [(now - d) / 1000 if now > d else 0.0 for d, _, _ in found]
         self._metrics.observe_many(self._metrics.child(self._metrics.lateness, topic), late)
         for sub, n in sent.items():
             self._metrics.child(self._metrics.delivered, topic, sub).inc(n)

@@ -75,3 +75,44 @@ def test_the_shortcut_for_records_without_headers_decides_as_judge(
     assert outcome(shortcut(r, None, publish + 7)) == outcome(judge(r, None, publish + 7))  # from the memo
     headers = [("deliver-after", b"5s")]
     assert outcome(shortcut(r, headers, publish)) == outcome(judge(r, headers, publish))
+
+
+HEADER_VALUES = st.one_of(
+    st.integers(0, 10**13).map(lambda n: str(n).encode()),
+    st.sampled_from([b"250ms", b"5s", b"2m", b"3h", b"7d", b"-1", b"soon", b"", b"2026-11-25T10:00:00Z"]),
+    st.binary(max_size=12),
+)
+HEADERS = st.one_of(
+    st.none(),
+    st.lists(
+        st.tuples(st.sampled_from(["deliver-at", "deliver-after", "Deliver-At", "trace", "DELIVER-AFTER"]),
+                  st.one_of(st.none(), HEADER_VALUES)),
+        max_size=3,
+    ),
+)  # fmt: skip
+
+
+@given(
+    st.booleans(),
+    st.integers(0, 100_000),
+    st.integers(0, 100_000),
+    st.one_of(st.none(), st.integers(-1, 100_000)),
+    st.sampled_from([(), ("a",), ("a", "b")]),
+    st.lists(st.tuples(HEADERS, st.integers(1, 2**42)), max_size=30),
+)
+def test_judging_a_batch_gives_each_record_the_fate_judging_it_alone_gives(
+    enabled: bool,
+    fixed: int,
+    max_ms: int,
+    retention: int | None,
+    delayed: tuple[str, ...],
+    records: list[tuple[list[tuple[str, bytes | None]] | None, int]],
+) -> None:
+    """Judge.many is the intake's batch path; judge is what a rebuild and a drain call per record."""
+    r = rule(enabled, fixed, max_ms, retention, delayed)
+    batch = Judge().many(r, records)
+    alone = [judge(r, headers, publish) for headers, publish in records]
+    assert [f._replace(rejected=None) for f in batch] == [f._replace(rejected=None) for f in alone]
+    assert [f.rejected and (f.rejected.code, str(f.rejected)) for f in batch] == [
+        f.rejected and (f.rejected.code, str(f.rejected)) for f in alone
+    ]
