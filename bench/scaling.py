@@ -8,6 +8,10 @@ some) before anything is produced, so the rebalance of a start is not timed. The
 - due burst: N records all due at one instant T, produced and indexed before T. Intake is the
   rate at which the workers indexed them (their metrics, summed); the drain rate is N over the
   time from T to the last delivery, with no producer running;
+- fixed delay: N records without headers produced at full speed to a topic with a fixed delay of
+  FIXED_DELAY_S, so they fall due at the producer's rate. The figures are the rate from the first
+  delivery to the last on each subscription, and how long after the last record's deliver-at (the
+  end of the load plus the delay) the last delivery came: the most a record was late;
 - passthrough backlog: N records without a delay, produced to a topic the policies do not name
   yet; then the policies name it (SIGHUP: every worker reloads at once and subscribes, one rebalance) and the rate
   is N over the time from the first to the last delivery on each subscription.
@@ -47,16 +51,19 @@ from bench.scenarios import SUBSCRIPTIONS
 from sidecar.broker.embedded import EmbeddedBroker, free_port, free_ports
 
 CONTROL_TOPIC = "delay-sidecar.control"
+FIXED_DELAY_S = 5
 
 
 def one_run(bootstrap: str, workdir: Path, workers: int, records: int, partitions: int) -> dict[str, float]:
     run = f"w{workers}-{uuid.uuid4().hex[:6]}"
-    passthrough, burst = f"pass-{run}", f"burst-{run}"
-    for topic in (passthrough, burst):
+    passthrough, burst, fixed = f"pass-{run}", f"burst-{run}", f"fixed-{run}"
+    for topic in (passthrough, burst, fixed):
         create_topic(bootstrap, topic, partitions)
     subs = "".join(f"      {s}: {{}}\n" for s in SUBSCRIPTIONS)
     policies = workdir / f"{run}-policies.yaml"
-    policies.write_text(f"topics:\n  {burst}:\n    subscriptions:\n{subs}")
+    delay = f"    delayed_delivery: {{fixed_delivery_delay: {FIXED_DELAY_S}s}}\n"
+    fixed_topic = f"  {fixed}:\n{delay}    subscriptions:\n{subs}"
+    policies.write_text(f"topics:\n  {burst}:\n    subscriptions:\n{subs}{fixed_topic}")
     port = free_ports(1 + workers)
     worker_ports = [port] if workers == 1 else [port + 1 + i for i in range(workers)]
     sidecar = start_sidecar(
@@ -80,10 +87,19 @@ def one_run(bootstrap: str, workdir: Path, workers: int, records: int, partition
         figures["index_rate"] = round(metrics.rate("delay_sidecar_messages_delayed_total", records) or 0)
         figures["burst_drain_per_sub"] = round(records / (progress.done_s - due_mono))
         figures["burst_first_s_after_due"] = round((progress.first_s or due_mono) - due_mono, 2)
+        # Fixed delay: due at the producer's rate, FIXED_DELAY_S after each record.
+        run_load(load_argv(bootstrap, fixed, records), workdir / f"{run}-fixed-load.log")
+        last_due = time.monotonic() + FIXED_DELAY_S
+        outbound = [f"{fixed}.{s}" for s in SUBSCRIPTIONS]
+        progress = wait_for_outbound(wm, outbound, records, timeout_s=180 + records / 2_000, alive=sidecar.alive)
+        if progress.first_s is None or progress.done_s is None:
+            raise RuntimeError(f"fixed not delivered: {progress.counts}; log {sidecar.log}")
+        figures["fixed_per_sub"] = round(records / max(progress.done_s - progress.first_s, 1e-3))
+        figures["fixed_last_late_s"] = round(max(progress.done_s - last_due, 0.0), 2)
         # Passthrough: a backlog the workers do not read until the policies name its topic.
         run_load(load_argv(bootstrap, passthrough, records), workdir / f"{run}-pass-load.log")
         both = "".join(f"  {t}:\n    subscriptions:\n{subs}" for t in (burst, passthrough))
-        policies.write_text(f"topics:\n{both}")
+        policies.write_text(f"topics:\n{both}{fixed_topic}")
         os.kill(sidecar.pid, signal.SIGHUP)  # every worker reloads now, so they rejoin in one rebalance
         outbound = [f"{passthrough}.{s}" for s in SUBSCRIPTIONS]
         progress = wait_for_outbound(wm, outbound, records, timeout_s=120 + records / 2_000, alive=sidecar.alive)
@@ -120,13 +136,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"- date: {env['date']}\n- commit: `{env['commit']}`\n- command: `{command}`")
     print(f"- machine: {os.cpu_count()} cores, {env['cpu']}, load average at start {env['load_average_at_start']}")
     print(f"- {args.records:,} records per phase, {args.partitions} partitions per topic, 2 subscriptions\n")
-    print("| run | workers | intake, delayed (rec/s) | due burst drain (rec/s per sub) | passthrough backlog "
+    print("| run | workers | intake, delayed (rec/s) | due burst drain (rec/s per sub) | fixed delay: rate "
+          "(rec/s per sub) | fixed delay: last delivery after the last deliver-at (s) | passthrough backlog "
           "(rec/s per sub) | peak RSS, all processes (MiB) |")  # fmt: skip
-    print("| ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for i, row in enumerate(rows, 1):
         print(
             f"| {i} | {int(row['workers'])} | {row['index_rate']:,.0f} | {row['burst_drain_per_sub']:,.0f} | "
-            f"{row['passthrough_per_sub']:,.0f} | {row['peak_rss_mib']:,.0f} |"
+            f"{row['fixed_per_sub']:,.0f} | {row['fixed_last_late_s']:.2f} | {row['passthrough_per_sub']:,.0f} | "
+            f"{row['peak_rss_mib']:,.0f} |"
         )
     return 0
 
