@@ -75,7 +75,7 @@ def one_run(bootstrap: str, workdir: Path, workers: int, records: int, partition
     wm = Watermarks(bootstrap)
     figures: dict[str, float] = {"workers": workers}
     try:
-        figures["settle_s"] = round(settle(worker_ports, partitions + wm.partitions(CONTROL_TOPIC)), 1)
+        figures["settle_s"] = round(settle(worker_ports, 2 * partitions + wm.partitions(CONTROL_TOPIC)), 1)
         # Due burst: produced and indexed well before T, then all due at T.
         due_ms = now_ms() + 10_000 + records * 1_000 // 20_000
         run_load(load_argv(bootstrap, burst, records, "deliver-at", due_ms, 0), workdir / f"{run}-burst-load.log")
