@@ -14,7 +14,6 @@ fences a zombie holding one (it can write, but never commit) and ends what it le
 
 import logging
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -32,7 +31,6 @@ TRANSACTION_TIMEOUT_S = 30.0
 # waited for a group coordinator for good (checked on noida-db). Every transactional call is bounded here.
 CALL_DEADLINE_S = TRANSACTION_TIMEOUT_S + 5
 ANY_PARTITION = -1
-POLL_EVERY_S = 0.02
 # A transaction open this long (a stalled process) is aborted by the broker.
 TRANSACTION_TIMEOUT_MS = 60_000
 _FENCED = {KafkaError._FENCED, KafkaError.INVALID_PRODUCER_EPOCH, KafkaError.PRODUCER_FENCED}
@@ -81,7 +79,6 @@ class Writer:
             config["transactional.id"] = transactional_id
             config["transaction.timeout.ms"] = TRANSACTION_TIMEOUT_MS
         self.producer = Producer(config, logger=librdkafka_logger)
-        self._next_poll = 0.0
         self._open = False
         self._stuck: str | None = None
         """The call that never returned: this producer is abandoned, the engine starts again."""
@@ -241,15 +238,7 @@ class Writer:
         self.send(topic, record.key(), record.value(), headers, self.target(topic, partition), _timestamp(record))
 
     def poll(self) -> None:
-        """Serve the producer's callbacks (errors: only failed deliveries report), at most every POLL_EVERY_S.
-
-        The loop asks once per batch and per turn, and each call releases the GIL, which lets the
-        other threads in: polled per turn it took 10% of the pass-through profile. Nothing waits
-        on it; `flush` serves everything before a checkpoint commits."""
-        now = time.monotonic()
-        if now >= self._next_poll:
-            self._next_poll = now + POLL_EVERY_S
-            self.producer.poll(0)
+        self.producer.poll(0)
 
     def flush(self) -> None:
         """Every record written so far acknowledged, or BrokerError: nothing may be committed then."""
