@@ -49,10 +49,8 @@ MAX_POP = 100_000
 # Time a turn spends pulling records from the read-ahead before it lets intake and sending run.
 READ_SLICE_S = 0.01
 # Payloads held for upcoming deliveries (about 300 bytes each with 100-byte values); past this,
-# due records are read back when they fall due. A burst of 500,000 due in one second fits: at
-# 300,000 the other 200,000 were read at due time and the drain took 8.2 to 10.1 s instead of
-# 7.3 to 7.6 s. Peak RSS did not move (743 and 747 MiB): popped payloads are held either way.
-MAX_CACHED = 600_000
+# due records are read back when they fall due.
+MAX_CACHED = 300_000
 # A tracker whose next snapshot segment failed to load reports a due entry it cannot pop yet; wait
 # this long for its retry rather than spin.
 STALL_WAIT_MS = 50
