@@ -47,10 +47,6 @@ class Delivery:
         self._clock = clock
         self._form = header_form
 
-    def send(self, targets: Targets, record: Message, deliver_at: int, sent: Counter[str] | None = None) -> None:
-        """`record` to each (subscription, outbound) now, with its origin and effective deliver-at."""
-        self.send_many(record.topic(), targets, [(deliver_at, record.offset(), record)], sent)
-
     def send_many(self, topic: str, targets: Targets, records: Sequence[Due], sent: Counter[str] | None = None) -> None:
         """(deliver-at, offset, record) of `topic`, each to each target, in order."""
         writer = self._writer
@@ -62,7 +58,7 @@ class Delivery:
             partition = record.partition()
             original = record.headers()
             headers: OutHeaders
-            if compact:
+            if compact:  # outbound_headers' compact form, inlined, with the origin's prefix made once per partition
                 prefix = prefixes.get(partition)
                 if prefix is None:
                     prefix = prefixes[partition] = f"{topic}/{partition}/"
