@@ -45,13 +45,13 @@ class Admission:
             state.rule = rule
         now = batch.now
         stamps = [record.timestamp()[1] for record in records]
-        judged = [(r.headers(), s if s > 0 else now) for r, s in zip(records, stamps, strict=True)]
-        fates = self.judge.many(rule, judged)
+        published = [s if s > 0 else now for s in stamps]  # a record without a timestamp: read now
+        fates = self.judge.many(rule, [(r.headers(), p) for r, p in zip(records, published, strict=True)])
         delayed: list[tuple[Delayed, bool]] = []
         now_list: list[Due] = []
         ordered: list[Due] | None = [] if routes.ordered else None
         route = routes.route
-        for record, publish_ms, fate in zip(records, stamps, fates, strict=True):
+        for record, stamp, at, fate in zip(records, stamps, published, fates, strict=True):
             deliver_at, rejected, overridden, disabled, miscased = fate
             if rejected is not None:
                 self._writer.dead_letter(route.dead_letter_topic, record, rejected.code, rejected.message)
@@ -59,11 +59,11 @@ class Admission:
                 continue
             if overridden or disabled or miscased:
                 self._count(fate, topic, route.namespace or "")
-            at, offset = publish_ms if publish_ms > 0 else now, record.offset()
+            offset = record.offset()
             if deliver_at is None:
                 now_list.append((at, offset, record))
             else:
-                delayed.append(((offset, deliver_at, record), publish_ms > 0))
+                delayed.append(((offset, deliver_at, record), stamp > 0))
             if ordered is not None:
                 ordered.append((at, offset, record))  # exclusive and failover ignore delays: now, in offset order
         state.next_offset = records[-1].offset() + 1

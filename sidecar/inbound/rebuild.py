@@ -29,7 +29,7 @@ class Rebuilder:
         rebuild = state.rebuild
         taken = 0
         sent = batch.sent[state.topic]
-        current = routes.rule(self._retention_ms.get(state.topic))
+        current = batch.rule(state.topic, routes, self._retention_ms.get(state.topic))
         for record in records:
             if rebuild is None:
                 break

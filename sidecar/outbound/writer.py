@@ -199,7 +199,7 @@ class Writer:
 
     def target(self, topic: str, partition: int) -> int:
         """The outbound partition for a record from inbound `partition` (ANY_PARTITION: by key)."""
-        return partition if topic in self._same_partition else ANY_PARTITION
+        return partition if self.keeps_partition(topic) else ANY_PARTITION
 
     def keeps_partition(self, topic: str) -> bool:
         """Whether `topic` takes each record on its inbound partition's number (else: by key)."""
