@@ -2,12 +2,13 @@
 
 from collections.abc import Sequence
 from datetime import UTC, datetime
+from typing import Any
 
 from pyspark.sql import DataFrame, SparkSession
 
 from sidecar.outbound.records import HeaderForm, dead_letter_headers, outbound_headers
 from spark.kafka_source import kafka_schema
-from spark.model import AuditRoute
+from spark.model import AuditResult, AuditRoute
 
 Header = tuple[str, bytes]
 Row = tuple[object, ...]
@@ -43,6 +44,12 @@ def delivered(
 
 def dead_lettered(dlt: str, dlt_offset: int, ts_ms: int, origin: tuple[str, int, int], code: str) -> Row:
     return record(dlt, dlt_offset, ts_ms, dead_letter_headers(None, *origin, code, f"{code} for the test"))
+
+
+def anomaly_rows(result: AuditResult) -> list[dict[str, Any]]:
+    """Every anomaly of an audit as a dict, in one fixed order."""
+    rows = result.anomalies.orderBy("kind", "topic", "partition", "offset", "subscription", "outbound_offset")
+    return [r.asDict() for r in rows.collect()]
 
 
 def frame(spark: SparkSession, rows: Sequence[Row]) -> DataFrame:

@@ -15,7 +15,7 @@ from pyspark.sql import functions as F  # noqa: N812
 from spark.audit import run_audit
 from spark.columns import with_requested_deliver_at
 from spark.model import AuditInputs, AuditParams, AuditResult, AuditRoute, SubscriptionSummary
-from tests.spark.records import Row, World, dead_lettered, delivered, frame, record
+from tests.spark.records import Row, World, anomaly_rows, dead_lettered, delivered, frame, record
 
 T0 = 1_700_000_000_000
 NOW = T0 + 3_600_000
@@ -164,8 +164,7 @@ def result(spark: SparkSession) -> AuditResult:
 
 @pytest.fixture(scope="module")
 def all_anomalies(result: AuditResult) -> list[dict[str, Any]]:
-    rows = result.anomalies.orderBy("kind", "topic", "partition", "offset", "subscription", "outbound_offset")
-    return [r.asDict() for r in rows.collect()]
+    return anomaly_rows(result)
 
 
 def summary(result: AuditResult, topic: str, subscription: str = "billing") -> SubscriptionSummary:

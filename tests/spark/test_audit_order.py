@@ -17,7 +17,7 @@ from spark.audit_job import with_partition_layout
 from spark.model import AuditInputs, AuditParams, AuditResult, AuditRoute, SubscriptionSummary
 from spark.report import thresholds_report
 from spark.settings import AuditSettings
-from tests.spark.records import Row, World, dead_lettered, delivered, frame, record
+from tests.spark.records import Row, World, anomaly_rows, dead_lettered, delivered, frame, record
 
 T0 = 1_700_000_000_000
 NOW = T0 + 3_600_000
@@ -97,8 +97,7 @@ def result(spark: SparkSession) -> AuditResult:
 
 @pytest.fixture(scope="module")
 def all_anomalies(result: AuditResult) -> list[dict[str, Any]]:
-    rows = result.anomalies.orderBy("kind", "topic", "partition", "offset", "subscription", "outbound_offset")
-    return [r.asDict() for r in rows.collect()]
+    return anomaly_rows(result)
 
 
 def anomalies_of(rows: Sequence[dict[str, Any]], topic: str) -> list[tuple[Any, ...]]:
