@@ -21,8 +21,11 @@ from sidecar.broker.admin import TopicAdmin
 from sidecar.checkpoint import checkpoint
 from sidecar.clock import Clock, SystemClock
 from sidecar.control.acceptance import Acceptance
+from sidecar.control.cancels import OUTCOMES_SUFFIX
+from sidecar.control.forwarding import Forwarding
 from sidecar.control.intake import ControlIntake
 from sidecar.control.nacks import LatestNacks
+from sidecar.control.outcomes import Outcomes
 from sidecar.control.redelivery import Redelivery
 from sidecar.dispatch.dispatcher import Dispatcher
 from sidecar.dispatch.drain import Drains, RemovedTopic, holds_pending, removed_while_down
@@ -34,6 +37,7 @@ from sidecar.errors import BrokerError
 from sidecar.identity import TransactionalIds
 from sidecar.inbound.admission import Admission
 from sidecar.inbound.batch import batches
+from sidecar.inbound.commands import CommandStep
 from sidecar.inbound.indexing import Indexer
 from sidecar.inbound.rebuild import Rebuilder
 from sidecar.inbound.receiver import Receiver
@@ -131,7 +135,8 @@ class Sidecar:
             group["isolation.level"] = "read_committed"  # accepted nacks of aborted transactions are not ours
         self._consumer = Consumer(consumer_config(client_config, **group), logger=librdkafka)
         self._writer = writer = Writer(client_config, librdkafka, transactional_ids, producer)
-        self._admin = TopicAdmin(client_config, (control_topic, f"{control_topic}.dlt"), new_topic_partitions)
+        control_topics = (control_topic, f"{control_topic}.dlt", control_topic + OUTCOMES_SUFFIX)
+        self._admin = TopicAdmin(client_config, control_topics, new_topic_partitions)
         self._nacks = LatestNacks(changelog=bool(state_topic and mirror))
         self._state_topic = (
             StateTopic(state_topic, client_config, self._admin, writer, mirror, self._nacks, metrics)
@@ -178,19 +183,23 @@ class Sidecar:
             trail,
             self._roll,
         )
+        outcomes = Outcomes(control_topic, writer, metrics)
+        forwarding = Forwarding(group_id, writer, self._reader, self._current_routes, outcomes, clock)
         self._acceptance = Acceptance(
-            control_topic, group_id, writer, self._reader, states, self._current_routes, self._nacks, metrics, clock
-        )
+            control_topic, group_id, writer, self._reader, states, self._current_routes, self._nacks, metrics, clock,
+            forwarding,
+        )  # fmt: skip
         self._redelivery = Redelivery(
             self._acceptance, writer, self._reader, states, self._current_routes, retention, self._nacks, metrics,
             clock, outbound_headers,
         )  # fmt: skip
         indexer = Indexer(self._dispatcher, self._delivery, monotone_runs)
-        self._admission = Admission(retention, writer, self._delivery, indexer, metrics)
+        commands = CommandStep(group_id, writer, self._delivery, outcomes, self._reader)
+        self._admission = Admission(retention, writer, self._delivery, indexer, metrics, commands)
         self._receiver = Receiver(
             states, batches(self._current_routes, metrics, clock, payload_cache), self._admission,
-            Rebuilder(self._delivery, retention, metrics), ControlIntake(self._acceptance, self._redelivery),
-            writer.poll,
+            Rebuilder(self._delivery, retention, metrics, commands),
+            ControlIntake(self._acceptance, self._redelivery, forwarding), writer.poll,
         )  # fmt: skip
         self.assigned = assignment.assigned
         """Set once the group gave this member partitions: it is serving."""
@@ -421,10 +430,15 @@ class Sidecar:
             self._state_topic.forget(state)
 
     def _delivering(self) -> list[PartitionState]:
-        """Partitions that may deliver now: in exactly-once mode, not those still replaying."""
+        """Partitions that may deliver now: in exactly-once mode, not those still replaying; in any
+        mode, not those whose earlier owner's cancels may still be ahead."""
         states = self._assignment.states.values()
         draining = self._draining
-        return [s for s in states if not (s.exact and s.replaying) and s.drain_from is None and s.topic not in draining]
+        return [
+            s
+            for s in states
+            if not (s.exact and s.replaying) and not s.holding and s.drain_from is None and s.topic not in draining
+        ]
 
     def _dispatch_due(self, read_ahead: bool = True) -> None:
         states = self._delivering()

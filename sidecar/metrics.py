@@ -91,6 +91,12 @@ class Metrics:
         )
         self.tracked = Gauge(PREFIX + "tracked_messages", "Delayed records indexed, not yet due", ["topic"], registry=r)
         self.nacks = Counter(PREFIX + "nack", "Nack commands by result", ["subscription", "result"], registry=r)
+        self.commands = Counter(
+            PREFIX + "commands",
+            "Cancel and reschedule commands by outcome",
+            ["type", "outcome"],
+            registry=r,
+        )
         self.redeliveries = Counter(
             PREFIX + "redeliveries", "Records redelivered after a nack", ["subscription"], registry=r
         )

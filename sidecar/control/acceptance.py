@@ -15,6 +15,7 @@ from collections.abc import Callable
 from confluent_kafka import Message
 
 from sidecar.clock import Clock
+from sidecar.control.cancels import REJECTED, MessageCommand, message_kind
 from sidecar.control.commands import (
     ACCEPTED_BY,
     UNKNOWN_MESSAGE,
@@ -25,6 +26,7 @@ from sidecar.control.commands import (
     parse_accepted,
     parse_command,
 )
+from sidecar.control.forwarding import Forwarding
 from sidecar.control.nacks import LatestNacks
 from sidecar.dispatch.reader import LogReader
 from sidecar.errors import RejectedRecord, SidecarError
@@ -53,7 +55,10 @@ class Acceptance:
         nacks: LatestNacks,
         metrics: Metrics,
         clock: Clock,
+        forwarding: Forwarding,
     ) -> None:
+        """`forwarding` takes the cancel and reschedule commands (forwarding.py)."""
+        self._forwarding = forwarding
         self.control_topic = control_topic
         self.dead_letter_topic = f"{control_topic}.dlt"
         self._group = group_id.encode()
@@ -101,7 +106,19 @@ class Acceptance:
         subscription = ""
         now = self._clock.now_ms()
         try:
-            command = parse_command(record.value())
+            parsed = parse_command(record.value())
+        except RejectedRecord as rejected:
+            if message_kind(record.value()) is not None:  # a malformed cancel or reschedule: answered
+                self._forwarding.refuse(record, None, REJECTED, rejected.code, rejected.message)
+            else:
+                self.reject(record, rejected)
+                self._metrics.nacks.labels("", rejected.code.lower()).inc()
+            return
+        if isinstance(parsed, MessageCommand):
+            self._forwarding.take(record, parsed)
+            return
+        command = parsed
+        try:
             subscription = command.subscription
             routes = self._routes().get(command.topic)
             if routes is None or routes.route.subscription(subscription) is None:

@@ -8,6 +8,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from sidecar.control.cancels import KINDS, MessageCommand, parse_message_command
 from sidecar.durations import MAX_EPOCH_MS, format_duration_ms
 from sidecar.errors import RejectedRecord
 from sidecar.policy.model import EffectiveDelay
@@ -46,7 +47,7 @@ def invalid(message: str) -> RejectedRecord:
     return RejectedRecord(INVALID_COMMAND, message)
 
 
-def parse_command(raw: bytes | None) -> NackCommand:
+def parse_command(raw: bytes | None) -> NackCommand | MessageCommand:
     """Decode one control record's value; raises RejectedRecord(INVALID_COMMAND) for any malformed one."""
     if raw is None:
         raise invalid("the control record has no value; send a JSON nack command")
@@ -60,8 +61,10 @@ def parse_command(raw: bytes | None) -> NackCommand:
         raise invalid(f"unsupported version v={data.get('v')!r}; this sidecar reads v=1")
     if data.get("type") == ACCEPTED:
         raise invalid("records of type 'accepted' are written by the sidecar itself; send 'nack' commands")
+    if data.get("type") in KINDS:
+        return parse_message_command(data)
     if data.get("type") != "nack":
-        raise invalid(f"unknown command type {data.get('type')!r}; the only type is 'nack'")
+        raise invalid(f"unknown command type {data.get('type')!r}; the types are 'nack', 'cancel' and 'reschedule'")
     subscription = _text(data, "subscription")
     topic = _text(data, "topic")
     if len(topic) > _MAX_TOPIC_LENGTH:

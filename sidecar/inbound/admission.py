@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from confluent_kafka import Message
 
 from sidecar.inbound.batch import IntakeBatch
+from sidecar.inbound.commands import CommandStep, is_marked
 from sidecar.inbound.indexing import Delayed, Indexer
 from sidecar.metrics import Metrics
 from sidecar.outbound.delivery import Delivery, Due
@@ -29,7 +30,9 @@ class Admission:
         delivery: Delivery,
         indexer: Indexer,
         metrics: Metrics,
+        commands: CommandStep,
     ) -> None:
+        self._commands = commands
         self._retention_ms = retention_ms
         self._writer = writer
         self._delivery = delivery
@@ -38,6 +41,17 @@ class Admission:
         self.judge = Judge()
 
     def take(self, batch: IntakeBatch, state: PartitionState, routes: Routes, records: Sequence[Message]) -> None:
+        marked = [r for r in records if is_marked(r.headers())]
+        if marked:  # requests and facts of cancels and reschedules: rare, decided after the slice's records
+            plain = [r for r in records if not is_marked(r.headers())]
+            if plain:
+                self._admit(batch, state, routes, plain)
+            self._commands.take(batch, state, routes, marked)
+            state.next_offset = records[-1].offset() + 1
+            return
+        self._admit(batch, state, routes, records)
+
+    def _admit(self, batch: IntakeBatch, state: PartitionState, routes: Routes, records: Sequence[Message]) -> None:
         topic = state.topic
         rule = batch.rule(topic, routes, self._retention_ms.get(topic))
         if state.rule is not rule:

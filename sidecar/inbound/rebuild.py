@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from confluent_kafka import Message
 
 from sidecar.inbound.batch import IntakeBatch
+from sidecar.inbound.commands import CommandStep, is_marked
 from sidecar.metrics import Metrics
 from sidecar.outbound.delivery import Delivery
 from sidecar.partitions.state import PartitionState
@@ -19,7 +20,10 @@ from sidecar.tracker.base import pack
 
 
 class Rebuilder:
-    def __init__(self, delivery: Delivery, retention_ms: dict[str, int | None], metrics: Metrics) -> None:
+    def __init__(
+        self, delivery: Delivery, retention_ms: dict[str, int | None], metrics: Metrics, commands: CommandStep
+    ) -> None:
+        self._commands = commands
         self._delivery = delivery
         self._retention_ms = retention_ms
         self._metrics = metrics
@@ -34,11 +38,20 @@ class Rebuilder:
             if rebuild is None:
                 break
             offset = record.offset()
+            if is_marked(record.headers()):
+                self._commands.replay(state, record, rebuild.through)
+                state.next_offset = offset + 1
+                taken += 1
+                if rebuild.progress(state.name, offset):
+                    state.rebuild = rebuild = None
+                continue
             publish_ms = record.timestamp()[1]
             rule = state.rules.at(offset) or current
             deliver_at = judge(rule, record.headers(), publish_ms if publish_ms > 0 else batch.now).deliver_at
             if deliver_at is not None and pack(deliver_at, offset) > rebuild.through:
-                if state.tracker.add(offset, deliver_at, deliver_now=not state.exact):
+                # Nothing goes out while a cancel read later in the log may still take it back.
+                deliver_now = not state.exact and state.hold_until is None
+                if state.tracker.add(offset, deliver_at, deliver_now=deliver_now):
                     rebuild.indexed += 1
                     if batch.payloads is not None:
                         batch.payloads.add(state.topic, state.partition, offset, deliver_at, record, record.headers())

@@ -87,12 +87,14 @@ class Delivery:
             logger.error("due records of a partition no longer served dropped partition=%s/%d", topic, number)
             return
         now = self._clock.now_ms()
+        sent: Counter[str] = Counter()
+        if state.overrides:
+            due = self._overridden(state, routes, due, sent)
         found: list[Due] = [d for d in due if d[2] is not None]
         if len(found) < len(due):
             for deliver_at, offset, record in due:
                 if record is None:
                     self._lost(topic, number, offset, deliver_at)
-        sent: Counter[str] = Counter()
         single = state.rules.single
         if single is not None:
             self.send_many(topic, routes.targets(single), found, sent)
@@ -114,6 +116,38 @@ class Delivery:
         self._metrics.observe_many(self._metrics.child(self._metrics.lateness, topic), late)
         for sub, n in sent.items():
             self._metrics.child(self._metrics.delivered, topic, sub).inc(n)
+
+    def _overridden(
+        self, state: PartitionState, routes: Routes, due: list[tuple[int, int, Message | None]], sent: Counter[str]
+    ) -> list[tuple[int, int, Message | None]]:
+        """Entries that cancels or reschedules touched go out here, to what is left of their
+        subscriptions (a copy: with its message's id); the rest are returned for the usual path."""
+        overrides, topic = state.overrides, state.topic
+        current = routes.rule(self._retention_ms.get(topic))
+        rest: list[tuple[int, int, Message | None]] = []
+        for item in due:
+            deliver_at, offset, record = item
+            if offset not in overrides.suppressed and offset not in overrides.copies:
+                rest.append(item)
+                continue
+            owed = (state.rules.at(offset) or current).delayed
+            subs, copy = overrides.popped(offset, owed, state.tracker.contains)
+            targets = [(sub, routes.outbound[sub]) for sub in subs if sub in routes.outbound]
+            if record is None:
+                if targets:
+                    self._lost(topic, state.partition, offset, deliver_at)
+                continue
+            if copy is None:
+                self.send_many(topic, targets, [(deliver_at, offset, record)], sent)
+                continue
+            original = (record.headers() or [])[2:]  # after the request's own two headers
+            headers = outbound_headers(original, topic, state.partition, copy.origin, copy.deliver_at, form=self._form)
+            for sub, outbound in targets:
+                self._writer.send(
+                    outbound, record.key(), record.value(), headers, self._writer.target(outbound, state.partition)
+                )
+                sent[sub] += 1
+        return rest
 
     def _lost(self, topic: str, partition: int, offset: int, deliver_at: int) -> None:
         self._metrics.lost.labels(topic).inc()

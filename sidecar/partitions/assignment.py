@@ -5,7 +5,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import replace
 
-from confluent_kafka import Consumer, TopicPartition
+from confluent_kafka import Consumer, KafkaException, TopicPartition
 
 from sidecar.errors import BrokerError, SidecarError
 from sidecar.partitions.metadata import CommitMetadata
@@ -83,6 +83,11 @@ class Assignment:
                 except SidecarError as e:  # raised by the engine after poll, not into librdkafka
                     self.failed, self.error = True, e
             start = state.start(committed, metadata, self._restore)
+            if metadata.commands and not state.control:
+                try:
+                    state.hold_until = self._end_of(consumer, tp)
+                except SidecarError as e:  # raised by the engine after poll, not into librdkafka
+                    self.failed, self.error = True, e
             assigned.append(state)
             starts.append(TopicPartition(tp.topic, tp.partition, start if start is not None else tp.offset))
         if self._incremental:
@@ -105,6 +110,17 @@ class Assignment:
             finally:
                 for state in assigned:
                     state.claiming = False
+
+    @staticmethod
+    def _end_of(consumer: Consumer, tp: TopicPartition) -> int:
+        """The partition's end now: every fact an earlier owner wrote lies below it."""
+        try:
+            _, high = consumer.get_watermark_offsets(TopicPartition(tp.topic, tp.partition), timeout=30, cached=False)
+        except KafkaException as e:
+            raise BrokerError(
+                f"cannot read the end of {tp.topic}/{tp.partition} ({e.args[0]}); is the broker up?"
+            ) from e
+        return int(high)
 
     def _full_rules(self, name: str, metadata: CommitMetadata) -> CommitMetadata:
         ref = metadata.rules_ref

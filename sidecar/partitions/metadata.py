@@ -57,6 +57,10 @@ class CommitMetadata:
     producer: str | None = None
     rules_ref: str | None = None
     """Decoded only: the state-topic record holding the whole rule history (`spill`)."""
+    commands: bool = False
+    """Cancels or reschedules are in force, or their facts may lie past the committed offset: the
+    next owner rebuilds the index from the log, facts included, and delivers nothing until it has
+    read to the end of the partition (control/overrides.py)."""
 
     def encode(self) -> str:
         rules = self._encoded_rules()
@@ -86,6 +90,8 @@ class CommitMetadata:
             data["through"] = [self.through >> KEY_SHIFT, self.through & _MASK]
         if self.runs:
             data["runs"] = list(self.runs)
+        if self.commands:
+            data["commands"] = 1
         data["rules"] = rules
         return data
 
@@ -127,6 +133,7 @@ class CommitMetadata:
             runs,
             producer if isinstance(producer, str) else None,
             ref if isinstance(ref, str) else None,
+            data.get("commands") == 1,
         )
 
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from confluent_kafka import Message
 
+from sidecar.control.overrides import Overrides
 from sidecar.partitions.metadata import MAX_METADATA_BYTES, CommitMetadata, RuleHistory
 from sidecar.policy.routes import IntakeRule
 from sidecar.tracker.base import NOTHING_DELIVERED, DelayedDeliveryTracker
@@ -91,6 +92,13 @@ class PartitionState:
     """A partition of a topic that left the policies, whose pending records are being dead-lettered
     in offset order (dispatch/drain.py): none is pending below this offset any more. Its index is
     gone; the commit alone says what is left (its earliest is this)."""
+    overrides: Overrides = field(default_factory=Overrides)
+    """Deliveries that cancels and reschedules took back (control/overrides.py)."""
+    unread_facts: set[int] = field(default_factory=set)
+    """Request offsets whose facts this member wrote and has not read back yet."""
+    hold_until: int | None = None
+    """Deliver nothing from this partition before reading up to here: facts written by an earlier
+    owner may lie past the commit, and a cancel in them must be in force before anything goes out."""
 
     def runs_text(self) -> str:
         return json.dumps(self.runs.encode(), separators=(",", ":"))
@@ -113,6 +121,12 @@ class PartitionState:
             self.committed = (committed, metadata.encode())
         cursor = tracker.index_cursor()
         self.runs = Runs[Message].decode(list(metadata.runs))
+        self.overrides, self.unread_facts = Overrides(), set()
+        if metadata.commands and cursor is not None:
+            # The cancels in force are not in the local index: its facts are read again from the log.
+            logger.info("local index set aside, cancels or reschedules are in force partition=%s", self.name)
+            tracker.clear()
+            cursor = None
         if cursor is not None:
             if self._usable(cursor, committed, tracker.delivered_through(), metadata.through):
                 self.next_offset = cursor
@@ -149,9 +163,10 @@ class PartitionState:
             self.runs = Runs()
             self.replay_until, self.replay_through = committed, metadata.through
             return earliest if tail is None else max(earliest, min(tail, committed))
-        # Run members are in no bucket: with runs pending, read everything again (what the buckets
-        # hold is not indexed twice). The rebuild indexes their members one by one.
-        start = earliest if tail is None or metadata.runs else max(earliest, min(tail, committed))
+        # Run members are in no bucket, and cancels' facts are records: with either pending, read
+        # everything again (what the buckets hold is not indexed twice). The rebuild indexes run
+        # members one by one and applies facts in log order.
+        start = earliest if tail is None or metadata.runs or metadata.commands else max(earliest, min(tail, committed))
         self.runs = Runs()
         if start < committed:
             self.rebuild = Rebuild(start, committed, metadata.through)
@@ -174,6 +189,16 @@ class PartitionState:
         if self.exact:  # (the bucket tracker's "nothing delivered" is 0, the metadata's -1)
             return committed is not None and cursor == committed and max(local_through, 0) == max(through, 0)
         return committed is None or (cursor >= committed and local_through >= through)
+
+    @property
+    def holding(self) -> bool:
+        """Not delivering: facts of an earlier owner may still be ahead (see `hold_until`)."""
+        if self.hold_until is None:
+            return False
+        if self.next_offset is not None and self.next_offset >= self.hold_until:
+            self.hold_until = None
+            return False
+        return True
 
     @property
     def replaying(self) -> bool:
@@ -203,7 +228,12 @@ class PartitionState:
         )
         self.rules.prune(earliest)
         metadata = CommitMetadata(
-            earliest, tracker.delivered_through(), self.rules.items(), tuple(runs.encode()), producer
+            earliest,
+            tracker.delivered_through(),
+            self.rules.items(),
+            tuple(runs.encode()),
+            producer,
+            commands=bool(self.overrides) or bool(self.unread_facts) or self.hold_until is not None,
         )
         point = (self.next_offset, metadata.encode())
         if point == self.committed:

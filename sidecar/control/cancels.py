@@ -1,0 +1,298 @@
+"""Cancel and reschedule commands: the JSON a sender writes, the records the sidecar writes for them.
+
+Pure code. A command travels in three steps, each a Kafka record:
+
+1. The *command*, on the control topic, keyed by the message id like a nack. The control
+   partition's owner checks it (shape, topic, subscription, policies) and answers the ones it can
+   refuse on its own with an outcome.
+2. A *request*, which that owner appends to the inbound partition of the message. The inbound
+   partition's owner is the one place that delivers the message, so it is the one place that can
+   decide "cancelled" or "too late" without a race: it reads the request in log order, between
+   deliveries. A reschedule's request carries a copy of the message, so the copy is itself a record
+   of the partition the index can point at (RocketMQ's timer log keeps its deletes in the log the
+   same way).
+3. A *fact*, which the inbound owner appends to the same partition when a request changed
+   something, and the *outcome* on `<control>.outcomes`. Facts, not requests, are what a rebuild of
+   the partition reads again: the decision is never taken twice.
+
+Every record the sidecar writes to an inbound partition starts with the header `delay-command-by`
+naming its consumer group, so other groups, the audit and the intake skip it.
+"""
+
+import json
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from sidecar.durations import MAX_EPOCH_MS
+from sidecar.errors import RejectedRecord
+
+VERSION = 1
+Kind = Literal["cancel", "reschedule"]
+KINDS: tuple[Kind, ...] = ("cancel", "reschedule")
+
+COMMAND_BY = "delay-command-by"
+"""First header of every record the sidecar appends to an inbound partition: its consumer group."""
+REQUEST = "delay-command"
+"""Second header of a request: the command as the inbound owner needs it (JSON)."""
+FACT = "delay-command-fact"
+"""Second header of a fact: what a request changed (JSON)."""
+
+OUTCOMES_SUFFIX = ".outcomes"
+
+# Outcomes
+CANCELLED = "cancelled"
+RESCHEDULED = "rescheduled"
+TOO_LATE = "too-late"
+UNKNOWN_MESSAGE_OUTCOME = "unknown-message"
+REJECTED = "rejected"
+
+# Codes of `rejected` outcomes (and of commands too malformed to have one: the control dead-letter topic)
+INVALID_COMMAND = "INVALID_COMMAND"
+UNKNOWN_TOPIC = "UNKNOWN_TOPIC"
+UNKNOWN_SUBSCRIPTION = "UNKNOWN_SUBSCRIPTION"
+EXCEEDS_MAX_DELAY = "EXCEEDS_MAX_DELAY"
+FIXED_DELAY_TOPIC = "FIXED_DELAY_TOPIC"
+DELAYS_DISABLED = "DELAYS_DISABLED"
+NOT_DELAYED = "NOT_DELAYED"
+DEAD_LETTERED = "DEAD_LETTERED"
+ALREADY_CANCELLED = "ALREADY_CANCELLED"
+WRONG_CONTROL_TOPIC = "WRONG_CONTROL_TOPIC"
+
+_MAX_TOPIC_LENGTH = 249
+_MAX_ID_LENGTH = 256
+
+
+def _invalid(message: str) -> RejectedRecord:
+    return RejectedRecord(INVALID_COMMAND, message)
+
+
+@dataclass(frozen=True)
+class MessageCommand:
+    """A cancel or reschedule of one message (topic, partition, offset)."""
+
+    kind: Kind
+    topic: str
+    partition: int
+    offset: int
+    subscription: str | None = None
+    """One subscription; None: every subscription the message is owed to."""
+    id: str | None = None
+    """Chosen by the sender and copied into the outcome, to match the two."""
+    deliver_at: int | None = None
+    delay_ms: int | None = None
+
+    def new_deliver_at(self, sent_ms: int) -> int:
+        """A reschedule's deliver-at: as sent, or the command's timestamp plus delay_ms."""
+        return self.deliver_at if self.deliver_at is not None else sent_ms + (self.delay_ms or 0)
+
+
+def parse_message_command(data: dict[str, Any]) -> MessageCommand:
+    """A decoded JSON object whose type is cancel or reschedule; RejectedRecord(INVALID_COMMAND) when malformed."""
+    kind = data.get("type")
+    if kind not in KINDS:
+        raise _invalid(f"unknown command type {kind!r}; the types are 'nack', 'cancel' and 'reschedule'")
+    topic = _text(data, "topic")
+    if len(topic) > _MAX_TOPIC_LENGTH:
+        raise _invalid("'topic' is longer than any Kafka topic name")
+    partition, offset = _count(data, "partition"), _count(data, "offset")
+    subscription = _text(data, "subscription") if "subscription" in data else None
+    command_id = _text(data, "id") if "id" in data else None
+    if command_id is not None and len(command_id) > _MAX_ID_LENGTH:
+        raise _invalid(f"'id' is longer than {_MAX_ID_LENGTH} characters")
+    deliver_at = delay_ms = None
+    if kind == "reschedule":
+        has_delay, has_at = "delay_ms" in data, "deliver_at" in data
+        if has_delay == has_at:
+            raise _invalid("a reschedule gives exactly one of 'delay_ms' and 'deliver_at'")
+        delay_ms = _count(data, "delay_ms") if has_delay else None
+        deliver_at = _count(data, "deliver_at") if has_at else None
+        if (delay_ms or 0) > MAX_EPOCH_MS or (deliver_at or 0) > MAX_EPOCH_MS:
+            raise _invalid("the new time reaches past year 9999")
+    elif "delay_ms" in data or "deliver_at" in data:
+        raise _invalid("a cancel takes no 'delay_ms' or 'deliver_at'; send a reschedule to move a message")
+    return MessageCommand(kind, topic, partition, offset, subscription, command_id, deliver_at, delay_ms)
+
+
+def message_kind(raw: bytes | None) -> Kind | None:
+    """'cancel' or 'reschedule' when a control record says it is one, however malformed otherwise."""
+    kind = _load(raw).get("type")
+    return kind if kind in KINDS else None
+
+
+def _text(data: dict[str, Any], field: str) -> str:
+    value = data.get(field)
+    if not isinstance(value, str) or not value:
+        raise _invalid(f"'{field}' must be a non-empty string")
+    return value
+
+
+def _count(data: dict[str, Any], field: str) -> int:
+    value = data.get(field)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise _invalid(f"'{field}' must be an integer of zero or more, got {value!r}")
+    return value
+
+
+# ------------------------------------------------------------------------------ request
+
+
+@dataclass(frozen=True)
+class Request:
+    """What the inbound owner reads: the command, checked, with the new deliver-at worked out."""
+
+    kind: Kind
+    offset: int
+    subscription: str | None
+    id: str | None
+    deliver_at: int | None
+    """Reschedules: the new deliver-at, from the command's timestamp."""
+    source: tuple[int, int]
+    """(control partition, offset) of the command."""
+    key: bytes | None
+    """The command's key, which its outcome carries too."""
+
+    def encode(self) -> bytes:
+        return _dump(
+            {
+                "kind": self.kind,
+                "offset": self.offset,
+                "subscription": self.subscription,
+                "id": self.id,
+                "deliver_at": self.deliver_at,
+                "source": list(self.source),
+                "key": self.key.decode("latin-1") if self.key is not None else None,
+            }
+        )
+
+    @classmethod
+    def decode(cls, raw: bytes | None) -> "Request | None":
+        data = _load(raw)
+        try:
+            kind = data["kind"]
+            source = data["source"]
+            key = data["key"]
+            request = cls(
+                kind,
+                int(data["offset"]),
+                data["subscription"],
+                data["id"],
+                data["deliver_at"],
+                (int(source[0]), int(source[1])),
+                key.encode("latin-1") if isinstance(key, str) else None,
+            )
+        except (KeyError, TypeError, ValueError, IndexError):
+            return None
+        return request if kind in KINDS else None
+
+
+# ------------------------------------------------------------------------------ fact
+
+
+@dataclass(frozen=True)
+class Fact:
+    """What one request changed, written after it was decided: the record a rebuild reads again.
+
+    `suppress`: (carrier offset, subscription) pairs that must not be delivered any more. A
+    carrier is the original record, or the copy an earlier reschedule made (its request's offset).
+    With `deliver_at` set (a reschedule), the request itself is the new copy: it delivers the
+    message to `subs` at `deliver_at`, with the original's message id.
+    """
+
+    origin: int
+    request: int
+    suppress: tuple[tuple[int, str], ...]
+    deliver_at: int | None = None
+    subs: tuple[str, ...] = ()
+
+    @property
+    def copy(self) -> int | None:
+        """The offset of the copy a reschedule made (its request), or None for a cancel."""
+        return self.request if self.deliver_at is not None else None
+
+    def encode(self) -> bytes:
+        return _dump(
+            {
+                "origin": self.origin,
+                "request": self.request,
+                "suppress": [list(p) for p in self.suppress],
+                "deliver_at": self.deliver_at,
+                "subs": list(self.subs),
+            }
+        )
+
+    @classmethod
+    def decode(cls, raw: bytes | None) -> "Fact | None":
+        data = _load(raw)
+        try:
+            return cls(
+                int(data["origin"]),
+                int(data["request"]),
+                tuple((int(c), str(s)) for c, s in data["suppress"]),
+                None if data["deliver_at"] is None else int(data["deliver_at"]),
+                tuple(str(s) for s in data["subs"]),
+            )
+        except (KeyError, TypeError, ValueError):
+            return None
+
+
+# ------------------------------------------------------------------------------ outcome
+
+
+Outcome = Literal["cancelled", "rescheduled", "too-late", "unknown-message", "rejected"]
+
+
+@dataclass(frozen=True)
+class OutcomeRecord:
+    """The one answer to a cancel or reschedule, on `<control topic>.outcomes`, keyed like the command."""
+
+    outcome: Outcome
+    kind: Kind | None
+    topic: str | None
+    partition: int | None
+    offset: int | None
+    id: str | None
+    source: tuple[int, int]
+    subscriptions: tuple[str, ...] = ()
+    """cancelled / rescheduled: the subscriptions it applied to."""
+    too_late: tuple[str, ...] = ()
+    """Subscriptions it came too late for, when it applied to others."""
+    deliver_at: int | None = None
+    """rescheduled: the new deliver-at."""
+    delivered_at: int | None = None
+    """too-late: the deliver-at the message went out at (or was due at), when known."""
+    code: str | None = None
+    message: str | None = None
+
+    def encode(self) -> bytes:
+        data: dict[str, Any] = {
+            "v": VERSION,
+            "outcome": self.outcome,
+            "type": self.kind,
+            "topic": self.topic,
+            "partition": self.partition,
+            "offset": self.offset,
+            "id": self.id,
+            "command": {"partition": self.source[0], "offset": self.source[1]},
+        }
+        optional: dict[str, Any] = {
+            "subscriptions": list(self.subscriptions) or None,
+            "too_late": list(self.too_late) or None,
+            "deliver_at": self.deliver_at,
+            "delivered_at": self.delivered_at,
+            "code": self.code,
+            "message": self.message,
+        }
+        data.update({k: v for k, v in optional.items() if v is not None})
+        return _dump(data)
+
+
+def _dump(data: dict[str, Any]) -> bytes:
+    return json.dumps(data, separators=(",", ":")).encode()
+
+
+def _load(raw: bytes | None) -> dict[str, Any]:
+    try:
+        data = json.loads(raw or b"")
+    except (ValueError, UnicodeDecodeError):
+        return {}
+    return data if isinstance(data, dict) else {}

@@ -1,0 +1,184 @@
+"""Cancel and reschedule commands at the control partition's owner: refused here, or forwarded.
+
+This owner checks what it can check alone (the topic, the subscription, the topic's policies, that
+the offset exists) and answers a refusal itself. The rest goes on as a request to the message's
+own inbound partition, whose owner decides in time or too late (cancels.py explains why there).
+A reschedule's request carries a copy of the message, read from the log here, in one read for
+every reschedule of a batch.
+"""
+
+import logging
+from collections.abc import Callable
+
+from confluent_kafka import Message
+
+from sidecar.clock import Clock
+from sidecar.control.cancels import (
+    COMMAND_BY,
+    DELAYS_DISABLED,
+    EXCEEDS_MAX_DELAY,
+    FIXED_DELAY_TOPIC,
+    NOT_DELAYED,
+    REJECTED,
+    REQUEST,
+    UNKNOWN_MESSAGE_OUTCOME,
+    UNKNOWN_SUBSCRIPTION,
+    UNKNOWN_TOPIC,
+    MessageCommand,
+    OutcomeRecord,
+    Request,
+)
+from sidecar.control.outcomes import Outcomes
+from sidecar.dispatch.reader import LogReader
+from sidecar.durations import format_duration_ms
+from sidecar.errors import RejectedRecord, SidecarError
+from sidecar.outbound.records import OutHeaders
+from sidecar.outbound.writer import Writer
+from sidecar.partitions import TopicPartitionKey
+from sidecar.policy.routes import Routes
+
+logger = logging.getLogger(__name__)
+
+
+class Forwarding:
+    def __init__(
+        self,
+        group_id: str,
+        writer: Writer,
+        reader: LogReader,
+        routes: Callable[[], dict[str, Routes]],
+        outcomes: Outcomes,
+        clock: Clock,
+    ) -> None:
+        self._group = group_id.encode()
+        self._writer = writer
+        self._reader = reader
+        self._routes = routes
+        self._outcomes = outcomes
+        self._clock = clock
+        self._ends: dict[TopicPartitionKey, int] = {}
+        self._waiting: list[tuple[Message, MessageCommand, Request]] = []
+
+    def take(self, record: Message, command: MessageCommand) -> None:
+        """Check one command; a good one waits for `settle`, which forwards a batch's in order."""
+        sent_ms = record.timestamp()[1]
+        if sent_ms <= 0:
+            sent_ms = self._clock.now_ms()
+        try:
+            deliver_at = self._check(command, sent_ms)
+        except RejectedRecord as rejected:
+            self.refuse(record, command, REJECTED, rejected.code, rejected.message)
+            return
+        if not self._exists(command.topic, command.partition, command.offset):
+            self.refuse(record, command, UNKNOWN_MESSAGE_OUTCOME, None, "the partition has no such offset")
+            return
+        source = (record.partition(), record.offset())
+        request = Request(
+            command.kind, command.offset, command.subscription, command.id, deliver_at, source, record.key()
+        )
+        self._waiting.append((record, command, request))
+
+    def settle(self) -> None:
+        """Forward the batch's requests, reading the messages that reschedules copy in one read."""
+        if not self._waiting:
+            return
+        waiting, self._waiting = self._waiting, []
+        wanted: dict[TopicPartitionKey, list[int]] = {}
+        for _, command, _ in waiting:
+            if command.kind == "reschedule":
+                wanted.setdefault((command.topic, command.partition), []).append(command.offset)
+        copies = {(key, offset): message for key, offset, message in self._reader.read(wanted)} if wanted else {}
+        for record, command, request in waiting:
+            headers: OutHeaders = [(COMMAND_BY, self._group), (REQUEST, request.encode())]
+            if command.kind == "cancel":
+                self._writer.send(command.topic, record.key(), None, headers, partition=command.partition)
+                continue
+            message = copies.get(((command.topic, command.partition), command.offset))
+            if message is None or _is_ours(message):
+                self.refuse(record, command, UNKNOWN_MESSAGE_OUTCOME, None, "no such message in the log (retention?)")
+                continue
+            headers += [(k, v if v is not None else b"") for k, v in message.headers() or []]
+            stamp = max(message.timestamp()[1], 0)
+            self._writer.send(
+                command.topic, message.key(), message.value(), headers, partition=command.partition, timestamp=stamp
+            )
+
+    def refuse(
+        self, record: Message, command: MessageCommand | None, outcome: str, code: str | None, message: str
+    ) -> None:
+        """Answer a command that goes no further (`command` None: too malformed to read)."""
+        kind = command.kind if command is not None else None
+        self._outcomes.send(
+            record.key(),
+            OutcomeRecord(
+                outcome,  # type: ignore[arg-type]
+                kind,
+                command.topic if command is not None else None,
+                command.partition if command is not None else None,
+                command.offset if command is not None else None,
+                command.id if command is not None else None,
+                (record.partition(), record.offset()),
+                code=code,
+                message=message,
+            ),
+        )
+        logger.info(
+            "command refused partition=%d offset=%d outcome=%s code=%s",
+            record.partition(),
+            record.offset(),
+            outcome,
+            code,
+        )
+
+    def _check(self, command: MessageCommand, sent_ms: int) -> int | None:
+        """The checks that need only the policies; returns a reschedule's new deliver-at."""
+        routes = self._routes().get(command.topic)
+        if routes is None:
+            raise RejectedRecord(UNKNOWN_TOPIC, f"the sidecar serves no topic {command.topic!r}")
+        if command.subscription is not None:
+            sub = routes.route.subscription(command.subscription)
+            if sub is None:
+                raise RejectedRecord(
+                    UNKNOWN_SUBSCRIPTION, f"topic {command.topic!r} has no subscription {command.subscription!r}"
+                )
+            if sub.ordered:
+                raise RejectedRecord(
+                    NOT_DELAYED,
+                    f"{command.subscription!r} is {sub.type}: it ignores delays and got every message at once",
+                )
+        if command.kind == "cancel":
+            return None
+        delay = routes.route.delay
+        if not delay.is_enabled:
+            raise RejectedRecord(DELAYS_DISABLED, f"delayed delivery is disabled for {command.topic!r}")
+        if delay.fixed_ms > 0:
+            raise RejectedRecord(
+                FIXED_DELAY_TOPIC,
+                f"{command.topic!r} has a fixed delivery delay of {format_duration_ms(delay.fixed_ms)} "
+                f"(from {delay.fixed_delivery_delay.source}); its messages cannot be moved",
+            )
+        deliver_at = command.new_deliver_at(sent_ms)
+        if delay.max_ms > 0 and deliver_at - sent_ms > delay.max_ms:
+            raise RejectedRecord(
+                EXCEEDS_MAX_DELAY,
+                f"the new time is {format_duration_ms(deliver_at - sent_ms)} away, over the max delivery delay "
+                f"{format_duration_ms(delay.max_ms)} (from {delay.max_delivery_delay.source})",
+            )
+        return deliver_at
+
+    def _exists(self, topic: str, partition: int, offset: int) -> bool:
+        """Whether the offset is below the partition's end (read again only when it is not below the one known)."""
+        key = (topic, partition)
+        if offset < self._ends.get(key, -1):
+            return True
+        try:
+            _, end = self._reader.watermarks(topic, partition)
+        except SidecarError:
+            end = -1
+        self._ends[key] = end
+        return offset < end
+
+
+def _is_ours(message: Message) -> bool:
+    headers = message.headers()
+    return bool(headers) and headers[0][0] == COMMAND_BY

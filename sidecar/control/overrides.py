@@ -1,0 +1,176 @@
+"""Which pending deliveries of one inbound partition cancels and reschedules took back. Pure code.
+
+The tracker is shared by every subscription and knows positions only, so a cancel does not touch
+it: the entry stays and comes out at its time, and this table says which subscriptions it no
+longer goes to. A reschedule takes the message back the same way and adds a *copy*: its request
+(a record of the same partition holding the message, see cancels.py) indexed at the new time.
+
+A delivery of (message, subscription) has one *carrier* at a time: the original offset, or the
+copy the latest reschedule made. A request is in time when its carrier is still indexed and still
+goes to that subscription; the decision is taken once, when the inbound owner reads the request,
+and written down as a Fact. A rebuild applies the facts again in log order, and a fact whose
+carrier is no longer pending changes nothing: it was delivered (or taken back) before the commit.
+"""
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from sidecar.control.cancels import (
+    ALREADY_CANCELLED,
+    CANCELLED,
+    RESCHEDULED,
+    TOO_LATE,
+    UNKNOWN_MESSAGE_OUTCOME,
+    Fact,
+    Request,
+)
+
+
+@dataclass(frozen=True)
+class Copy:
+    origin: int
+    deliver_at: int
+    subs: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Decision:
+    """A request decided: the outcome, and the fact to write and apply when it changed something."""
+
+    outcome: str
+    subscriptions: tuple[str, ...] = ()
+    too_late: tuple[str, ...] = ()
+    delivered: tuple[int, ...] = ()
+    """Carriers (offsets) that went out before the request: where to look up when they went."""
+    fact: Fact | None = None
+    code: str | None = None
+    message: str | None = None
+
+
+Indexed = Callable[[int], bool]
+"""Whether the tracker still holds this offset (not yet delivered)."""
+
+
+class Overrides:
+    def __init__(self) -> None:
+        self.suppressed: dict[int, tuple[str, ...]] = {}
+        """Carrier offset -> subscriptions it no longer goes to."""
+        self.copies: dict[int, Copy] = {}
+        """Copy (request offset) still indexed -> what it delivers."""
+        self._carrier: dict[int, dict[str, int]] = {}
+        """Message offset -> subscription -> its copy, once rescheduled."""
+        self._done: dict[int, int] = {}
+        """Copy delivered -> its deliver-at, while its message may still be asked about."""
+
+    def __bool__(self) -> bool:
+        return bool(self.suppressed or self.copies)
+
+    def decide(self, request_offset: int, request: Request, owed: tuple[str, ...], indexed: Indexed) -> Decision:
+        """Decide a request for the message at request.offset, owed at intake to `owed` (its delayed
+        subscriptions). Applies nothing: the caller writes the fact, then `apply`s it."""
+        origin = request.offset
+        if request.subscription is not None:
+            if request.subscription not in owed:
+                return Decision(
+                    UNKNOWN_MESSAGE_OUTCOME,
+                    message=f"{origin} was never owed to {request.subscription!r} with a delay",
+                )
+            subs: Iterable[str] = (request.subscription,)
+        else:
+            subs = owed
+        taken: list[tuple[int, str]] = []
+        late: list[str] = []
+        delivered: list[int] = []
+        cancelled_before: list[str] = []
+        for sub in subs:
+            carrier = self._carrier.get(origin, {}).get(sub, origin)
+            if self._goes_to(carrier, origin, sub, indexed):
+                taken.append((carrier, sub))
+            elif self._pending(carrier, origin, indexed):
+                cancelled_before.append(sub)  # still indexed, but already taken back from `sub`
+            else:
+                late.append(sub)
+                delivered.append(carrier)
+        if not taken:
+            if cancelled_before and request.kind == "cancel":
+                return Decision(CANCELLED, tuple(cancelled_before), tuple(late), tuple(delivered))
+            if cancelled_before and not late:
+                return Decision(
+                    "rejected", code=ALREADY_CANCELLED, message=f"{origin} was cancelled; it cannot be rescheduled"
+                )
+            return Decision(TOO_LATE, (), tuple(late), tuple(delivered))
+        subscriptions = tuple(s for _, s in taken)
+        if request.kind == "cancel":
+            fact = Fact(origin, request_offset, tuple(taken))
+            return Decision(CANCELLED, subscriptions, tuple(late), tuple(delivered), fact)
+        assert request.deliver_at is not None
+        fact = Fact(origin, request_offset, tuple(taken), request.deliver_at, subscriptions)
+        return Decision(RESCHEDULED, subscriptions, tuple(late), tuple(delivered), fact)
+
+    def apply(self, fact: Fact, indexed: Indexed, copy_pending: bool = True) -> None:
+        """Take a decided fact into the table. `copy_pending`: the copy is (or is about to be) indexed;
+        False in a rebuild that finds it delivered before the commit."""
+        origin = fact.origin
+        for carrier, sub in fact.suppress:
+            if self._pending(carrier, origin, indexed):
+                held = self.suppressed.get(carrier, ())
+                if sub not in held:
+                    self.suppressed[carrier] = (*held, sub)
+        if fact.copy is None:
+            return
+        carriers = self._carrier.setdefault(origin, {})
+        for sub in fact.subs:
+            carriers[sub] = fact.copy
+        if copy_pending:
+            assert fact.deliver_at is not None
+            self.copies[fact.copy] = Copy(origin, fact.deliver_at, fact.subs)
+        elif fact.deliver_at is not None:
+            self._done[fact.copy] = fact.deliver_at
+
+    def delivered_at(self, carrier: int) -> int | None:
+        """A delivered copy's deliver-at (None: not a copy this table knows)."""
+        return self._done.get(carrier)
+
+    def popped(self, offset: int, owed: tuple[str, ...], indexed: Indexed) -> tuple[tuple[str, ...], Copy | None]:
+        """An entry came out of the tracker: (subscriptions it goes to, the copy it is or None).
+
+        For a copy, `owed` is ignored: it goes to the subscriptions whose latest reschedule it is."""
+        held = self.suppressed.pop(offset, ())
+        copy = self.copies.pop(offset, None)
+        if copy is None:
+            if held:
+                self._forget(offset, indexed)
+            return (tuple(s for s in owed if s not in held) if held else owed), None
+        self._done[offset] = copy.deliver_at
+        carriers = self._carrier.get(copy.origin, {})
+        subs = tuple(s for s in copy.subs if carriers.get(s) == offset and s not in held)
+        self._forget(copy.origin, indexed)
+        return subs, copy
+
+    def live_from(self) -> int | None:
+        """The lowest offset the table depends on (None: it is empty): a restart must read from there."""
+        offsets = list(self.suppressed) + list(self.copies)
+        return min(offsets) if offsets else None
+
+    def _pending(self, carrier: int, origin: int, indexed: Indexed) -> bool:
+        if carrier == origin:
+            return indexed(origin)
+        return carrier in self.copies
+
+    def _goes_to(self, carrier: int, origin: int, sub: str, indexed: Indexed) -> bool:
+        if sub in self.suppressed.get(carrier, ()):
+            return False
+        if carrier == origin:
+            return indexed(origin)
+        copy = self.copies.get(carrier)
+        return copy is not None and sub in copy.subs
+
+    def _forget(self, origin: int, indexed: Indexed) -> None:
+        """Once neither the message nor any copy of it is pending, nothing about it is needed."""
+        carriers = self._carrier.get(origin)
+        if carriers is None or indexed(origin) or origin in self.suppressed:
+            return
+        if any(copy in self.copies for copy in carriers.values()):
+            return
+        for copy in self._carrier.pop(origin).values():
+            self._done.pop(copy, None)

@@ -1,0 +1,190 @@
+"""Requests and facts in an inbound partition: cancels and reschedules decided where the message is delivered.
+
+A request is decided when it is read, in log order, by the only member that delivers from the
+partition, so "cancelled" and "delivered" cannot both happen (control/cancels.py). A decision that
+changes something is written down as a fact in the same partition and taken into the partition's
+overrides at once; the fact comes back later through intake and is skipped then, unless an earlier
+owner wrote it. A rebuild applies facts again and skips requests, which were decided already.
+"""
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from confluent_kafka import Message
+
+from sidecar.control.cancels import (
+    COMMAND_BY,
+    DEAD_LETTERED,
+    FACT,
+    REJECTED,
+    REQUEST,
+    TOO_LATE,
+    UNKNOWN_MESSAGE_OUTCOME,
+    Fact,
+    OutcomeRecord,
+    Request,
+)
+from sidecar.control.outcomes import Outcomes
+from sidecar.control.overrides import Decision
+from sidecar.dispatch.reader import LogReader
+from sidecar.inbound.batch import IntakeBatch
+from sidecar.outbound.delivery import Delivery
+from sidecar.outbound.records import OutHeaders
+from sidecar.outbound.writer import Writer
+from sidecar.partitions.state import PartitionState
+from sidecar.policy.intake import judge
+from sidecar.policy.routes import IntakeRule, Routes
+from sidecar.tracker.base import pack
+
+logger = logging.getLogger(__name__)
+
+
+def is_marked(headers: list[tuple[str, bytes | None]] | None) -> bool:
+    """A record the sidecar wrote to an inbound partition (of any group): never a message to deliver."""
+    return bool(headers) and headers[0][0] == COMMAND_BY  # type: ignore[index]
+
+
+@dataclass
+class _Late:
+    """A request that came too late for every subscription: its answer waits for the message's deliver-at."""
+
+    state: PartitionState
+    request: Request
+    decision: Decision
+    rule: IntakeRule
+
+
+class CommandStep:
+    def __init__(
+        self, group_id: str, writer: Writer, delivery: Delivery, outcomes: Outcomes, reader: LogReader
+    ) -> None:
+        self._group = group_id.encode()
+        self._writer = writer
+        self._delivery = delivery
+        self._outcomes = outcomes
+        self._reader = reader
+        self._late: list[_Late] = []
+
+    def take(self, batch: IntakeBatch, state: PartitionState, routes: Routes, records: Sequence[Message]) -> None:
+        """Marked records read live, in offset order."""
+        for record in records:
+            headers = record.headers() or []
+            if headers[0][1] != self._group or len(headers) < 2:
+                continue  # another sidecar group's
+            name, value = headers[1]
+            if name == REQUEST:
+                self._decide(batch, state, routes, record, value)
+            elif name == FACT:
+                self._fact_read(state, record.offset(), value, live=True)
+        self._answer_late()
+
+    def replay(self, state: PartitionState, record: Message, through: int) -> None:
+        """A marked record read again by a rebuild: facts are applied, requests were decided before."""
+        headers = record.headers() or []
+        if len(headers) >= 2 and headers[0][1] == self._group and headers[1][0] == FACT:
+            self._fact_read(state, record.offset(), headers[1][1], live=False, through=through)
+
+    # ------------------------------------------------------------------ deciding a request
+
+    def _decide(
+        self, batch: IntakeBatch, state: PartitionState, routes: Routes, record: Message, raw: bytes | None
+    ) -> None:
+        request = Request.decode(raw)
+        if request is None:
+            logger.error(
+                "unreadable cancel or reschedule request skipped partition=%s offset=%d", state.name, record.offset()
+            )
+            return
+        offset = record.offset()
+        rule = state.rules.at(request.offset) or batch.rule(state.topic, routes, None)
+        tracker = state.tracker
+        decision = state.overrides.decide(offset, request, rule.delayed, tracker.contains)
+        fact = decision.fact
+        if fact is not None:
+            headers: OutHeaders = [(COMMAND_BY, self._group), (FACT, fact.encode())]
+            self._writer.send(state.topic, request.key, None, headers, partition=state.partition)
+            state.unread_facts.add(offset)
+            due = fact.copy is not None and not tracker.add(offset, fact.deliver_at or 0)
+            state.overrides.apply(fact, tracker.contains)
+            if due:  # rescheduled to now or the past: the copy goes out at once
+                assert fact.deliver_at is not None
+                self._delivery.delayed((state.topic, state.partition), [(fact.deliver_at, offset, record)])
+        if decision.outcome == TOO_LATE and not decision.subscriptions:
+            self._late.append(_Late(state, request, decision, rule))
+            return
+        self._answer(state, request, decision)
+
+    def _answer(
+        self, state: PartitionState, request: Request, decision: Decision, delivered_at: int | None = None
+    ) -> None:
+        self._outcomes.send(
+            request.key,
+            OutcomeRecord(
+                decision.outcome,  # type: ignore[arg-type]
+                request.kind,
+                state.topic,
+                state.partition,
+                request.offset,
+                request.id,
+                request.source,
+                decision.subscriptions,
+                decision.too_late,
+                request.deliver_at if decision.fact is not None else None,
+                delivered_at,
+                decision.code,
+                decision.message,
+            ),
+        )
+
+    def _answer_late(self) -> None:
+        """Too late: say when the message was due, which the log says (one read for the batch's)."""
+        if not self._late:
+            return
+        late, self._late = self._late, []
+        wanted: dict[tuple[str, int], list[int]] = {}
+        for item in late:
+            copy_at = [a for c in item.decision.delivered if (a := item.state.overrides.delivered_at(c)) is not None]
+            if not copy_at:
+                wanted.setdefault((item.state.topic, item.state.partition), []).append(item.request.offset)
+        found = {(key, offset): message for key, offset, message in self._reader.read(wanted)} if wanted else {}
+        for item in late:
+            state, request, decision = item.state, item.request, item.decision
+            copy_at = [a for c in decision.delivered if (a := state.overrides.delivered_at(c)) is not None]
+            if copy_at:
+                self._answer(state, request, decision, max(copy_at))
+                continue
+            message = found.get(((state.topic, state.partition), request.offset))
+            if message is None or is_marked(message.headers()):
+                self._answer(state, request, Decision(UNKNOWN_MESSAGE_OUTCOME, message="no such message in the log"))
+                continue
+            publish_ms = max(message.timestamp()[1], 0)
+            fate = judge(item.rule, message.headers(), publish_ms)
+            if fate.rejected is not None:
+                refused = Decision(
+                    REJECTED,
+                    code=DEAD_LETTERED,
+                    message=f"the message went to the dead-letter topic ({fate.rejected.code})",
+                )
+                self._answer(state, request, refused)
+                continue
+            self._answer(state, request, decision, fate.deliver_at if fate.deliver_at is not None else publish_ms)
+
+    # ------------------------------------------------------------------ facts
+
+    def _fact_read(
+        self, state: PartitionState, offset: int, raw: bytes | None, live: bool, through: int | None = None
+    ) -> None:
+        fact = Fact.decode(raw)
+        if fact is None:
+            logger.error("unreadable cancel or reschedule fact skipped partition=%s offset=%d", state.name, offset)
+            return
+        if live and fact.request in state.unread_facts:
+            state.unread_facts.discard(fact.request)
+            return  # ours: taken into the overrides when it was decided
+        pending = False
+        copy, at = fact.copy, fact.deliver_at
+        if copy is not None and at is not None and (through is None or pack(at, copy) > through):
+            # Nothing goes out before every fact is read (state.hold_until, or a rebuild).
+            pending = state.tracker.add(copy, at, deliver_now=False)
+        state.overrides.apply(fact, state.tracker.contains, copy_pending=pending)
