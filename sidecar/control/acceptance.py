@@ -15,7 +15,7 @@ from collections.abc import Callable
 from confluent_kafka import Message
 
 from sidecar.clock import Clock
-from sidecar.control.cancels import REJECTED, MessageCommand, message_kind
+from sidecar.control.cancels import REJECTED, MessageCommand, loose_command, message_kind
 from sidecar.control.commands import (
     ACCEPTED_BY,
     UNKNOWN_MESSAGE,
@@ -109,7 +109,8 @@ class Acceptance:
             parsed = parse_command(record.value())
         except RejectedRecord as rejected:
             if message_kind(record.value()) is not None:  # a malformed cancel or reschedule: answered
-                self._forwarding.refuse(record, None, REJECTED, rejected.code, rejected.message)
+                loose = loose_command(record.value())
+                self._forwarding.refuse(record, loose, REJECTED, rejected.code, rejected.message)
             else:
                 self.reject(record, rejected)
                 self._metrics.nacks.labels("", rejected.code.lower()).inc()

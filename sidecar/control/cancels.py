@@ -67,6 +67,17 @@ def _invalid(message: str) -> RejectedRecord:
 
 
 @dataclass(frozen=True)
+class CommandRef:
+    """The fields an answer repeats from its command, as far as they could be read."""
+
+    kind: Kind | None
+    topic: str | None
+    partition: int | None
+    offset: int | None
+    id: str | None
+
+
+@dataclass(frozen=True)
 class MessageCommand:
     """A cancel or reschedule of one message (topic, partition, offset)."""
 
@@ -80,6 +91,10 @@ class MessageCommand:
     """Chosen by the sender and copied into the outcome, to match the two."""
     deliver_at: int | None = None
     delay_ms: int | None = None
+
+    @property
+    def ref(self) -> CommandRef:
+        return CommandRef(self.kind, self.topic, self.partition, self.offset, self.id)
 
     def new_deliver_at(self, sent_ms: int) -> int:
         """A reschedule's deliver-at: as sent, or the command's timestamp plus delay_ms."""
@@ -117,6 +132,19 @@ def message_kind(raw: bytes | None) -> Kind | None:
     """'cancel' or 'reschedule' when a control record says it is one, however malformed otherwise."""
     kind = _load(raw).get("type")
     return kind if kind in KINDS else None
+
+
+def loose_command(raw: bytes | None) -> CommandRef:
+    """What can be read of a malformed cancel or reschedule, for its answer: fields of the wrong type are left out."""
+    data = _load(raw)
+    kind, topic, partition, offset, command_id = (data.get(k) for k in ("type", "topic", "partition", "offset", "id"))
+    return CommandRef(
+        kind if kind in KINDS else None,
+        topic if isinstance(topic, str) else None,
+        partition if isinstance(partition, int) and not isinstance(partition, bool) else None,
+        offset if isinstance(offset, int) and not isinstance(offset, bool) else None,
+        command_id[:_MAX_ID_LENGTH] if isinstance(command_id, str) else None,
+    )
 
 
 def _text(data: dict[str, Any], field: str) -> str:

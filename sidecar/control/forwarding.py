@@ -24,6 +24,7 @@ from sidecar.control.cancels import (
     UNKNOWN_MESSAGE_OUTCOME,
     UNKNOWN_SUBSCRIPTION,
     UNKNOWN_TOPIC,
+    CommandRef,
     MessageCommand,
     OutcomeRecord,
     Request,
@@ -67,10 +68,10 @@ class Forwarding:
         try:
             deliver_at = self._check(command, sent_ms)
         except RejectedRecord as rejected:
-            self.refuse(record, command, REJECTED, rejected.code, rejected.message)
+            self.refuse(record, command.ref, REJECTED, rejected.code, rejected.message)
             return
         if not self._exists(command.topic, command.partition, command.offset):
-            self.refuse(record, command, UNKNOWN_MESSAGE_OUTCOME, None, "the partition has no such offset")
+            self.refuse(record, command.ref, UNKNOWN_MESSAGE_OUTCOME, None, "the partition has no such offset")
             return
         source = (record.partition(), record.offset())
         request = Request(
@@ -95,7 +96,9 @@ class Forwarding:
                 continue
             message = copies.get(((command.topic, command.partition), command.offset))
             if message is None or _is_ours(message):
-                self.refuse(record, command, UNKNOWN_MESSAGE_OUTCOME, None, "no such message in the log (retention?)")
+                self.refuse(
+                    record, command.ref, UNKNOWN_MESSAGE_OUTCOME, None, "no such message in the log (retention?)"
+                )
                 continue
             headers += [(k, v if v is not None else b"") for k, v in message.headers() or []]
             stamp = max(message.timestamp()[1], 0)
@@ -103,20 +106,17 @@ class Forwarding:
                 command.topic, message.key(), message.value(), headers, partition=command.partition, timestamp=stamp
             )
 
-    def refuse(
-        self, record: Message, command: MessageCommand | None, outcome: str, code: str | None, message: str
-    ) -> None:
-        """Answer a command that goes no further (`command` None: too malformed to read)."""
-        kind = command.kind if command is not None else None
+    def refuse(self, record: Message, command: CommandRef, outcome: str, code: str | None, message: str) -> None:
+        """Answer a command that goes no further (a malformed one: what could be read of it, `loose_command`)."""
         self._outcomes.send(
             record.key(),
             OutcomeRecord(
                 outcome,  # type: ignore[arg-type]
-                kind,
-                command.topic if command is not None else None,
-                command.partition if command is not None else None,
-                command.offset if command is not None else None,
-                command.id if command is not None else None,
+                command.kind,
+                command.topic,
+                command.partition,
+                command.offset,
+                command.id,
                 (record.partition(), record.offset()),
                 code=code,
                 message=message,

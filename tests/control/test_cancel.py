@@ -1,0 +1,127 @@
+"""Cancel and reschedule against a real broker: every command answered once, nothing cancelled
+delivered, nothing rescheduled early, counted per record."""
+
+import json
+import time
+import uuid
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from confluent_kafka import Producer
+
+from sidecar.outbound.records import DELIVER_AT, ORIGIN_OFFSET
+from tests.kafka_helpers import (
+    KafkaHelper,
+    PolicyFile,
+    Received,
+    ThreadedSidecar,
+    TopicFactory,
+    deliveries,
+    early,
+    settings_for,
+    wait_for,
+)
+
+
+def policies(topic: str, policy_file: PolicyFile, extra: str = "") -> Path:
+    return policy_file(f"""
+topics:
+  {topic}:
+    delayed_delivery: {{max_delivery_delay: 1h}}
+    subscriptions: {{billing: {{}}, fraud: {{}}, audit: {{type: exclusive}}}}
+{extra}""")
+
+
+def command(producer: Producer, control: str, body: dict[str, Any], key: str | None = None) -> None:
+    message_id = key or f"{body.get('topic')}/{body.get('partition')}/{body.get('offset')}"
+    producer.produce(control, json.dumps({"v": 1, **body}).encode(), key=message_id.encode())
+
+
+def outcomes(kafka_helper: KafkaHelper, control: str) -> dict[str, list[dict[str, Any]]]:
+    """Outcome records by command id (every one kept: a second answer fails the caller's count)."""
+    found: dict[str, list[dict[str, Any]]] = {}
+    for record in kafka_helper.read_to_end(f"{control}.outcomes"):
+        data = json.loads(record.value or b"")
+        found.setdefault(data.get("id") or "", []).append(data)
+    return found
+
+
+def by_offset(records: list[Received]) -> Counter[int]:
+    return Counter(int(r.headers[ORIGIN_OFFSET]) for r in records)
+
+
+def test_cancel_and_reschedule_each_answered_once_and_honoured(
+    kafka: str, kafka_helper: KafkaHelper, topic_factory: TopicFactory, policy_file: PolicyFile, tmp_path: Path
+) -> None:
+    topic, control = topic_factory("cancel"), f"ctl-{uuid.uuid4().hex[:8]}"
+    settings = settings_for(kafka, policies(topic, policy_file), tmp_path, control_topic=control)
+    now = int(time.time() * 1000)
+    due = now + 8_000
+    # 0-5 delayed 8 s; 6 immediate; 7 delayed 1 s (delivered before its cancel is sent)
+    for i in range(6):
+        kafka_helper.produce(topic, f"v{i}".encode(), headers=[("deliver-at", str(due))])
+    kafka_helper.produce(topic, b"v6")
+    kafka_helper.produce(topic, b"v7", headers=[("deliver-after", "1s")])
+    kafka_helper.flush()
+    producer = Producer({"bootstrap.servers": kafka})
+    with ThreadedSidecar(settings) as sidecar:
+        wait_for(lambda: sidecar.metric("delay_sidecar_messages_delivered_total", topic=topic, subscription="billing")
+                 >= 2, 30, "the immediate and the 1 s record delivered")  # fmt: skip
+        sooner, later = now + 4_000, now + 12_000
+        base = {"topic": topic, "partition": 0}
+        command(producer, control, {**base, "type": "cancel", "offset": 0, "id": "cancel-all"})
+        command(producer, control, {**base, "type": "cancel", "offset": 1, "subscription": "fraud", "id": "cancel-one"})
+        command(producer, control, {**base, "type": "reschedule", "offset": 2, "deliver_at": sooner, "id": "earlier"})
+        command(producer, control, {**base, "type": "reschedule", "offset": 3, "deliver_at": later,
+                                    "subscription": "billing", "id": "later"})  # fmt: skip
+        command(producer, control, {**base, "type": "reschedule", "offset": 4, "deliver_at": later, "id": "moved"})
+        command(producer, control, {**base, "type": "cancel", "offset": 4, "id": "cancel-moved"})
+        command(producer, control, {**base, "type": "cancel", "offset": 0, "id": "cancel-again"})
+        command(producer, control, {**base, "type": "cancel", "offset": 7, "id": "too-late"})
+        command(producer, control, {**base, "type": "cancel", "offset": 6, "id": "immediate"})
+        command(producer, control, {**base, "type": "cancel", "offset": 999, "id": "no-offset"})
+        command(producer, control, {"type": "cancel", "topic": "nope", "partition": 0, "offset": 0, "id": "no-topic"})
+        command(producer, control, {**base, "type": "cancel", "offset": 5, "subscription": "x", "id": "no-sub"})
+        command(producer, control, {**base, "type": "cancel", "offset": 5, "subscription": "audit", "id": "ordered"})
+        command(producer, control, {**base, "type": "reschedule", "offset": 5, "delay_ms": 7_200_000, "id": "too-far"})
+        command(producer, control, {**base, "type": "cancel", "offset": "five", "id": "malformed"})
+        producer.flush(10)
+        wait_for(lambda: sum(len(v) for v in outcomes(kafka_helper, control).values()) >= 15, 30, "15 outcomes")
+        for sub, count in (("billing", 6), ("fraud", 5)):
+            wait_for(lambda sub=sub, count=count: sidecar.metric(  # type: ignore[misc]
+                "delay_sidecar_messages_delivered_total", topic=topic, subscription=sub) >= count,
+                40, f"every {sub} delivery")  # fmt: skip
+        time.sleep(1.0)  # anything extra would come now
+    answers = outcomes(kafka_helper, control)
+    assert all(len(v) == 1 for v in answers.values()), answers
+    got = {k: v[0] for k, v in answers.items()}
+    assert got["cancel-all"]["outcome"] == "cancelled"
+    assert sorted(got["cancel-all"]["subscriptions"]) == ["billing", "fraud"]
+    assert got["cancel-one"]["outcome"] == "cancelled" and got["cancel-one"]["subscriptions"] == ["fraud"]
+    assert got["earlier"]["outcome"] == "rescheduled" and got["earlier"]["deliver_at"] == sooner
+    assert got["later"]["outcome"] == "rescheduled" and got["later"]["subscriptions"] == ["billing"]
+    assert got["moved"]["outcome"] == "rescheduled" and got["cancel-moved"]["outcome"] == "cancelled"
+    assert got["cancel-again"]["outcome"] == "cancelled"
+    assert got["too-late"]["outcome"] == "too-late" and got["too-late"]["delivered_at"] > now
+    assert got["immediate"]["outcome"] == "too-late"
+    assert got["no-offset"]["outcome"] == "unknown-message"
+    assert (got["no-topic"]["outcome"], got["no-topic"]["code"]) == ("rejected", "UNKNOWN_TOPIC")
+    assert (got["no-sub"]["outcome"], got["no-sub"]["code"]) == ("rejected", "UNKNOWN_SUBSCRIPTION")
+    assert (got["ordered"]["outcome"], got["ordered"]["code"]) == ("rejected", "NOT_DELAYED")
+    assert (got["too-far"]["outcome"], got["too-far"]["code"]) == ("rejected", "EXCEEDS_MAX_DELAY")
+    assert (got["malformed"]["outcome"], got["malformed"]["code"]) == ("rejected", "INVALID_COMMAND")
+
+    billing = kafka_helper.read_to_end(f"{topic}.billing")
+    fraud = kafka_helper.read_to_end(f"{topic}.fraud")
+    audit = kafka_helper.read_to_end(f"{topic}.audit")
+    assert by_offset(billing) == Counter({1: 1, 2: 1, 3: 1, 5: 1, 6: 1, 7: 1})
+    assert by_offset(fraud) == Counter({2: 1, 3: 1, 5: 1, 6: 1, 7: 1})
+    assert by_offset(audit) == Counter(range(8)), "exclusive subscriptions get everything at once"
+    assert not early(billing) and not early(fraud)
+    moved = {int(r.headers[ORIGIN_OFFSET]): r for r in billing}
+    assert moved[2].header_int(DELIVER_AT) == sooner and moved[2].timestamp >= sooner
+    assert moved[3].header_int(DELIVER_AT) == later and moved[3].timestamp >= later
+    assert moved[2].value == b"v2" and moved[3].value == b"v3"
+    assert {int(r.headers[ORIGIN_OFFSET]): r.header_int(DELIVER_AT) for r in fraud}[3] == due
+    assert all(n == 1 for records in (billing, fraud) for n in deliveries(records).values())
