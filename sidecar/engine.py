@@ -440,7 +440,23 @@ class Sidecar:
             if not (s.exact and s.replaying) and not s.holding and s.drain_from is None and s.topic not in draining
         ]
 
+    def _release_holds(self) -> None:
+        """A held partition delivers again once intake has read to where its hold ends. The consumer's
+        position says so even when the log ends in a transaction marker, which no record reaches."""
+        held = [s for s in self._assignment.states.values() if s.hold_until is not None]
+        if not held:
+            return
+        try:
+            positions = self._consumer.position([TopicPartition(s.topic, s.partition) for s in held])
+        except KafkaException:
+            return  # asked again next turn
+        for state, tp in zip(held, positions, strict=True):
+            if state.hold_until is not None and tp.offset >= state.hold_until and state.rebuild is None:
+                logger.info("partition delivering again, every earlier fact read partition=%s", state.name)
+                state.hold_until = None
+
     def _dispatch_due(self, read_ahead: bool = True) -> None:
+        self._release_holds()
         states = self._delivering()
         if not self._redelivery.dispatch_due([s for s in states if s.control]):
             self._stalled_until = time.monotonic() + STALL_WAIT_S

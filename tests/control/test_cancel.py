@@ -2,23 +2,29 @@
 delivered, nothing rescheduled early, counted per record."""
 
 import json
+import shutil
 import time
 import uuid
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import pytest
 from confluent_kafka import Producer
 
+from sidecar.broker.embedded import free_port
 from sidecar.outbound.records import DELIVER_AT, ORIGIN_OFFSET
 from tests.kafka_helpers import (
     KafkaHelper,
     PolicyFile,
     Received,
+    SidecarProcess,
     ThreadedSidecar,
     TopicFactory,
     deliveries,
     early,
+    run_args,
+    scrape,
     settings_for,
     wait_for,
 )
@@ -38,10 +44,10 @@ def command(producer: Producer, control: str, body: dict[str, Any], key: str | N
     producer.produce(control, json.dumps({"v": 1, **body}).encode(), key=message_id.encode())
 
 
-def outcomes(kafka_helper: KafkaHelper, control: str) -> dict[str, list[dict[str, Any]]]:
+def outcomes(kafka_helper: KafkaHelper, control: str, committed_only: bool = False) -> dict[str, list[dict[str, Any]]]:
     """Outcome records by command id (every one kept: a second answer fails the caller's count)."""
     found: dict[str, list[dict[str, Any]]] = {}
-    for record in kafka_helper.read_to_end(f"{control}.outcomes"):
+    for record in kafka_helper.read_to_end(f"{control}.outcomes", committed_only=committed_only):
         data = json.loads(record.value or b"")
         found.setdefault(data.get("id") or "", []).append(data)
     return found
@@ -125,3 +131,68 @@ def test_cancel_and_reschedule_each_answered_once_and_honoured(
     assert moved[2].value == b"v2" and moved[3].value == b"v3"
     assert {int(r.headers[ORIGIN_OFFSET]): r.header_int(DELIVER_AT) for r in fraud}[3] == due
     assert all(n == 1 for records in (billing, fraud) for n in deliveries(records).values())
+
+
+@pytest.mark.parametrize("mode", ["at-least-once", "exactly-once"])
+def test_cancels_and_reschedules_hold_across_kill_9_and_a_lost_state_dir(
+    mode: str, kafka: str, kafka_helper: KafkaHelper, topic_factory: TopicFactory, policy_file: PolicyFile,
+    tmp_path: Path,
+) -> None:  # fmt: skip
+    """Commands answered before a kill -9 keep their word when the state dir is gone: the rebuild
+    applies the facts again, and nothing goes out until it has read every one."""
+    topic, control = topic_factory("cancelkill"), f"ctl-{uuid.uuid4().hex[:8]}"
+    port, group, state = free_port(), f"g-{topic}", tmp_path / "state"
+    args = run_args(kafka, policies(topic, policy_file), state, port, group, "--control-topic", control,
+                    "--processing-guarantee", mode)  # fmt: skip
+    sidecar = SidecarProcess(args, tmp_path / "log")
+    count = 300
+    due = int(time.time() * 1000) + 20_000
+    for i in range(count):
+        kafka_helper.produce(topic, f"v{i}".encode(), headers=[("deliver-at", str(due + i))])
+    kafka_helper.flush()
+    cancelled = set(range(0, count, 3))
+    one = set(range(1, count, 9))  # cancelled for fraud only
+    moved = {o: due + 4_000 + o for o in range(2, count, 6)}  # later
+    sooner = {o: due - 12_000 for o in range(5, count, 6)}  # earlier
+    producer = Producer({"bootstrap.servers": kafka})
+    base = {"topic": topic, "partition": 0}
+    try:
+        sidecar.start()
+        wait_for(lambda: scrape(port, "delay_sidecar_tracked_messages", topic=topic) == count, 60, "indexed")
+        for o in sorted(cancelled):
+            command(producer, control, {**base, "type": "cancel", "offset": o, "id": f"c{o}"})
+        for o in sorted(one):
+            command(producer, control, {**base, "type": "cancel", "offset": o, "subscription": "fraud", "id": f"f{o}"})
+        for o, at in sorted({**moved, **sooner}.items()):
+            command(producer, control, {**base, "type": "reschedule", "offset": o, "deliver_at": at, "id": f"r{o}"})
+        assert producer.flush(10) == 0
+        sent = len(cancelled) + len(one) + len(moved) + len(sooner)
+        wait_for(lambda: sum(map(len, outcomes(kafka_helper, control, committed_only=True).values())) >= sent,
+                 60, "every command answered")  # fmt: skip
+        time.sleep(1.0)  # a commit after the answers
+        sidecar.kill()
+        shutil.rmtree(state)
+        sidecar.start()
+        last = max([due + count, *moved.values()])
+        wait_for(lambda: time.time() * 1000 > last + 2_000, 60, "every time passed")
+        wait_for(lambda: scrape(port, "delay_sidecar_tracked_messages", topic=topic) == 0, 60, "nothing pending")
+        assert sidecar.stop() == 0, sidecar.tail()
+    finally:
+        sidecar.close()
+    answers = outcomes(kafka_helper, control, committed_only=mode == "exactly-once")
+    if mode == "exactly-once":
+        assert all(len(v) == 1 for v in answers.values()), "one answer per command"
+    got = {k: v[0]["outcome"] for k, v in answers.items()}
+    assert all(got[f"c{o}"] == "cancelled" for o in cancelled)
+    assert all(got[f"f{o}"] == "cancelled" for o in one)
+    assert all(got[f"r{o}"] in ("rescheduled", "too-late") for o in {**moved, **sooner})
+    rescheduled = {o: at for o, at in {**moved, **sooner}.items() if got[f"r{o}"] == "rescheduled"}
+    assert len(rescheduled) == len(moved) + len(sooner) - len(cancelled & set(rescheduled))
+    for sub, gone in (("billing", cancelled), ("fraud", cancelled | one)):
+        records = kafka_helper.read_to_end(f"{topic}.{sub}", committed_only=mode == "exactly-once")
+        counts = by_offset(records)
+        expected = Counter({o: 1 for o in range(count) if o not in gone})
+        assert counts == expected, (sub, sorted((counts - expected).items()), sorted((expected - counts).items()))
+        assert not early(records)
+        at = {int(r.headers[ORIGIN_OFFSET]): r.header_int(DELIVER_AT) for r in records}
+        assert all(at[o] == new for o, new in rescheduled.items() if o not in gone), sub
