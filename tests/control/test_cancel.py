@@ -6,6 +6,7 @@ import shutil
 import time
 import uuid
 from collections import Counter
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,8 @@ import pytest
 from confluent_kafka import Producer
 
 from sidecar.broker.embedded import free_port
+from sidecar.client import MessageId
+from sidecar.client_cancel import Canceller, OutcomeReader
 from sidecar.outbound.records import DELIVER_AT, ORIGIN_OFFSET
 from tests.kafka_helpers import (
     KafkaHelper,
@@ -196,3 +199,60 @@ def test_cancels_and_reschedules_hold_across_kill_9_and_a_lost_state_dir(
         assert not early(records)
         at = {int(r.headers[ORIGIN_OFFSET]): r.header_int(DELIVER_AT) for r in records}
         assert all(at[o] == new for o, new in rescheduled.items() if o not in gone), sub
+
+
+def test_the_client_cancels_and_learns_whether_it_was_in_time(
+    kafka: str, kafka_helper: KafkaHelper, topic_factory: TopicFactory, policy_file: PolicyFile, tmp_path: Path
+) -> None:
+    topic, control = topic_factory("cancelclient"), f"ctl-{uuid.uuid4().hex[:8]}"
+    settings = settings_for(kafka, policies(topic, policy_file), tmp_path, control_topic=control)
+    kafka_helper.produce(topic, b"later", headers=[("deliver-after", "30s")])
+    kafka_helper.produce(topic, b"soon", headers=[("deliver-after", "1s")])
+    kafka_helper.flush()
+    with ThreadedSidecar(settings) as sidecar:
+        wait_for(lambda: sidecar.metric("delay_sidecar_messages_delivered_total", topic=topic, subscription="billing")
+                 >= 1, 30, "the 1 s record delivered")  # fmt: skip
+        with OutcomeReader({"bootstrap.servers": kafka}, control) as reader:
+            canceller = Canceller(Producer({"bootstrap.servers": kafka}), control)
+            first = canceller.cancel(f"{topic}/0/0")
+            second = canceller.reschedule(MessageId(topic, 0, 1), timedelta(seconds=5), subscription="fraud")
+            canceller.flush(10)
+            answers = reader.wait([first, second], timeout_s=30)
+    assert answers[first].outcome == "cancelled" and set(answers[first].subscriptions) == {"billing", "fraud"}
+    assert answers[second].outcome == "too-late" and answers[second].delivered_at is not None
+
+
+def test_a_cancel_racing_the_due_instant_is_either_delivered_or_cancelled_never_both(
+    kafka: str, kafka_helper: KafkaHelper, topic_factory: TopicFactory, policy_file: PolicyFile, tmp_path: Path
+) -> None:
+    topic, control = topic_factory("cancelrace"), f"ctl-{uuid.uuid4().hex[:8]}"
+    settings = settings_for(kafka, policies(topic, policy_file), tmp_path, control_topic=control)
+    count = 400
+    due = int(time.time() * 1000) + 6_000
+    for i in range(count):
+        kafka_helper.produce(topic, f"v{i}".encode(), headers=[("deliver-at", str(due + i * 2))])
+    kafka_helper.flush()
+    producer = Producer({"bootstrap.servers": kafka, "linger.ms": 0})
+    with ThreadedSidecar(settings):
+        # Record i falls due at due + 2i ms; its cancel goes out at about due - 300 + 4i ms, so the
+        # first cancels come early and the last ones late, and some cross the due instant.
+        start = due - 300
+        for i in range(count):
+            while time.time() * 1000 < start + 4 * i:
+                time.sleep(0.0005)
+            command(producer, control, {"type": "cancel", "topic": topic, "partition": 0, "offset": i, "id": str(i)})
+            producer.poll(0)
+        producer.flush(10)
+        wait_for(lambda: sum(map(len, outcomes(kafka_helper, control).values())) >= count, 60, "every answer")
+        time.sleep(1.5)
+    answers = {k: v for k, v in outcomes(kafka_helper, control).items()}
+    assert all(len(v) == 1 for v in answers.values())
+    for sub in ("billing", "fraud"):
+        delivered = by_offset(kafka_helper.read_to_end(f"{topic}.{sub}"))
+        assert all(n == 1 for n in delivered.values())
+        for i in range(count):
+            outcome = answers[str(i)][0]["outcome"]
+            assert outcome in ("cancelled", "too-late"), outcome
+            assert (i in delivered) == (outcome == "too-late"), (sub, i, outcome)
+    kinds = Counter(v[0]["outcome"] for v in answers.values())
+    assert kinds["cancelled"] > 0 and kinds["too-late"] > 0, f"the commands did not race the due instant: {kinds}"

@@ -1,0 +1,228 @@
+"""Client helpers to take back or move a scheduled message, and to learn whether it was in time.
+
+Written against the external contract (docs/contract.md, section 5) and confluent-kafka alone, like
+sidecar.client. The usual order is: open an `OutcomeReader` (it starts at the outcomes topic's end),
+send the commands with a `Canceller`, flush, then `wait` for their answers by command id.
+
+    reader = OutcomeReader({"bootstrap.servers": "kafka:9092"})
+    canceller = Canceller(Producer({"bootstrap.servers": "kafka:9092"}))
+    command_id = canceller.cancel("orders/3/1042")
+    canceller.flush()
+    print(reader.wait([command_id])[command_id].outcome)  # cancelled, too-late, ...
+"""
+
+import json
+import time
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any
+
+from confluent_kafka import Consumer, KafkaException, TopicPartition
+
+from sidecar.client import (
+    COMMAND_VERSION,
+    CONTROL_TOPIC,
+    MessageId,
+    NackDeliveryError,
+    NackProducer,
+    Record,
+    _duration_ms,
+    _epoch_ms,
+    origin,
+)
+
+__all__ = ["Canceller", "Outcome", "OutcomeReader"]
+
+OUTCOMES_SUFFIX = ".outcomes"
+
+
+def _message_id(message: MessageId | Record | str) -> MessageId:
+    if isinstance(message, MessageId):
+        return message
+    if isinstance(message, str):
+        parts = message.rsplit("/", 2)
+        if len(parts) != 3 or not parts[0] or not parts[1].isdigit() or not parts[2].isdigit():
+            raise ValueError(f"{message!r} is not a message id (topic/partition/offset)")
+        return MessageId(parts[0], int(parts[1]), int(parts[2]))
+    return origin(message)
+
+
+class Canceller:
+    """Sends cancel and reschedule commands. Each call returns the command's id, which its outcome carries.
+
+    A message is named by its id: a MessageId, an outbound record (its origin), or the text
+    `topic/partition/offset` that a producer learns from its delivery report. Like nacks, commands are
+    keyed by the message id, so the commands about one message are read in the order they were sent.
+    """
+
+    def __init__(self, producer: NackProducer, control_topic: str = CONTROL_TOPIC) -> None:
+        if not control_topic:
+            raise ValueError("control_topic must not be empty")
+        self._producer = producer
+        self.control_topic = control_topic
+        self._failures: list[str] = []
+
+    def cancel(
+        self, message: MessageId | Record | str, *, subscription: str | None = None, command_id: str | None = None
+    ) -> str:
+        """Take the message back from `subscription`, or from every subscription it is owed to."""
+        return self._send(message, "cancel", {}, subscription, command_id)
+
+    def reschedule(
+        self,
+        message: MessageId | Record | str,
+        delay: int | timedelta,
+        *,
+        subscription: str | None = None,
+        command_id: str | None = None,
+    ) -> str:
+        """Deliver the message `delay` (ms or timedelta) after the command's timestamp instead."""
+        return self._send(message, "reschedule", {"delay_ms": _duration_ms(delay, "delay")}, subscription, command_id)
+
+    def reschedule_at(
+        self,
+        message: MessageId | Record | str,
+        deliver_at_ms: int | datetime,
+        *,
+        subscription: str | None = None,
+        command_id: str | None = None,
+    ) -> str:
+        """Deliver the message at an instant (epoch ms or an aware datetime) instead."""
+        when = {"deliver_at": _epoch_ms(deliver_at_ms, "deliver_at_ms")}
+        return self._send(message, "reschedule", when, subscription, command_id)
+
+    def flush(self, timeout: float = -1) -> int:
+        """Wait for the commands sent so far; raises NackDeliveryError when any could not be written."""
+        remaining = self._producer.flush(timeout)
+        if self._failures:
+            failures, self._failures = self._failures, []
+            raise NackDeliveryError(failures)
+        return remaining
+
+    def _send(
+        self,
+        message: MessageId | Record | str,
+        kind: str,
+        when: dict[str, int],
+        subscription: str | None,
+        command_id: str | None,
+    ) -> str:
+        message_id = _message_id(message)
+        if subscription is not None and not subscription:
+            raise ValueError("subscription must not be empty; pass None for every subscription")
+        command_id = command_id or uuid.uuid4().hex
+        command: dict[str, object] = {
+            "v": COMMAND_VERSION,
+            "type": kind,
+            "topic": message_id.topic,
+            "partition": message_id.partition,
+            "offset": message_id.offset,
+            "id": command_id,
+            **when,
+        }
+        if subscription is not None:
+            command["subscription"] = subscription
+
+        def delivered(err: Any, _: Any) -> None:
+            if err is not None:
+                self._failures.append(f"{kind} {message_id} ({command_id}): {err}")
+
+        value = json.dumps(command, separators=(",", ":")).encode()
+        self._producer.produce(self.control_topic, value=value, key=str(message_id).encode(), on_delivery=delivered)
+        return command_id
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One answer from `<control topic>.outcomes` (contract section 5)."""
+
+    outcome: str
+    """cancelled, rescheduled, too-late, unknown-message or rejected."""
+    id: str | None
+    topic: str | None
+    partition: int | None
+    offset: int | None
+    code: str | None = None
+    message: str | None = None
+    deliver_at: int | None = None
+    delivered_at: int | None = None
+    subscriptions: tuple[str, ...] = ()
+    too_late: tuple[str, ...] = ()
+    raw: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    @classmethod
+    def decode(cls, value: bytes | None) -> "Outcome | None":
+        try:
+            data = json.loads(value or b"")
+        except (ValueError, UnicodeDecodeError):
+            return None
+        if not isinstance(data, dict) or not isinstance(data.get("outcome"), str):
+            return None
+        return cls(
+            data["outcome"],
+            data.get("id"),
+            data.get("topic"),
+            data.get("partition"),
+            data.get("offset"),
+            data.get("code"),
+            data.get("message"),
+            data.get("deliver_at"),
+            data.get("delivered_at"),
+            tuple(data.get("subscriptions") or ()),
+            tuple(data.get("too_late") or ()),
+            data,
+        )
+
+
+class OutcomeReader:
+    """Reads answers from the outcomes topic, from its end at the time this reader was opened.
+
+    read_committed: with the sidecar in exactly-once mode, an answer is seen once its decision is
+    committed, and only then.
+    """
+
+    def __init__(self, config: dict[str, Any], control_topic: str = CONTROL_TOPIC) -> None:
+        self.topic = control_topic + OUTCOMES_SUFFIX
+        self._consumer = Consumer(
+            {
+                **config,
+                "group.id": config.get("group.id") or f"outcomes-{uuid.uuid4().hex}",
+                "enable.auto.commit": False,
+                "isolation.level": "read_committed",
+            }
+        )
+        self._seen: dict[str, Outcome] = {}
+        metadata = self._consumer.list_topics(self.topic, timeout=10)
+        topic = metadata.topics.get(self.topic)
+        if topic is None or topic.error is not None or not topic.partitions:
+            self._consumer.close()
+            raise KafkaException(f"the outcomes topic {self.topic} does not exist yet; start the sidecar first")
+        starts = []
+        for partition in topic.partitions:
+            _, high = self._consumer.get_watermark_offsets(TopicPartition(self.topic, partition), timeout=10)
+            starts.append(TopicPartition(self.topic, partition, high))
+        self._consumer.assign(starts)
+
+    def wait(self, command_ids: Iterable[str], timeout_s: float = 30.0) -> dict[str, Outcome]:
+        """The answers to these commands, as they come; those missing at the timeout are left out."""
+        wanted = set(command_ids)
+        deadline = time.monotonic() + timeout_s
+        while not wanted <= self._seen.keys() and time.monotonic() < deadline:
+            for record in self._consumer.consume(500, 0.2):
+                if record.error() is not None:
+                    continue
+                outcome = Outcome.decode(record.value())
+                if outcome is not None and outcome.id is not None:
+                    self._seen[outcome.id] = outcome
+        return {i: self._seen[i] for i in wanted if i in self._seen}
+
+    def close(self) -> None:
+        self._consumer.close()
+
+    def __enter__(self) -> "OutcomeReader":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
