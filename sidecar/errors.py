@@ -30,6 +30,15 @@ class RejectedRecord(SidecarError):
         self.message = message
 
 
+class Refused(SidecarError):
+    """A cancel or reschedule answered `rejected` with a code on the outcomes topic (not dead-lettered)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
 class InvalidDelayHeader(RejectedRecord):
     def __init__(self, message: str) -> None:
         super().__init__("INVALID_DELAY_HEADER", message)

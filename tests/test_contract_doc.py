@@ -437,7 +437,26 @@ def test_every_nack_rejection_code_is_documented_with_the_control_topic() -> Non
     """Nack codes go to the control dead-letter topic, whose consumers read section 5, not section 3."""
     control = {code for code, files in sidecar_codes().codes.items() if any("control" in f for f in files)}
     assert "INVALID_COMMAND" in control
-    assert code_problems(sections(contract_text())[5], control, "section 5") == []
+    nacks = sections(contract_text())[5].split(CANCEL_HEADING)[0]
+    assert code_problems(nacks, control, "section 5") == []
+
+
+CANCEL_HEADING = "### Cancel and reschedule"
+
+
+def test_every_cancel_outcome_and_code_is_documented() -> None:
+    """The outcome codes are the cancels module's constants: each must be in the subsection's tables, and
+    nothing more."""
+    import sidecar.control.cancels as cancels
+
+    text = sections(contract_text())[5].split(CANCEL_HEADING)[1]
+    codes = {v for k, v in vars(cancels).items() if k == v and isinstance(v, str) and _ERROR_CODE.fullmatch(v)}
+    assert {"INVALID_COMMAND", "FIXED_DELAY_TOPIC", "DEAD_LETTERED"} <= codes
+    assert code_problems(text, codes, "cancel codes") == []
+    outcomes = {v for k, v in vars(cancels).items() if k in {"CANCELLED", "RESCHEDULED", "TOO_LATE", "REJECTED",
+                                                           "UNKNOWN_MESSAGE_OUTCOME"}}  # fmt: skip
+    documented = {s for cells in table_rows(text) for s in spans(cells[0])}
+    assert outcomes <= documented, outcomes - documented
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -32,7 +32,7 @@ from sidecar.control.cancels import (
 from sidecar.control.outcomes import Outcomes
 from sidecar.dispatch.reader import LogReader
 from sidecar.durations import format_duration_ms
-from sidecar.errors import RejectedRecord, SidecarError
+from sidecar.errors import Refused, SidecarError
 from sidecar.outbound.records import OutHeaders
 from sidecar.outbound.writer import Writer
 from sidecar.partitions import TopicPartitionKey
@@ -67,7 +67,7 @@ class Forwarding:
             sent_ms = self._clock.now_ms()
         try:
             deliver_at = self._check(command, sent_ms)
-        except RejectedRecord as rejected:
+        except Refused as rejected:
             self.refuse(record, command.ref, REJECTED, rejected.code, rejected.message)
             return
         if not self._exists(command.topic, command.partition, command.offset):
@@ -134,15 +134,15 @@ class Forwarding:
         """The checks that need only the policies; returns a reschedule's new deliver-at."""
         routes = self._routes().get(command.topic)
         if routes is None:
-            raise RejectedRecord(UNKNOWN_TOPIC, f"the sidecar serves no topic {command.topic!r}")
+            raise Refused(UNKNOWN_TOPIC, f"the sidecar serves no topic {command.topic!r}")
         if command.subscription is not None:
             sub = routes.route.subscription(command.subscription)
             if sub is None:
-                raise RejectedRecord(
+                raise Refused(
                     UNKNOWN_SUBSCRIPTION, f"topic {command.topic!r} has no subscription {command.subscription!r}"
                 )
             if sub.ordered:
-                raise RejectedRecord(
+                raise Refused(
                     NOT_DELAYED,
                     f"{command.subscription!r} is {sub.type}: it ignores delays and got every message at once",
                 )
@@ -150,16 +150,16 @@ class Forwarding:
             return None
         delay = routes.route.delay
         if not delay.is_enabled:
-            raise RejectedRecord(DELAYS_DISABLED, f"delayed delivery is disabled for {command.topic!r}")
+            raise Refused(DELAYS_DISABLED, f"delayed delivery is disabled for {command.topic!r}")
         if delay.fixed_ms > 0:
-            raise RejectedRecord(
+            raise Refused(
                 FIXED_DELAY_TOPIC,
                 f"{command.topic!r} has a fixed delivery delay of {format_duration_ms(delay.fixed_ms)} "
                 f"(from {delay.fixed_delivery_delay.source}); its messages cannot be moved",
             )
         deliver_at = command.new_deliver_at(sent_ms)
         if delay.max_ms > 0 and deliver_at - sent_ms > delay.max_ms:
-            raise RejectedRecord(
+            raise Refused(
                 EXCEEDS_MAX_DELAY,
                 f"the new time is {format_duration_ms(deliver_at - sent_ms)} away, over the max delivery delay "
                 f"{format_duration_ms(delay.max_ms)} (from {delay.max_delivery_delay.source})",
