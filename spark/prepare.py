@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F  # noqa: N812
 
+from sidecar.control.cancels import COMMAND_BY
 from sidecar.outbound.records import (
     DELIVER_AT,
     ERROR_CODE,
@@ -46,6 +47,9 @@ def prepare(spark: SparkSession, inputs: AuditInputs, routes: Sequence[AuditRout
     routes_df = F.broadcast(routes_frame(spark, routes))
     topics = routes_df.select("topic").distinct()
     inbound = inputs.inbound.join(topics, "topic", "left_semi")
+    # Cancel and reschedule requests and facts that sidecars write into inbound partitions (contract
+    # section 5): never messages, whatever group wrote them.
+    inbound = inbound.where(F.coalesce(F.get(F.col("headers.key"), 0) != F.lit(COMMAND_BY), F.lit(True)))
     inb = with_requested_deliver_at(
         inbound.select("topic", "partition", "offset", F.unix_millis(F.col("timestamp")).alias("publish_ms"), "headers")
     ).drop("headers")

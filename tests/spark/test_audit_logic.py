@@ -57,6 +57,9 @@ def build_world() -> World:
     w.routes += two_subs("ok")
     w.inbound += [record("ok", i, T0, [("deliver-after", b"1s")]) for i in range(10)]
     w.outbound += [row for i in range(10) for row in both("ok", i, T0 + 1000 + i * 10, T0 + 1000)]
+    # A cancel's request and fact that sidecars write into an inbound partition: not messages.
+    w.inbound += [record("ok", 10 + i, T0, [("delay-command-by", b"g"), (name, b"{}")])
+                  for i, name in enumerate(("delay-command", "delay-command-fact"))]  # fmt: skip
     # gap: 0 due long ago and only on billing (missing on shipping); 1 due within the grace; 2 due tomorrow.
     w.routes += two_subs("gap")
     w.inbound += [
