@@ -15,12 +15,13 @@ from sidecar.broker import BrokerLauncher, EmbeddedBroker, ExternalBroker
 from sidecar.clock import Clock, SystemClock
 from sidecar.dispatch.payload_cache import PayloadCache
 from sidecar.engine import Sidecar
-from sidecar.errors import BrokerError, ConfigError
+from sidecar.errors import BrokerError, ConfigError, SidecarError
 from sidecar.group_leave import leave_group
 from sidecar.http import StatusServer
 from sidecar.identity import InstanceLock, TransactionalIds
 from sidecar.kafka_io import LIBRDKAFKA
 from sidecar.metrics import Metrics
+from sidecar.partitions.owner import client_id, find_owner
 from sidecar.policy import PolicySet
 from sidecar.policy.commands import effective_policy_json
 from sidecar.policy.reload import PolicyWatcher, ReloadResult
@@ -187,6 +188,8 @@ class SidecarApp:
             if self._stop.is_set():
                 return
             client_config = settings.client_config(bootstrap)
+            if settings.metrics_port:  # the message lookup finds a partition's owner by it (partitions/owner.py)
+                client_config.setdefault("client.id", client_id(settings.metrics_port))
             owner = state_owner(settings, client_config)
             storage = open_snapshot_storage(settings, owner)
             if storage is not None:
@@ -237,12 +240,32 @@ class SidecarApp:
                     self.metrics.registry,
                     health=self._health,
                     policy=lambda topic: effective_policy(policies.current, topic),
+                    message=lambda topic, partition, offset: self._where_is(client_config, topic, partition, offset),
                 )
                 self.status.start()
                 stack.callback(self.status.stop)
             self._serve(build)
             if settings.leave_group_on_stop and instance_id is not None:
                 self._leave(bootstrap, instance_id)
+
+    def _where_is(
+        self, client_config: dict[str, Any], topic: str, partition: int, offset: int
+    ) -> tuple[int, dict[str, Any]]:
+        """GET /messages/{topic}/{partition}/{offset}: the owner answers; another member names the owner."""
+        sidecar = self.sidecar
+        if sidecar is None or not sidecar.running:
+            return 503, {"error": "not serving yet; ask again shortly"}
+        try:
+            found = sidecar.where_is(topic, partition, offset)
+        except TimeoutError:
+            return 503, {"error": "the sidecar is busy; ask again shortly"}
+        except SidecarError as e:
+            return 503, {"error": str(e)}
+        if found is not None:
+            return 200, found
+        owner = find_owner(client_config, self.settings.group_id, topic, partition)
+        body = {"topic": topic, "partition": partition, "offset": offset, "state": "not-owner", "owner": owner}
+        return 200, body
 
     def _leave(self, bootstrap: str, instance_id: str) -> None:
         """After the last checkpoint is committed: hand this member's partitions to the others now."""

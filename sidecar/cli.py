@@ -1,4 +1,4 @@
-"""The command line: `delay-sidecar run | broker | demo | policies` (contract section 6).
+"""The command line: `delay-sidecar run | broker | demo | policies | audit | messages` (contract section 6).
 
 pydantic-settings builds the flags from the settings models, so every flag has a matching
 DELAY_SIDECAR_* environment variable and a --help line, with no second list to keep in sync.
@@ -19,6 +19,7 @@ from sidecar.cli_help import add_argument
 from sidecar.demo import run_demo
 from sidecar.errors import SidecarError
 from sidecar.logs import setup_logging
+from sidecar.messages_command import MessagesCommand
 from sidecar.policy.commands import PoliciesCommand
 from sidecar.settings import ENV_PREFIX, RunSettings
 from sidecar.supervisor import Supervisor
@@ -78,6 +79,7 @@ class DelaySidecar(BaseSettings):
     demo: CliSubCommand[DemoCommand]
     policies: CliSubCommand[PoliciesCommand]
     audit: CliSubCommand[AuditCommand]
+    messages: CliSubCommand[MessagesCommand]
 
     def cli_cmd(self) -> None:
         CliApp.run_subcommand(self)

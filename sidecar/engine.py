@@ -13,6 +13,8 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
+from queue import SimpleQueue
 from typing import Any
 
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, Message, TopicPartition
@@ -48,6 +50,7 @@ from sidecar.outbound.records import HeaderForm
 from sidecar.outbound.writer import Writer
 from sidecar.partitions.assignment import Assignment
 from sidecar.partitions.gauges import publish_index_gauges
+from sidecar.partitions.lookup import locate
 from sidecar.partitions.metadata import CommitMetadata
 from sidecar.partitions.state import PartitionState
 from sidecar.policy import PolicySet
@@ -116,6 +119,7 @@ class Sidecar:
         self._generation = -1
         self._subscribed: frozenset[str] = frozenset()
         self._stalled_until = 0.0
+        self._questions: SimpleQueue[tuple[str, int, int, Future[dict[str, Any] | None]]] = SimpleQueue()
         librdkafka = LIBRDKAFKA
         self._connectivity = Connectivity()
         self._outages_seen = 0
@@ -212,6 +216,32 @@ class Sidecar:
     def stop(self) -> None:
         self._stop.set()
 
+    def where_is(self, topic: str, partition: int, offset: int, timeout_s: float = 10.0) -> dict[str, Any] | None:
+        """GET /messages/...: asked from the HTTP thread, answered by the loop between two turns.
+        None: this member does not own the partition (or does not serve the topic)."""
+        question: Future[dict[str, Any] | None] = Future()
+        self._questions.put((topic, partition, offset, question))
+        return question.result(timeout_s)
+
+    def _answer_questions(self) -> None:
+        while not self._questions.empty():
+            topic, partition, offset, question = self._questions.get_nowait()
+            state = self._assignment.states.get((topic, partition))
+            routes = self._routes.get(topic)
+            try:
+                if state is None or state.control or routes is None:
+                    question.set_result(None)
+                else:
+                    retention = self._admin.retention_ms.get(topic)
+                    question.set_result(locate(state, routes, retention, offset, self._read_one))
+            except Exception as e:  # the asker gets the error; the loop goes on
+                question.set_exception(e)
+
+    def _read_one(self, topic: str, partition: int, offset: int) -> Message | None:
+        for _, _, record in self._reader.read({(topic, partition): [offset]}):
+            return record
+        return None
+
     def run(self) -> None:
         """Serve until stop() is called; raises SidecarError when the broker fails for good."""
         clean = False
@@ -228,6 +258,7 @@ class Sidecar:
                     self._apply(policies)
                 self._dispatch_due()  # due first: after a restart, what fell due while down goes out first
                 records = consume_batch(self._consumer, self._batch_size, self._wait_s())
+                self._answer_questions()
                 if self._assignment.error is not None:
                     raise self._assignment.error
                 if self._draining:

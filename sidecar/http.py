@@ -1,4 +1,4 @@
-"""The metrics port: /metrics (Prometheus), /healthz and /policies/{topic} (contract section 7)."""
+"""The metrics port: /metrics (Prometheus), /healthz, /policies/{topic} and /messages/{id} (contract section 7)."""
 
 import json
 import logging
@@ -14,12 +14,21 @@ logger = logging.getLogger(__name__)
 
 HealthProbe = Callable[[], tuple[bool, list[str], dict[str, Any]]]
 PolicyLookup = Callable[[str], dict[str, Any] | None]
+MessageLookup = Callable[[str, int, int], tuple[int, dict[str, Any]]]
+"""(topic, partition, offset) -> (HTTP status, JSON body)."""
 
 
 class StatusServer:
     def __init__(
-        self, host: str, port: int, registry: CollectorRegistry, health: HealthProbe, policy: PolicyLookup
+        self,
+        host: str,
+        port: int,
+        registry: CollectorRegistry,
+        health: HealthProbe,
+        policy: PolicyLookup,
+        message: MessageLookup | None = None,
     ) -> None:
+        self._message = message
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -60,8 +69,15 @@ class StatusServer:
                 self._json(request, 404, {"error": f"no policy applies to topic {topic!r}"})
             else:
                 self._json(request, 200, found)
+        elif path.startswith("/messages/") and self._message is not None:
+            parts = unquote(path[len("/messages/") :]).rsplit("/", 2)
+            if len(parts) != 3 or not parts[0] or not parts[1].isdigit() or not parts[2].isdigit():
+                self._json(request, 404, {"error": "ask /messages/{topic}/{partition}/{offset}"})
+            else:
+                status, body = self._message(parts[0], int(parts[1]), int(parts[2]))
+                self._json(request, status, body)
         else:
-            self._json(request, 404, {"error": "try /metrics, /healthz or /policies/{topic}"})
+            self._json(request, 404, {"error": "try /metrics, /healthz, /policies/{topic} or /messages/{id}"})
 
     def _json(self, request: BaseHTTPRequestHandler, status: int, body: dict[str, Any]) -> None:
         self._reply(request, status, json.dumps(body, indent=2).encode(), "application/json")

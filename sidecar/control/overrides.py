@@ -12,6 +12,7 @@ and written down as a Fact. A rebuild applies the facts again in log order, and 
 carrier is no longer pending changes nothing: it was delivered (or taken back) before the commit.
 """
 
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -24,6 +25,9 @@ from sidecar.control.cancels import (
     Fact,
     Request,
 )
+
+REMEMBERED = 100_000
+"""Cancelled offsets per partition kept after they left the index, for the lookup (about 100 bytes each)."""
 
 
 @dataclass(frozen=True)
@@ -61,6 +65,9 @@ class Overrides:
         """Message offset -> subscription -> its copy, once rescheduled."""
         self._done: dict[int, int] = {}
         """Copy delivered -> its deliver-at, while its message may still be asked about."""
+        self._gone: OrderedDict[int, tuple[str, ...]] = OrderedDict()
+        """Offsets that came out of the index taken back from these subscriptions, the latest
+        REMEMBERED of them: what the lookup answers `cancelled` for once nothing else says so."""
 
     def __bool__(self) -> bool:
         return bool(self.suppressed or self.copies)
@@ -139,6 +146,7 @@ class Overrides:
         copy = self.copies.pop(offset, None)
         if copy is None:
             if held:
+                self._remember(offset, held)
                 self._forget(offset, indexed)
             return (tuple(s for s in owed if s not in held) if held else owed), None
         self._done[offset] = copy.deliver_at
@@ -146,6 +154,26 @@ class Overrides:
         subs = tuple(s for s in copy.subs if carriers.get(s) == offset and s not in held)
         self._forget(copy.origin, indexed)
         return subs, copy
+
+    def recently_cancelled(self, offset: int) -> tuple[str, ...]:
+        """Subscriptions an offset went out without, if it is among the last REMEMBERED taken back."""
+        return self._gone.get(offset, ())
+
+    def copy_for(self, origin: int, sub: str) -> tuple[int, int, bool] | None:
+        """(copy offset, its deliver-at, still pending) of the latest reschedule of (message, subscription)."""
+        copy = self._carrier.get(origin, {}).get(sub)
+        if copy is None:
+            return None
+        pending = self.copies.get(copy)
+        if pending is not None:
+            return copy, pending.deliver_at, True
+        done = self._done.get(copy)
+        return (copy, done, False) if done is not None else None
+
+    def _remember(self, offset: int, held: tuple[str, ...]) -> None:
+        self._gone[offset] = held
+        if len(self._gone) > REMEMBERED:
+            self._gone.popitem(last=False)
 
     def live_from(self) -> int | None:
         """The lowest offset the table depends on (None: it is empty): a restart must read from there."""

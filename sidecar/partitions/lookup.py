@@ -1,0 +1,75 @@
+"""Where is message topic/partition/offset? The answer from the member that owns its partition.
+
+Asked by an operator (GET /messages/{topic}/{partition}/{offset}, `delay-sidecar messages show`),
+answered on the engine's own thread between two loop turns, so it reads the index as the loop
+leaves it. The index holds positions, not times: for a deliver-at the record is read back and
+judged again with the rule it was taken in with, as a rebuild would.
+"""
+
+from collections.abc import Callable
+from typing import Any
+
+from confluent_kafka import Message
+
+from sidecar.partitions.state import PartitionState
+from sidecar.policy.intake import judge
+from sidecar.policy.routes import Routes
+from sidecar.tracker.base import pack
+
+ReadOne = Callable[[str, int, int], Message | None]
+
+
+def locate(
+    state: PartitionState, routes: Routes, retention_ms: int | None, offset: int, read: ReadOne
+) -> dict[str, Any]:
+    """The message's fate per subscription: pending, delivered, cancelled or dead-lettered."""
+    answer: dict[str, Any] = {"topic": state.topic, "partition": state.partition, "offset": offset}
+    if state.next_offset is None or offset >= state.next_offset:
+        return {**answer, "state": "unknown", "reason": "not read from the partition yet"}
+    if state.rebuild is not None or state.holding:
+        return {**answer, "state": "unknown", "reason": "the partition's index is being rebuilt; ask again shortly"}
+    message = read(state.topic, state.partition, offset)
+    if message is None:
+        return {**answer, "state": "unknown", "reason": "no such record in the log (retention, or past its end)"}
+    headers = message.headers()
+    if headers and headers[0][0] == "delay-command-by":
+        return {**answer, "state": "unknown", "reason": "a cancel or reschedule record of the sidecar, not a message"}
+    publish_ms = max(message.timestamp()[1], 0)
+    rule = state.rules.at(offset) or routes.rule(retention_ms)
+    fate = judge(rule, headers, publish_ms)
+    if fate.rejected is not None:
+        return {**answer, "state": "dead-lettered", "code": fate.rejected.code, "message": fate.rejected.message}
+    subscriptions: dict[str, dict[str, Any]] = {}
+    for name, _ in routes.ordered:
+        subscriptions[name] = {"state": "delivered", "deliver_at": publish_ms}
+    if fate.deliver_at is None:
+        for name in rule.delayed:
+            subscriptions[name] = {"state": "delivered", "deliver_at": publish_ms}
+    else:
+        subscriptions.update(_delayed(state, rule.delayed, offset, fate.deliver_at))
+    states = {s["state"] for s in subscriptions.values()}
+    overall = states.pop() if len(states) == 1 else "mixed"
+    return {**answer, "state": overall, "publish_ms": publish_ms, "subscriptions": subscriptions}
+
+
+def _delayed(state: PartitionState, owed: tuple[str, ...], offset: int, deliver_at: int) -> dict[str, dict[str, Any]]:
+    overrides, tracker = state.overrides, state.tracker
+    indexed = tracker.contains(offset)
+    held = overrides.suppressed.get(offset, ())
+    found: dict[str, dict[str, Any]] = {}
+    for name in owed:
+        copy = overrides.copy_for(offset, name)
+        if copy is not None:
+            copy_offset, at, pending = copy
+            cancelled = name in overrides.suppressed.get(copy_offset, ())
+            if cancelled:
+                found[name] = {"state": "cancelled"}
+            else:
+                found[name] = {"state": "pending" if pending else "delivered", "deliver_at": at, "rescheduled": True}
+        elif (name in held and indexed) or name in overrides.recently_cancelled(offset):
+            found[name] = {"state": "cancelled"}
+        elif indexed or pack(deliver_at, offset) > tracker.delivered_through():
+            found[name] = {"state": "pending", "deliver_at": deliver_at}  # (a run member is in no index)
+        else:
+            found[name] = {"state": "delivered", "deliver_at": deliver_at}
+    return found

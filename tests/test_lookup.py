@@ -1,0 +1,73 @@
+"""Where is my message: GET /messages/{topic}/{partition}/{offset} and `messages show`, against the broker."""
+
+import json
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+from typing import Any
+
+from confluent_kafka import Producer
+
+from sidecar.broker.embedded import free_port
+from tests.control.test_cancel import command, outcomes, policies
+from tests.kafka_helpers import KafkaHelper, PolicyFile, SidecarProcess, TopicFactory, run_args, scrape, wait_for
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def lookup(port: int, message_id: str) -> dict[str, Any]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/messages/{message_id}", timeout=20) as response:
+        body: dict[str, Any] = json.loads(response.read())
+        return body
+
+
+def test_the_owner_says_where_each_message_is(
+    kafka: str, kafka_helper: KafkaHelper, topic_factory: TopicFactory, policy_file: PolicyFile, tmp_path: Path
+) -> None:
+    topic, control = topic_factory("lookup"), f"ctl-{uuid.uuid4().hex[:8]}"
+    port, group = free_port(), f"g-{topic}"
+    args = run_args(kafka, policies(topic, policy_file), tmp_path / "state", port, group, "--control-topic", control)
+    sidecar = SidecarProcess(args, tmp_path / "log")
+    later = int(time.time() * 1000) + 600_000
+    kafka_helper.produce(topic, b"pending", headers=[("deliver-at", str(later))])  # 0
+    kafka_helper.produce(topic, b"now")  # 1
+    kafka_helper.produce(topic, b"bad", headers=[("deliver-after", "soon")])  # 2
+    kafka_helper.produce(topic, b"to cancel", headers=[("deliver-at", str(later))])  # 3
+    kafka_helper.produce(topic, b"to move", headers=[("deliver-at", str(later))])  # 4
+    kafka_helper.flush()
+    try:
+        sidecar.start()
+        wait_for(lambda: scrape(port, "delay_sidecar_tracked_messages", topic=topic) == 3, 60, "indexed")
+        producer = Producer({"bootstrap.servers": kafka})
+        base = {"topic": topic, "partition": 0}
+        command(producer, control, {**base, "type": "cancel", "offset": 3, "subscription": "fraud", "id": "c"})
+        command(producer, control, {**base, "type": "reschedule", "offset": 4, "delay_ms": 60_000, "id": "r"})
+        producer.flush(10)
+        wait_for(lambda: len(outcomes(kafka_helper, control)) == 2, 30, "both answered")
+
+        pending = lookup(port, f"{topic}/0/0")
+        assert pending["state"] == "mixed", "pending for the delayed subscriptions, delivered to the exclusive one"
+        assert pending["subscriptions"]["billing"] == {"state": "pending", "deliver_at": later}
+        assert pending["subscriptions"]["audit"]["state"] == "delivered", "exclusive: at once"
+        assert lookup(port, f"{topic}/0/1")["state"] == "delivered"
+        bad = lookup(port, f"{topic}/0/2")
+        assert (bad["state"], bad["code"]) == ("dead-lettered", "INVALID_DELAY_HEADER")
+        cancelled = lookup(port, f"{topic}/0/3")["subscriptions"]
+        assert cancelled["fraud"] == {"state": "cancelled"} and cancelled["billing"]["state"] == "pending"
+        moved = lookup(port, f"{topic}/0/4")["subscriptions"]["billing"]
+        assert moved["state"] == "pending" and moved["rescheduled"] and moved["deliver_at"] < later
+        assert lookup(port, f"{topic}/0/99")["state"] == "unknown"
+        elsewhere = lookup(port, "not-served/0/0")
+        assert elsewhere["state"] == "not-owner" and elsewhere["owner"] is None
+
+        show = [sys.executable, "-m", "sidecar", "messages", "show", f"{topic}/0/3", "--bootstrap-servers", kafka,
+                "--group-id", group]  # fmt: skip
+        shown = subprocess.run(show, check=False, capture_output=True, text=True, timeout=60, cwd=ROOT)
+        assert shown.returncode == 0, shown.stderr
+        assert "fraud: cancelled" in shown.stdout and "billing: pending" in shown.stdout, shown.stdout
+        assert sidecar.stop() == 0, sidecar.tail()
+    finally:
+        sidecar.close()
