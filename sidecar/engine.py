@@ -49,7 +49,7 @@ from sidecar.outbound.delivery import Delivery
 from sidecar.outbound.records import HeaderForm
 from sidecar.outbound.writer import Writer
 from sidecar.partitions.assignment import Assignment
-from sidecar.partitions.gauges import publish_index_gauges
+from sidecar.partitions.gauges import publish_due_gauges, publish_index_gauges
 from sidecar.partitions.lookup import locate
 from sidecar.partitions.metadata import CommitMetadata
 from sidecar.partitions.state import PartitionState
@@ -66,6 +66,8 @@ TrackerFactory = Callable[[str, int], DelayedDeliveryTracker]
 # Longest the loop blocks waiting for records: bounds how late a stop request or a policy change
 # is noticed. Due deliveries wake the loop earlier by shortening the wait.
 MAX_WAIT_S = 0.1
+# The pending-by-due-time gauges are refreshed at most this often (a pass over the index's segment tables).
+DUE_GAUGES_EVERY_S = 10.0
 STALL_WAIT_S = 0.05
 # Inbound records judged between two looks at due deliveries: about 15 ms of intake, so a batch of
 # 10,000 does not hold up a due record for the 100 ms it takes to judge.
@@ -119,6 +121,7 @@ class Sidecar:
         self._generation = -1
         self._subscribed: frozenset[str] = frozenset()
         self._stalled_until = 0.0
+        self._due_gauges_at = 0.0
         self._questions: SimpleQueue[tuple[str, int, int, Future[dict[str, Any] | None]]] = SimpleQueue()
         librdkafka = LIBRDKAFKA
         self._connectivity = Connectivity()
@@ -551,4 +554,7 @@ class Sidecar:
         self.metrics.checkpoint_latency.observe(time.monotonic() - started)
         self._dispatcher.checkpointed({(s.topic, s.partition): s.tracker for s in states if not s.control})
         self.degraded = publish_index_gauges(self.metrics, states, list(self._routes))
+        if time.monotonic() >= self._due_gauges_at:  # a pass over every bucket's segment table: not every commit
+            publish_due_gauges(self.metrics, states, list(self._routes), self.clock.now_ms())
+            self._due_gauges_at = time.monotonic() + DUE_GAUGES_EVERY_S
         self._admin.refresh_retention(list(self._routes))

@@ -90,6 +90,12 @@ class Metrics:
             registry=r,
         )
         self.tracked = Gauge(PREFIX + "tracked_messages", "Delayed records indexed, not yet due", ["topic"], registry=r)
+        self.pending_due = Gauge(
+            PREFIX + "pending_due",
+            "Delayed records pending that fall due within the next minute, hour, day, or at all",
+            ["topic", "within"],
+            registry=r,
+        )
         self.nacks = Counter(PREFIX + "nack", "Nack commands by result", ["subscription", "result"], registry=r)
         self.commands = Counter(
             PREFIX + "commands",

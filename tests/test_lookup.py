@@ -41,6 +41,9 @@ def test_the_owner_says_where_each_message_is(
     try:
         sidecar.start()
         wait_for(lambda: scrape(port, "delay_sidecar_tracked_messages", topic=topic) == 3, 60, "indexed")
+        wait_for(lambda: scrape(port, "delay_sidecar_pending_due", topic=topic, within="all") == 3, 30, "the due gauge")
+        assert scrape(port, "delay_sidecar_pending_due", topic=topic, within="1h") == 3
+        assert scrape(port, "delay_sidecar_pending_due", topic=topic, within="1m") == 0
         producer = Producer({"bootstrap.servers": kafka})
         base = {"topic": topic, "partition": 0}
         command(producer, control, {**base, "type": "cancel", "offset": 3, "subscription": "fraud", "id": "c"})

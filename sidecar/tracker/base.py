@@ -151,6 +151,11 @@ class DelayedDeliveryTracker(ABC):
         inbound offsets are committed; in-memory trackers have nothing to do.
         """
 
+    def due_counts(self, limits: list[int]) -> list[int]:
+        """For each limit (epoch ms), about how many pending entries fall due at or before it: the
+        pending-by-due-time gauge. A durable index may estimate within a snapshot segment."""
+        return [0 for _ in limits]
+
     def ranges_due(self, after_ms: int, until_ms: int) -> list[tuple[int, int]]:
         """Offset ranges [first, last] holding every pending entry due in (after_ms, until_ms], for
         reading their payloads in bulk (dispatch/roll.py). Empty: this tracker does not say."""

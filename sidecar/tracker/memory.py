@@ -5,6 +5,7 @@ Python int, `deliver_at << 64 | offset`, in a binary heap: integer comparison gi
 order and then offset (FIFO) order, with no tuple per entry.
 """
 
+import bisect
 import heapq
 
 from pyroaring import BitMap64
@@ -40,6 +41,10 @@ class InMemoryTracker(DelayedDeliveryTracker):
         heapq.heappush(self._heap, key)
         self._pending.add(offset)
         return True
+
+    def due_counts(self, limits: list[int]) -> list[int]:
+        ats = sorted(key >> _OFFSET_BITS for key in self._heap)
+        return [bisect.bisect_right(ats, limit) for limit in limits]
 
     def next_delivery_time(self) -> int | None:
         return self._heap[0] >> _OFFSET_BITS if self._heap else None

@@ -29,6 +29,7 @@ How it stays correct where Pulsar's did not:
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import logging
 import time
@@ -261,6 +262,30 @@ class BucketTracker(DelayedDeliveryTracker):
         self._sealed.peek_loaded(low, limit, found)
         found.sort()
         return [Due(key >> _SHIFT, key & _MASK) for key in found[:max_messages]]
+
+    def due_counts(self, limits: list[int]) -> list[int]:
+        """Exact for the mutable bucket and each sealed bucket's loaded segment; a segment not loaded
+        counts in full when its last deliver-at is within a limit, and in proportion to its span of
+        deliver-at when a limit falls inside it. One pass over the segment tables."""
+        mutable = self._mutable
+        counts = [mutable.sorted_keys.bisect_left((limit + 1) << _SHIFT) for limit in limits]
+        for at in mutable.unsorted_at:
+            for i, limit in enumerate(limits):
+                if at <= limit:
+                    counts[i] += 1
+        for bucket in self._sealed.buckets:
+            meta, loaded = bucket.meta, len(bucket.at) > 0
+            if loaded:
+                for i, limit in enumerate(limits):
+                    counts[i] += bisect.bisect_right(bucket.at, limit, lo=bucket.pos) - bucket.pos
+            for segment in range(bucket.segment + 1 if loaded else bucket.segment, meta.segment_count):
+                low, high, size = meta.seg_min_at[segment], meta.seg_max_at[segment], meta.seg_count[segment]
+                for i, limit in enumerate(limits):
+                    if high <= limit:
+                        counts[i] += size
+                    elif low <= limit:
+                        counts[i] += size * (limit - low) // max(high - low, 1)
+        return [min(n, self._count) for n in counts]
 
     def contains(self, offset: int) -> bool:
         if offset in self._mutable.bitmap:
