@@ -79,7 +79,8 @@ class TurnClock:
 class KeptLoad:
     """Records due one second after they are produced, at a steady rate, until stopped."""
 
-    def __init__(self, bootstrap: str, rate: int) -> None:
+    def __init__(self, bootstrap: str, rate: int, topic: str = KEPT) -> None:
+        self._topic = topic
         self._producer = Producer({"bootstrap.servers": bootstrap, "linger.ms": 5})
         self._rate = rate
         self._stop = threading.Event()
@@ -92,7 +93,7 @@ class KeptLoad:
         while not self._stop.is_set():
             while self.sent < int((time.monotonic() - started) * self._rate):
                 at = time.time_ns() // 1_000_000 + 1_000
-                self._producer.produce(KEPT, b"k", headers=[("deliver-at", b"%d" % at)])
+                self._producer.produce(self._topic, b"k", headers=[("deliver-at", b"%d" % at)])
                 self.sent += 1
             self._producer.poll(0.005)
 
