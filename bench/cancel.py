@@ -35,7 +35,7 @@ from confluent_kafka import Producer
 
 from bench import load
 from bench.drain import KeptLoad, quantile, read_all, wait
-from bench.probe import create_topic
+from bench.probe import Watermarks, create_topic
 from sidecar.app import SidecarApp
 from sidecar.broker.embedded import EmbeddedBroker, free_port
 from sidecar.outbound.records import DELIVER_AT
@@ -106,6 +106,10 @@ def run(work: Path, pending: int, cancels: int, reschedules: int, partitions: in
         def sample(name: str, **labels: str) -> float:
             return registry.get_sample_value(name, labels) or 0.0
 
+        def answered(kind: str) -> float:
+            outcomes = ("cancelled", "rescheduled", "too-late", "unknown-message", "rejected")
+            return sum(sample("delay_sidecar_commands_total", type=kind, outcome=o) for o in outcomes)
+
         intake_s = wait(lambda: sample("delay_sidecar_messages_delayed_total", topic=PENDING) >= pending,
                         900, "intake of the pending records")  # fmt: skip
         kept = KeptLoad(bootstrap, rate, KEPT)
@@ -113,17 +117,14 @@ def run(work: Path, pending: int, cancels: int, reschedules: int, partitions: in
              "the kept topic delivering")  # fmt: skip
         time.sleep(5)  # the baseline: the kept topic's lateness without commands
         rss_before = rss_mb()
-        per_partition = pending // partitions
-        rng = random.Random(3)
-        chosen = rng.sample(range(pending), cancels + reschedules)
-        targets = [(i % partitions, i // partitions) for i in chosen if i // partitions < per_partition]
+        sizes = Watermarks(bootstrap).ends(PENDING)
+        everything = [(p, o) for p, size in enumerate(sizes) for o in range(size)]
+        targets = random.Random(3).sample(everything, cancels + reschedules)
         started_ms = time.time_ns() // 1_000_000
         cancel_sent = send(bootstrap, "cancel", targets[:cancels], {})
-        wait(lambda: sample("delay_sidecar_commands_total", type="cancel", outcome="cancelled") >= len(cancel_sent),
-             900, "every cancel answered")  # fmt: skip
+        wait(lambda: answered("cancel") >= len(cancel_sent), 900, "every cancel answered")
         moved_sent = send(bootstrap, "reschedule", targets[cancels:], {"deliver_at": base + 120_000})
-        wait(lambda: sample("delay_sidecar_commands_total", type="reschedule", outcome="rescheduled")
-             >= len(moved_sent), 900, "every reschedule answered")  # fmt: skip
+        wait(lambda: answered("reschedule") >= len(moved_sent), 900, "every reschedule answered")
         ended_ms = time.time_ns() // 1_000_000
         rss_after = rss_mb()
         time.sleep(2)
