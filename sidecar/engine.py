@@ -12,7 +12,7 @@ One thread keeps the commit rule simple to state and to check (see checkpoint.py
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from queue import SimpleQueue
 from typing import Any
@@ -189,6 +189,7 @@ class Sidecar:
             metrics,
             trail,
             self._roll,
+            self._copy_origins,
         )
         outcomes = Outcomes(control_topic, writer, metrics)
         forwarding = Forwarding(group_id, writer, self._reader, self._current_routes, outcomes, clock)
@@ -201,12 +202,12 @@ class Sidecar:
             clock, outbound_headers,
         )  # fmt: skip
         indexer = Indexer(self._dispatcher, self._delivery, monotone_runs)
-        commands = CommandStep(group_id, writer, self._delivery, outcomes, self._reader)
+        commands = CommandStep(group_id, writer, self._delivery, outcomes, self._reader, retention)
         self._admission = Admission(retention, writer, self._delivery, indexer, metrics, commands)
         self._receiver = Receiver(
             states, batches(self._current_routes, metrics, clock, payload_cache), self._admission,
             Rebuilder(self._delivery, retention, metrics, commands),
-            ControlIntake(self._acceptance, self._redelivery, forwarding), writer.poll,
+            ControlIntake(self._acceptance, self._redelivery), writer.poll,
         )  # fmt: skip
         self.assigned = assignment.assigned
         """Set once the group gave this member partitions: it is serving."""
@@ -239,6 +240,10 @@ class Sidecar:
                     question.set_result(locate(state, routes, retention, offset, self._read_one))
             except Exception as e:  # the asker gets the error; the loop goes on
                 question.set_exception(e)
+
+    def _copy_origins(self, partition: tuple[str, int]) -> Mapping[int, int]:
+        state = self._assignment.states.get(partition)
+        return state.overrides.origins if state is not None else {}
 
     def _read_one(self, topic: str, partition: int, offset: int) -> Message | None:
         for _, _, record in self._reader.read({(topic, partition): [offset]}):

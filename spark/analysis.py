@@ -136,9 +136,16 @@ def _fates(prepared: Prepared, routes: DataFrame, params: AuditParams) -> DataFr
         )
     )
     grace = F.lit(params.grace_ms)
+    fates = grouped.select(*KEYS, "subscription", "has_inbound", "publish_ms", "due_ms", "copies", "code", "first.*")
+    if prepared.overrides is not None:  # cancels and reschedules: a new expected fate (contract section 5)
+        fates = fates.join(F.broadcast(prepared.overrides), [*KEYS, "subscription"], "left").withColumn(
+            "due_ms", F.coalesce(F.col("new_due_ms"), F.col("due_ms"))
+        )
+    else:
+        fates = fates.withColumns({"override": F.lit(None).cast("string"), "new_due_ms": F.lit(None).cast("long")})
+    override = F.col("override")
     return (
-        grouped.select(*KEYS, "subscription", "has_inbound", "publish_ms", "due_ms", "copies", "code", "first.*")
-        .withColumn("is_rejected", F.col("code").isNotNull())
+        fates.withColumn("is_rejected", F.col("code").isNotNull())
         .withColumn("is_delivered", F.col("copies") > 0)
         .withColumn(
             "lateness_ms",
@@ -150,6 +157,12 @@ def _fates(prepared: Prepared, routes: DataFrame, params: AuditParams) -> DataFr
             F.when(~F.col("has_inbound"), "orphan")
             .when(F.col("is_rejected") & F.col("is_delivered"), "rejected_and_delivered")
             .when(F.col("is_rejected"), "rejected")
+            .when((override == "cancelled") & F.col("is_delivered"), "delivered_after_cancel")
+            .when(override == "cancelled", "cancelled")
+            .when(
+                (override == "rescheduled") & F.col("is_delivered") & (F.col("delivered_ms") < F.col("new_due_ms")),
+                "rescheduled_early",
+            )
             .when(F.col("is_delivered"), "delivered")
             .when(F.col("due_ms") + grace > F.lit(params.as_of_ms), "pending")
             .otherwise("missing"),
@@ -316,6 +329,22 @@ def analyse(spark: SparkSession, prepared: Prepared, routes: Sequence[AuditRoute
     anomaly_parts = [
         _anomaly(audited.where(F.col("status") == "missing"), "missing", deliver_at_ms=F.col("due_ms")),
         _anomaly(
+            audited.where(F.col("status") == "delivered_after_cancel"),
+            "delivered_after_cancel",
+            redelivery_count=F.lit(0),
+            detail=F.lit("a cancel was answered 'cancelled' for this subscription, and it was delivered"),
+        ),
+        _anomaly(
+            audited.where(F.col("status") == "rescheduled_early"),
+            "rescheduled_early",
+            redelivery_count=F.lit(0),
+            detail=F.concat(
+                F.lit("delivered "),
+                (F.col("new_due_ms") - F.col("delivered_ms")).cast("string"),
+                F.lit(" ms before the time it was rescheduled to"),
+            ),
+        ),
+        _anomaly(
             audited.where(F.col("status") == "rejected_and_delivered"),
             "rejected_and_delivered",
             redelivery_count=F.lit(0),
@@ -378,6 +407,8 @@ def analyse(spark: SparkSession, prepared: Prepared, routes: Sequence[AuditRoute
         "late": sum(s.late for s in summaries),
         "out_of_order": sum(s.out_of_order for s in summaries),
         "wrong_partition": sum(s.wrong_partition for s in summaries),
+        "delivered_after_cancel": sum(s.delivered_after_cancel for s in summaries),
+        "rescheduled_early": sum(s.rescheduled_early for s in summaries),
     }
     # The small tables of the report in one Spark job: (section, name, code, count).
     info = [
@@ -479,12 +510,22 @@ def _summaries(
             F.count_if(status == "pending").alias("pending"),
             F.count_if(status == "missing").alias("missing"),
             F.count_if(status == "rejected_and_delivered").alias("rejected_and_delivered"),
+            F.count_if(F.col("override") == "cancelled").alias("cancelled"),
+            F.count_if(F.col("override") == "rescheduled").alias("rescheduled"),
             *_percentiles("lateness_ms", "lateness"),
             F.min("publish_ms").alias("_first_publish_ms"),
             F.max("publish_ms").alias("_last_publish_ms"),
         )
     )
-    per_subscription: list[bool | float | int | str] = ["duplicate", "early", "late", "out_of_order", "wrong_partition"]
+    per_subscription: list[bool | float | int | str] = [
+        "duplicate",
+        "early",
+        "late",
+        "out_of_order",
+        "wrong_partition",
+        "delivered_after_cancel",
+        "rescheduled_early",
+    ]
     by_kind = (
         anomalies.where(F.col("kind").isin(*per_subscription))
         .groupBy("topic", "subscription")

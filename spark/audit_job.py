@@ -302,6 +302,7 @@ def audit(settings: AuditSettings, spark: SparkSession | None = None, out: TextI
         if settings.control_topic
         else None,
         control_topic=settings.control_topic,
+        outcomes=read_topics(spark, fmt, read_options, snapshot.outcomes) if settings.outcomes_topic else None,
     )
     params = AuditParams(as_of_ms=snapshot.as_of_ms, grace_ms=settings.grace_ms, from_ms=from_ms, to_ms=to_ms)
     output = settings.output_dir

@@ -14,6 +14,7 @@ from typing import Any
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F  # noqa: N812
 from pyspark.sql.types import (
+    ArrayType,
     BooleanType,
     IntegerType,
     LongType,
@@ -33,6 +34,8 @@ KINDS = (
     "late",
     "out_of_order",
     "wrong_partition",
+    "delivered_after_cancel",
+    "rescheduled_early",
 )
 """Every anomaly kind; `late` is reported but has no threshold by default. `out_of_order` and
 `wrong_partition` are the order check of exclusive and failover subscriptions (spark.analysis)."""
@@ -82,6 +85,20 @@ NACK_SCHEMA = StructType(
     ]
 )
 
+OUTCOME_SCHEMA = StructType(
+    [
+        StructField("outcome", StringType()),
+        StructField("type", StringType()),
+        StructField("topic", StringType()),
+        StructField("partition", LongType()),
+        StructField("offset", LongType()),
+        StructField("subscriptions", ArrayType(StringType())),
+        StructField("deliver_at", LongType()),
+        StructField("command", StructType([StructField("partition", LongType()), StructField("offset", LongType())])),
+    ]
+)
+"""The fields of a cancel or reschedule outcome the audit reads (contract section 5)."""
+
 KEYS = ["topic", "partition", "offset"]
 
 
@@ -124,6 +141,8 @@ class AuditInputs:
     control: DataFrame | None = None
     control_dead_letter: DataFrame | None = None
     control_topic: str = "delay-sidecar.control"
+    outcomes: DataFrame | None = None
+    """`<control>.outcomes`: the answers to cancels and reschedules (contract section 5)."""
 
 
 @dataclass
@@ -154,6 +173,12 @@ class SubscriptionSummary:
     nacks: int = 0
     nacks_pending: int = 0
     nacks_missing: int = 0
+    cancelled: int = 0
+    """Records a cancel took back from this subscription (not expected on its outbound topic)."""
+    rescheduled: int = 0
+    """Records a reschedule moved (expected at the new time)."""
+    delivered_after_cancel: int = 0
+    rescheduled_early: int = 0
 
 
 @dataclass
@@ -215,6 +240,9 @@ class Prepared:
     """Valid nack commands: control_partition, control_offset, command_ms, origin, subscription, due_ms."""
     control_rejections: DataFrame | None = None
     """code, one row per record of the control dead-letter topic."""
+    overrides: DataFrame | None = None
+    """Per (origin, subscription), what the latest cancel or reschedule that applied made of it:
+    `override` (cancelled or rescheduled) and `new_due_ms` (rescheduled)."""
 
     def frames(self) -> dict[str, DataFrame]:
         named = {"inbound": self.inbound, "outbound": self.outbound, "dead_letter": self.dead_letter}
@@ -222,6 +250,8 @@ class Prepared:
             named["control"] = self.commands
         if self.control_rejections is not None:
             named["control_dead_letter"] = self.control_rejections
+        if self.overrides is not None:
+            named["outcomes"] = self.overrides
         return named
 
     def persist(self) -> Prepared:

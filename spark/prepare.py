@@ -23,7 +23,7 @@ from sidecar.outbound.records import (
     REDELIVERY_COUNT,
 )
 from spark.columns import header_long, header_text, with_requested_deliver_at
-from spark.model import NACK_SCHEMA, AuditInputs, AuditParams, AuditRoute, Prepared, routes_frame
+from spark.model import NACK_SCHEMA, OUTCOME_SCHEMA, AuditInputs, AuditParams, AuditRoute, Prepared, routes_frame
 
 
 def _origin() -> list[Column]:
@@ -87,7 +87,35 @@ def prepare(spark: SparkSession, inputs: AuditInputs, routes: Sequence[AuditRout
     refused = None
     if inputs.control_dead_letter is not None:
         refused = inputs.control_dead_letter.select(header_text(ERROR_CODE).alias("code"))
-    return Prepared(inb, out, dlt, commands, refused)
+    overrides = _overrides(inputs.outcomes) if inputs.outcomes is not None else None
+    return Prepared(inb, out, dlt, commands, refused, overrides)
+
+
+def _overrides(outcomes: DataFrame) -> DataFrame:
+    """Per (origin, subscription), the latest cancel or reschedule that applied to it.
+
+    Commands about one message share a key, hence a control partition, so the command's offset orders
+    them: a cancel after a reschedule leaves the message cancelled, a reschedule after another moves it
+    again. Outcomes that changed nothing (too-late, rejected, unknown-message) are not overrides."""
+    parsed = outcomes.select(F.from_json(F.col("value").cast("string"), OUTCOME_SCHEMA).alias("o")).where(
+        F.col("o.outcome").isin("cancelled", "rescheduled")
+    )
+    per_subscription = parsed.select(
+        F.col("o.topic").alias("topic"),
+        F.col("o.partition").cast("int").alias("partition"),
+        F.col("o.offset").alias("offset"),
+        F.explode("o.subscriptions").alias("subscription"),
+        F.struct(
+            F.col("o.command.offset").alias("position"),
+            F.col("o.outcome").alias("override"),
+            F.when(F.col("o.outcome") == "rescheduled", F.col("o.deliver_at")).alias("new_due_ms"),
+        ).alias("latest"),
+    )
+    return (
+        per_subscription.groupBy("topic", "partition", "offset", "subscription")
+        .agg(F.max("latest").alias("latest"))
+        .select("topic", "partition", "offset", "subscription", "latest.override", "latest.new_due_ms")
+    )
 
 
 def _parsed_control(inputs: AuditInputs) -> DataFrame | None:

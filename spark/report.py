@@ -57,6 +57,10 @@ COLUMNS = [
     ("redelivery_lateness_p99_ms", "redeliv p99"),
     ("nacks", "nacks"),
     ("nacks_missing", "nack miss"),
+    ("cancelled", "cancelled"),
+    ("rescheduled", "resched"),
+    ("delivered_after_cancel", "deliv+cancel"),
+    ("rescheduled_early", "resched early"),
 ]
 
 
@@ -81,8 +85,9 @@ def thresholds_report(result: AuditResult, settings: AuditSettings) -> tuple[dic
     c = result.anomaly_counts
     actual = {
         "missing": c["missing"] + c["nack_missing"],
-        "duplicates": c["duplicate"] + c["rejected_and_delivered"],
-        "early": c["early"],
+        # Delivered where nothing was owed: dead-lettered, or cancelled (contract section 5).
+        "duplicates": c["duplicate"] + c["rejected_and_delivered"] + c["delivered_after_cancel"],
+        "early": c["early"] + c["rescheduled_early"],
         "late": c["late"],
         # A record off its inbound partition's number is out of that partition's order too.
         "out_of_order": c["out_of_order"] + c["wrong_partition"],

@@ -37,6 +37,9 @@ class AuditSettings(KafkaSettings):
     )
     control_topic: str = Field("delay-sidecar.control", description="Topic of nack commands ('' to skip nacks)")
     control_dead_letter_topic: str = Field("delay-sidecar.control.dlt", description="Dead-letter topic of commands")
+    outcomes_topic: str = Field(
+        "delay-sidecar.control.outcomes", description="Topic of cancel and reschedule outcomes ('' to skip them)"
+    )
     starting_offsets: str = Field(
         "earliest",
         description='Inbound range start: earliest, or JSON per partition {"topic":{"0":23}} (-2 earliest)',
@@ -52,8 +55,10 @@ class AuditSettings(KafkaSettings):
         30_000, ge=0, description="How long after its deliver-at a record may still arrive before it is missing"
     )
     max_missing: int = Field(0, description="Most missing records (and nacks without redelivery) that still pass")
-    max_duplicates: int = Field(0, description="Most duplicates (and dead-lettered-and-delivered) that still pass")
-    max_early: int = Field(0, description="Most early deliveries that still pass")
+    max_duplicates: int = Field(
+        0, description="Most duplicates (and dead-lettered or cancelled, yet delivered) that still pass"
+    )
+    max_early: int = Field(0, description="Most early deliveries (and before a reschedule's time) that still pass")
     max_late: int = Field(-1, description="Most deliveries later than deliver-at + grace that pass (-1: no limit)")
     max_out_of_order: int = Field(
         0,

@@ -37,6 +37,8 @@ class Snapshot:
     partitions: dict[str, int] = field(default_factory=dict)
     """Partitions per existing topic read, from the cluster's metadata: whether an outbound topic
     keeps its inbound topic's partition numbers depends on both counts (contract section 4)."""
+    outcomes: Ranges = field(default_factory=dict)
+    """Cancel and reschedule outcomes: read whole, whatever the time range (a cancel may be older)."""
 
     def as_json(self) -> dict[str, Any]:
         def show(r: Ranges) -> dict[str, dict[str, list[int]]]:
@@ -49,6 +51,7 @@ class Snapshot:
             "dead_letter": show(self.dead_letter),
             "control": show(self.control),
             "control_dead_letter": show(self.control_dead_letter),
+            "outcomes": show(self.outcomes),
             "absent_topics": self.absent,
             "partitions": dict(sorted(self.partitions.items())),
         }
@@ -103,6 +106,7 @@ def take_snapshot(
         "dead_letter": sorted({r.dead_letter_topic for r in routes}),
         "control": [settings.control_topic] if settings.control_topic else [],
         "control_dead_letter": [settings.control_dead_letter_topic] if settings.control_topic else [],
+        "outcomes": [settings.outcomes_topic] if settings.outcomes_topic else [],
     }
     absent = sorted(t for topics in wanted.values() for t in topics if t not in exists)
     inbound_options = {"startingOffsets": settings.starting_offsets, "endingOffsets": settings.ending_offsets}
@@ -115,7 +119,8 @@ def take_snapshot(
     if from_ms is not None:
         later["startingTimestamp"] = str(max(from_ms - settings.grace_ms, 0))
     ranges = {
-        name: resolve(kafka_options, [t for t in topics if t in exists], later) for name, topics in wanted.items()
+        name: resolve(kafka_options, [t for t in topics if t in exists], {} if name == "outcomes" else later)
+        for name, topics in wanted.items()
     }
     return Snapshot(
         inbound_ranges,
@@ -126,6 +131,7 @@ def take_snapshot(
         as_of_ms,
         absent,
         {t: n for t, n in exists.items() if t in set(inbound).union(*wanted.values())},
+        ranges["outcomes"],
     )
 
 

@@ -20,6 +20,7 @@ from pydantic_settings import CliSettingsSource
 
 from sidecar.cli import DelaySidecar
 from sidecar.cli_help import add_argument
+from sidecar.control import cancels
 from sidecar.metrics import Metrics
 from sidecar.settings import ENV_PREFIX
 from sidecar.supervisor import SupervisorMetrics
@@ -447,8 +448,6 @@ CANCEL_HEADING = "### Cancel and reschedule"
 def test_every_cancel_outcome_and_code_is_documented() -> None:
     """The outcome codes are the cancels module's constants: each must be in the subsection's tables, and
     nothing more."""
-    import sidecar.control.cancels as cancels
-
     text = sections(contract_text())[5].split(CANCEL_HEADING)[1]
     codes = {v for k, v in vars(cancels).items() if k == v and isinstance(v, str) and _ERROR_CODE.fullmatch(v)}
     assert {"INVALID_COMMAND", "FIXED_DELAY_TOPIC", "DEAD_LETTERED"} <= codes

@@ -8,9 +8,9 @@ Pure code. A command travels in three steps, each a Kafka record:
 2. A *request*, which that owner appends to the inbound partition of the message. The inbound
    partition's owner is the one place that delivers the message, so it is the one place that can
    decide "cancelled" or "too late" without a race: it reads the request in log order, between
-   deliveries. A reschedule's request carries a copy of the message, so the copy is itself a record
-   of the partition the index can point at (RocketMQ's timer log keeps its deletes in the log the
-   same way).
+   deliveries (RocketMQ's timer log keeps its deletes in the log the same way). A reschedule's
+   request is itself the new entry of the index: an offset of the partition at the new time, whose
+   payload the dispatcher reads from the original message.
 3. A *fact*, which the inbound owner appends to the same partition when a request changed
    something, and the *outcome* on `<control>.outcomes`. Facts, not requests, are what a rebuild of
    the partition reads again: the decision is never taken twice.

@@ -3,8 +3,7 @@
 This owner checks what it can check alone (the topic, the subscription, the topic's policies, that
 the offset exists) and answers a refusal itself. The rest goes on as a request to the message's
 own inbound partition, whose owner decides in time or too late (cancels.py explains why there).
-A reschedule's request carries a copy of the message, read from the log here, in one read for
-every reschedule of a batch.
+Requests carry no payload: a reschedule's copy is read from the original when it falls due.
 """
 
 import logging
@@ -58,10 +57,9 @@ class Forwarding:
         self._outcomes = outcomes
         self._clock = clock
         self._ends: dict[TopicPartitionKey, int] = {}
-        self._waiting: list[tuple[Message, MessageCommand, Request]] = []
 
     def take(self, record: Message, command: MessageCommand) -> None:
-        """Check one command; a good one waits for `settle`, which forwards a batch's in order."""
+        """Check one command: refuse it here, or forward it to the message's partition."""
         sent_ms = record.timestamp()[1]
         if sent_ms <= 0:
             sent_ms = self._clock.now_ms()
@@ -77,34 +75,8 @@ class Forwarding:
         request = Request(
             command.kind, command.offset, command.subscription, command.id, deliver_at, source, record.key()
         )
-        self._waiting.append((record, command, request))
-
-    def settle(self) -> None:
-        """Forward the batch's requests, reading the messages that reschedules copy in one read."""
-        if not self._waiting:
-            return
-        waiting, self._waiting = self._waiting, []
-        wanted: dict[TopicPartitionKey, list[int]] = {}
-        for _, command, _ in waiting:
-            if command.kind == "reschedule":
-                wanted.setdefault((command.topic, command.partition), []).append(command.offset)
-        copies = {(key, offset): message for key, offset, message in self._reader.read(wanted)} if wanted else {}
-        for record, command, request in waiting:
-            headers: OutHeaders = [(COMMAND_BY, self._group), (REQUEST, request.encode())]
-            if command.kind == "cancel":
-                self._writer.send(command.topic, record.key(), None, headers, partition=command.partition)
-                continue
-            message = copies.get(((command.topic, command.partition), command.offset))
-            if message is None or _is_ours(message):
-                self.refuse(
-                    record, command.ref, UNKNOWN_MESSAGE_OUTCOME, None, "no such message in the log (retention?)"
-                )
-                continue
-            headers += [(k, v if v is not None else b"") for k, v in message.headers() or []]
-            stamp = max(message.timestamp()[1], 0)
-            self._writer.send(
-                command.topic, message.key(), message.value(), headers, partition=command.partition, timestamp=stamp
-            )
+        headers: OutHeaders = [(COMMAND_BY, self._group), (REQUEST, request.encode())]
+        self._writer.send(command.topic, record.key(), None, headers, partition=command.partition)
 
     def refuse(self, record: Message, command: CommandRef, outcome: str, code: str | None, message: str) -> None:
         """Answer a command that goes no further (a malformed one: what could be read of it, `loose_command`)."""
@@ -177,8 +149,3 @@ class Forwarding:
             end = -1
         self._ends[key] = end
         return offset < end
-
-
-def _is_ours(message: Message) -> bool:
-    headers = message.headers()
-    return bool(headers) and headers[0][0] == COMMAND_BY

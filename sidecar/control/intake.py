@@ -8,14 +8,12 @@ from confluent_kafka import Message
 
 from sidecar.control.acceptance import Acceptance
 from sidecar.control.commands import AcceptedNack
-from sidecar.control.forwarding import Forwarding
 from sidecar.control.redelivery import Redelivery
 from sidecar.partitions.state import PartitionState
 
 
 class ControlIntake:
-    def __init__(self, acceptance: Acceptance, redelivery: Redelivery, forwarding: Forwarding) -> None:
-        self._forwarding = forwarding
+    def __init__(self, acceptance: Acceptance, redelivery: Redelivery) -> None:
         self._acceptance = acceptance
         self._redelivery = redelivery
         self._due: list[tuple[int, int, AcceptedNack]] = []
@@ -24,7 +22,6 @@ class ControlIntake:
         due: list[tuple[int, AcceptedNack]] = []
         for record in records:
             self._acceptance.take(record, state, due)
-        self._forwarding.settle()
         self._due += [(state.partition, offset, nack) for offset, nack in due]
 
     def settle(self) -> None:

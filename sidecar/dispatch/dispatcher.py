@@ -23,7 +23,7 @@ from it: each would be another read of the same records.
 
 import logging
 import time
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Mapping
 from typing import Protocol
 
 from confluent_kafka import Message
@@ -40,6 +40,9 @@ from sidecar.tracker.runs import Runs
 
 logger = logging.getLogger(__name__)
 
+Origins = Callable[[TopicPartitionKey], Mapping[int, int]]
+"""The partition's reschedule copies still indexed: copy offset -> the original's offset. A copy's
+entry is its request record, which holds no payload: the payload is read from the original."""
 Deliver = Callable[[TopicPartitionKey, list[tuple[int, int, Message | None]]], None]
 """deliver(partition, [(deliver_at, offset, record), ...]) in deliver-at order; record is None when
 the log no longer has it."""
@@ -92,7 +95,9 @@ class Dispatcher:
         metrics: Metrics | None = None,
         trail: TrailReader | None = None,
         catch_up: CatchUp | None = None,
+        origins: Origins | None = None,
     ) -> None:
+        self._origins = origins
         self._catch_up = catch_up
         self._deferred: set[TopicPartitionKey] = set()
         """Partitions the read-ahead left to a catch-up pass, to look at as soon as it is over."""
@@ -300,11 +305,14 @@ class Dispatcher:
         rest: dict[TopicPartitionKey, list[int]]
         cached: dict[str, int] = {}
         logged: dict[str, int] = {}
+        copies = self._copies_read_from_originals(wanted)
         try:
             if self._payloads is not None:
                 room = MAX_CACHED - len(self._cache) if after else 0
                 lookup = self._payloads.read(wanted, after, room, self._cache)
-                yield from lookup
+                for partition, offset, record in lookup:
+                    for as_offset in copies.get((partition, offset), (offset,)):
+                        yield partition, as_offset, record
                 cached = lookup.hits
                 rest = lookup.missing()
             else:
@@ -312,13 +320,37 @@ class Dispatcher:
             for partition, offset, record in reader.read(rest):
                 if record is not None:
                     logged[partition[0]] = logged.get(partition[0], 0) + 1
-                yield partition, offset, record
+                for as_offset in copies.get((partition, offset), (offset,)):
+                    yield partition, as_offset, record
         finally:
             if self._metrics is not None:
                 reads = self._metrics.payload_reads
                 for source, counts in (("cache", cached), ("log", logged)):
                     for topic, n in counts.items():
                         self._metrics.child(reads, topic, source).inc(n)
+
+    def _copies_read_from_originals(
+        self, wanted: dict[TopicPartitionKey, list[Due]]
+    ) -> dict[tuple[TopicPartitionKey, int], list[int]]:
+        """Ask for each reschedule copy's original instead (in `wanted`, in place). Returns (partition,
+        original) -> the offsets to give what is read back: the copies', and the original's own when
+        it was asked for too."""
+        renamed: dict[tuple[TopicPartitionKey, int], list[int]] = {}
+        if self._origins is None:
+            return renamed
+        for partition, dues in wanted.items():
+            origins = self._origins(partition)
+            if not origins or not any(d.offset in origins for d in dues):
+                continue
+            asked: list[Due] = []
+            for due in dues:
+                offset = origins.get(due.offset, due.offset)
+                readers = renamed.setdefault((partition, offset), [])
+                if not readers:
+                    asked.append(Due(due.deliver_at, offset))
+                readers.append(due.offset)
+            wanted[partition] = asked
+        return renamed
 
     def checkpointed(self, trackers: dict[TopicPartitionKey, DelayedDeliveryTracker]) -> None:
         """A checkpoint made the deliveries so far durable: delete their payloads from the cache.

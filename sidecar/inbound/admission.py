@@ -11,13 +11,15 @@ from collections.abc import Sequence
 
 from confluent_kafka import Message
 
+from sidecar.control.cancels import COMMAND_BY
 from sidecar.inbound.batch import IntakeBatch
-from sidecar.inbound.commands import CommandStep, is_marked
+from sidecar.inbound.commands import CommandStep
 from sidecar.inbound.indexing import Delayed, Indexer
 from sidecar.metrics import Metrics
 from sidecar.outbound.delivery import Delivery, Due
 from sidecar.outbound.writer import Writer
 from sidecar.partitions.state import PartitionState
+from sidecar.policy.headers import Headers
 from sidecar.policy.intake import Fate, Judge
 from sidecar.policy.routes import Routes
 
@@ -41,17 +43,26 @@ class Admission:
         self.judge = Judge()
 
     def take(self, batch: IntakeBatch, state: PartitionState, routes: Routes, records: Sequence[Message]) -> None:
-        marked = [r for r in records if is_marked(r.headers())]
+        headers = [r.headers() for r in records]  # read once: judging needs them too
+        marked = [i for i, h in enumerate(headers) if h and h[0][0] == COMMAND_BY]
         if marked:  # requests and facts of cancels and reschedules: rare, decided after the slice's records
-            plain = [r for r in records if not is_marked(r.headers())]
+            chosen = set(marked)
+            plain = [i for i in range(len(records)) if i not in chosen]
             if plain:
-                self._admit(batch, state, routes, plain)
-            self._commands.take(batch, state, routes, marked)
+                self._admit(batch, state, routes, [records[i] for i in plain], [headers[i] for i in plain])
+            self._commands.take(batch, state, routes, [records[i] for i in marked])
             state.next_offset = records[-1].offset() + 1
             return
-        self._admit(batch, state, routes, records)
+        self._admit(batch, state, routes, records, headers)
 
-    def _admit(self, batch: IntakeBatch, state: PartitionState, routes: Routes, records: Sequence[Message]) -> None:
+    def _admit(
+        self,
+        batch: IntakeBatch,
+        state: PartitionState,
+        routes: Routes,
+        records: Sequence[Message],
+        headers: list[Headers],
+    ) -> None:
         topic = state.topic
         rule = batch.rule(topic, routes, self._retention_ms.get(topic))
         if state.rule is not rule:
@@ -60,7 +71,7 @@ class Admission:
         now = batch.now
         stamps = [record.timestamp()[1] for record in records]
         published = [s if s > 0 else now for s in stamps]  # a record without a timestamp: read now
-        fates = self.judge.many(rule, [(r.headers(), p) for r, p in zip(records, published, strict=True)])
+        fates = self.judge.many(rule, list(zip(headers, published, strict=True)))
         delayed: list[tuple[Delayed, bool]] = []
         now_list: list[Due] = []
         ordered: list[Due] | None = [] if routes.ordered else None

@@ -57,8 +57,15 @@ class _Late:
 
 class CommandStep:
     def __init__(
-        self, group_id: str, writer: Writer, delivery: Delivery, outcomes: Outcomes, reader: LogReader
+        self,
+        group_id: str,
+        writer: Writer,
+        delivery: Delivery,
+        outcomes: Outcomes,
+        reader: LogReader,
+        retention_ms: dict[str, int | None],
     ) -> None:
+        self._retention_ms = retention_ms
         self._group = group_id.encode()
         self._writer = writer
         self._delivery = delivery
@@ -97,7 +104,7 @@ class CommandStep:
             )
             return
         offset = record.offset()
-        rule = state.rules.at(request.offset) or batch.rule(state.topic, routes, None)
+        rule = state.rules.at(request.offset) or batch.rule(state.topic, routes, self._retention_ms.get(state.topic))
         tracker = state.tracker
         decision = state.overrides.decide(offset, request, rule.delayed, tracker.contains)
         fact = decision.fact
@@ -107,13 +114,19 @@ class CommandStep:
             state.unread_facts.add(offset)
             due = fact.copy is not None and not tracker.add(offset, fact.deliver_at or 0)
             state.overrides.apply(fact, tracker.contains)
-            if due:  # rescheduled to now or the past: the copy goes out at once
+            if due:  # rescheduled to now or the past: the copy goes out at once, read from the original
                 assert fact.deliver_at is not None
-                self._delivery.delayed((state.topic, state.partition), [(fact.deliver_at, offset, record)])
+                original = self._read_one(state, request.offset)
+                self._delivery.delayed((state.topic, state.partition), [(fact.deliver_at, offset, original)])
         if decision.outcome == TOO_LATE and not decision.subscriptions:
             self._late.append(_Late(state, request, decision, rule))
             return
         self._answer(state, request, decision)
+
+    def _read_one(self, state: PartitionState, offset: int) -> Message | None:
+        for _, _, message in self._reader.read({(state.topic, state.partition): [offset]}):
+            return message
+        return None
 
     def _answer(
         self, state: PartitionState, request: Request, decision: Decision, delivered_at: int | None = None

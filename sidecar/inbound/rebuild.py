@@ -38,7 +38,8 @@ class Rebuilder:
             if rebuild is None:
                 break
             offset = record.offset()
-            if is_marked(record.headers()):
+            headers = record.headers()
+            if is_marked(headers):
                 self._commands.replay(state, record, rebuild.through)
                 state.next_offset = offset + 1
                 taken += 1
@@ -47,14 +48,14 @@ class Rebuilder:
                 continue
             publish_ms = record.timestamp()[1]
             rule = state.rules.at(offset) or current
-            deliver_at = judge(rule, record.headers(), publish_ms if publish_ms > 0 else batch.now).deliver_at
+            deliver_at = judge(rule, headers, publish_ms if publish_ms > 0 else batch.now).deliver_at
             if deliver_at is not None and pack(deliver_at, offset) > rebuild.through:
                 # Nothing goes out while a cancel read later in the log may still take it back.
                 deliver_now = not state.exact and state.hold_until is None
                 if state.tracker.add(offset, deliver_at, deliver_now=deliver_now):
                     rebuild.indexed += 1
                     if batch.payloads is not None:
-                        batch.payloads.add(state.topic, state.partition, offset, deliver_at, record, record.headers())
+                        batch.payloads.add(state.topic, state.partition, offset, deliver_at, record, headers)
                 else:
                     self._delivery.send_many(state.topic, routes.targets(rule), [(deliver_at, offset, record)], sent)
                     rebuild.redelivered += 1

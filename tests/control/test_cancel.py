@@ -16,7 +16,7 @@ from confluent_kafka import Producer
 from sidecar.broker.embedded import free_port
 from sidecar.client import MessageId
 from sidecar.client_cancel import Canceller, OutcomeReader
-from sidecar.outbound.records import DELIVER_AT, ORIGIN_OFFSET
+from sidecar.outbound.records import DELIVER_AT, ORIGIN_OFFSET, ORIGIN_PARTITION
 from tests.kafka_helpers import (
     KafkaHelper,
     PolicyFile,
@@ -72,6 +72,7 @@ def test_cancel_and_reschedule_each_answered_once_and_honoured(
         kafka_helper.produce(topic, f"v{i}".encode(), headers=[("deliver-at", str(due))])
     kafka_helper.produce(topic, b"v6")
     kafka_helper.produce(topic, b"v7", headers=[("deliver-after", "1s")])
+    kafka_helper.produce(topic, b"v8", headers=[("deliver-at", str(due))])  # 8: moved to the past: at once
     kafka_helper.flush()
     producer = Producer({"bootstrap.servers": kafka})
     with ThreadedSidecar(settings) as sidecar:
@@ -95,9 +96,10 @@ def test_cancel_and_reschedule_each_answered_once_and_honoured(
         command(producer, control, {**base, "type": "cancel", "offset": 5, "subscription": "audit", "id": "ordered"})
         command(producer, control, {**base, "type": "reschedule", "offset": 5, "delay_ms": 7_200_000, "id": "too-far"})
         command(producer, control, {**base, "type": "cancel", "offset": "five", "id": "malformed"})
+        command(producer, control, {**base, "type": "reschedule", "offset": 8, "deliver_at": now - 1_000, "id": "now"})
         producer.flush(10)
-        wait_for(lambda: sum(len(v) for v in outcomes(kafka_helper, control).values()) >= 15, 30, "15 outcomes")
-        for sub, count in (("billing", 6), ("fraud", 5)):
+        wait_for(lambda: sum(len(v) for v in outcomes(kafka_helper, control).values()) >= 16, 30, "16 outcomes")
+        for sub, count in (("billing", 7), ("fraud", 6)):
             wait_for(lambda sub=sub, count=count: sidecar.metric(  # type: ignore[misc]
                 "delay_sidecar_messages_delivered_total", topic=topic, subscription=sub) >= count,
                 40, f"every {sub} delivery")  # fmt: skip
@@ -124,9 +126,12 @@ def test_cancel_and_reschedule_each_answered_once_and_honoured(
     billing = kafka_helper.read_to_end(f"{topic}.billing")
     fraud = kafka_helper.read_to_end(f"{topic}.fraud")
     audit = kafka_helper.read_to_end(f"{topic}.audit")
-    assert by_offset(billing) == Counter({1: 1, 2: 1, 3: 1, 5: 1, 6: 1, 7: 1})
-    assert by_offset(fraud) == Counter({2: 1, 3: 1, 5: 1, 6: 1, 7: 1})
-    assert by_offset(audit) == Counter(range(8)), "exclusive subscriptions get everything at once"
+    assert by_offset(billing) == Counter({1: 1, 2: 1, 3: 1, 5: 1, 6: 1, 7: 1, 8: 1})
+    assert by_offset(fraud) == Counter({2: 1, 3: 1, 5: 1, 6: 1, 7: 1, 8: 1})
+    assert by_offset(audit) == Counter(range(9)), "exclusive subscriptions get everything at once"
+    assert got["now"]["outcome"] == "rescheduled"
+    at_once = {int(r.headers[ORIGIN_OFFSET]): r for r in billing}[8]
+    assert at_once.value == b"v8" and at_once.header_int(DELIVER_AT) == now - 1_000 and at_once.timestamp < due
     assert not early(billing) and not early(fraud)
     moved = {int(r.headers[ORIGIN_OFFSET]): r for r in billing}
     assert moved[2].header_int(DELIVER_AT) == sooner and moved[2].timestamp >= sooner
@@ -256,3 +261,55 @@ def test_a_cancel_racing_the_due_instant_is_either_delivered_or_cancelled_never_
             assert (i in delivered) == (outcome == "too-late"), (sub, i, outcome)
     kinds = Counter(v[0]["outcome"] for v in answers.values())
     assert kinds["cancelled"] > 0 and kinds["too-late"] > 0, f"the commands did not race the due instant: {kinds}"
+
+
+def test_cancels_hold_when_a_member_hands_its_partitions_over(
+    kafka: str, kafka_helper: KafkaHelper, topic_factory: TopicFactory, policy_file: PolicyFile, tmp_path: Path
+) -> None:
+    """Exactly-once, two members: the one that decided the cancels leaves; the other takes its
+    partitions over from the state topic, applies the facts again, and delivers none of them."""
+    partitions = 4
+    topic, control = topic_factory("cancelhandoff", partitions=partitions), f"ctl-{uuid.uuid4().hex[:8]}"
+    policies_path, group = policies(topic, policy_file), f"g-{topic}"
+
+    def member(name: str) -> tuple[SidecarProcess, int]:
+        port = free_port()
+        args = run_args(kafka, policies_path, tmp_path / name, port, group, "--control-topic", control,
+                        "--leave-group-on-stop", "--instance-id", f"{group}-{name}",
+                        "--processing-guarantee", "exactly-once")  # fmt: skip
+        return SidecarProcess(args, tmp_path / f"{name}.log"), port
+
+    (a, a_port), (b, b_port) = member("a"), member("b")
+    count = 400
+    due = int(time.time() * 1000) + 25_000
+    for i in range(count):
+        kafka_helper.produce(topic, f"v{i}".encode(), headers=[("deliver-at", str(due + i))], partition=i % partitions)
+    kafka_helper.flush()
+    cancelled = {(i % partitions, i // partitions) for i in range(0, count, 4)}
+    producer = Producer({"bootstrap.servers": kafka})
+    try:
+        a.start()
+        wait_for(lambda: scrape(a_port, "delay_sidecar_tracked_messages", topic=topic) == count, 60, "a indexed all")
+        b.start()
+        wait_for(lambda: scrape(b_port, "delay_sidecar_assigned_partitions") > 0, 60, "b serving")
+        for p, o in sorted(cancelled):
+            command(
+                producer, control, {"type": "cancel", "topic": topic, "partition": p, "offset": o, "id": f"{p}-{o}"}
+            )
+        assert producer.flush(10) == 0
+        wait_for(lambda: len(outcomes(kafka_helper, control, committed_only=True)) >= len(cancelled), 60, "answers")
+        assert a.stop() == 0, a.tail()  # a's partitions go to b
+        wait_for(lambda: scrape(b_port, "delay_sidecar_assigned_partitions") >= partitions, 60, "b owns everything")
+        wait_for(lambda: time.time() * 1000 > due + count + 2_000, 60, "every time passed")
+        wait_for(lambda: scrape(b_port, "delay_sidecar_tracked_messages", topic=topic) == 0, 60, "nothing pending")
+        assert b.stop() == 0, b.tail()
+    finally:
+        a.close()
+        b.close()
+    answers = outcomes(kafka_helper, control, committed_only=True)
+    assert all(len(v) == 1 and v[0]["outcome"] == "cancelled" for v in answers.values())
+    for sub in ("billing", "fraud"):
+        records = kafka_helper.read_to_end(f"{topic}.{sub}", committed_only=True)
+        got = Counter((int(r.headers[ORIGIN_PARTITION]), int(r.headers[ORIGIN_OFFSET])) for r in records)
+        assert all(n == 1 for n in got.values())
+        assert set(got) == {(i % partitions, i // partitions) for i in range(count)} - cancelled, sub

@@ -65,4 +65,5 @@ class World:
         self.dead: list[Row] = []
         self.control: list[Row] = []
         self.control_dead: list[Row] = []
+        self.outcomes: list[Row] = []
         self.routes: list[AuditRoute] = []

@@ -145,7 +145,30 @@ def build_world() -> World:
         delivered("renack.billing", 1, T0 + 1_010, ("renack", 0, 0), T0 + 1000, redelivery_count=1),
     ]
     w.control += [nack(5, T0, "renack", 0, 1000), nack(6, T0 + 5000, "renack", 0, 1000)]
+    # cx: cancels and reschedules (contract section 5), read from the outcomes topic.
+    w.routes += two_subs("cx")
+    w.inbound += [record("cx", i, T0, [("deliver-after", b"10s")]) for i in range(5)]
+    moved = T0 + 20_000
+    w.outcomes += [
+        outcome(0, "cancelled", "cx", 0, ["billing", "shipping"]),  # 0: cancelled, never delivered
+        outcome(1, "cancelled", "cx", 1, ["billing"]),  # 1: cancelled for billing, delivered anyway
+        outcome(2, "rescheduled", "cx", 2, ["billing", "shipping"], moved),  # 2: moved, on time
+        outcome(3, "rescheduled", "cx", 3, ["billing"], moved),  # 3: moved for billing, went at the old time
+        outcome(4, "rescheduled", "cx", 4, ["billing", "shipping"], moved),  # 4: moved, then cancelled
+        outcome(5, "cancelled", "cx", 4, ["billing", "shipping"]),
+        outcome(6, "too-late", "cx", 0, []),  # answers that changed nothing are not overrides
+    ]
+    w.outbound += both("cx", 1, T0 + 10_005, T0 + 10_000)
+    w.outbound += both("cx", 2, moved + 5, moved)
+    w.outbound += both("cx", 3, T0 + 10_005, T0 + 10_000)
     return w
+
+
+def outcome(position: int, kind: str, topic: str, offset: int, subs: list[str], deliver_at: int | None = None) -> Row:
+    body = {"v": 1, "outcome": kind, "type": "reschedule" if deliver_at else "cancel", "topic": topic,
+            "partition": 0, "offset": offset, "subscriptions": subs, "deliver_at": deliver_at,
+            "command": {"partition": 0, "offset": position}}  # fmt: skip
+    return record(f"{CONTROL}.outcomes", position, T0 + 1_000, value=json.dumps(body).encode())
 
 
 def audit(spark: SparkSession, w: World, **params: Any) -> AuditResult:
@@ -156,6 +179,7 @@ def audit(spark: SparkSession, w: World, **params: Any) -> AuditResult:
         frame(spark, w.control),
         frame(spark, w.control_dead),
         control_topic=CONTROL,
+        outcomes=frame(spark, w.outcomes),
     )
     return run_audit(spark, inputs, w.routes, AuditParams(**{"as_of_ms": NOW, "grace_ms": GRACE, **params}))
 
@@ -357,6 +381,8 @@ def test_anomaly_counts_add_up_over_the_world(result: AuditResult, all_anomalies
         "late": 2,
         "out_of_order": 0,  # the order check: tests/spark/test_audit_order.py
         "wrong_partition": 0,
+        "delivered_after_cancel": 1,  # cx/1
+        "rescheduled_early": 1,  # cx/3
     }
     assert by_kind == {k: n for k, n in result.anomaly_counts.items() if n}
 
@@ -402,3 +428,15 @@ def test_requested_deliver_at_follows_the_contract_forms(spark: SparkSession) ->
     assert [(headers, got[i]) for i, (headers, _) in enumerate(HEADER_CASES)] == [
         (headers, expected) for headers, expected in HEADER_CASES
     ]
+
+
+def test_cancels_and_reschedules_set_the_expected_fate(
+    result: AuditResult, all_anomalies: list[dict[str, Any]]
+) -> None:
+    billing, shipping = summary(result, "cx", "billing"), summary(result, "cx", "shipping")
+    assert (billing.cancelled, billing.rescheduled, billing.missing) == (3, 2, 0)
+    assert (shipping.cancelled, shipping.rescheduled, shipping.missing) == (2, 1, 0)
+    assert (billing.delivered_after_cancel, billing.rescheduled_early) == (1, 1)
+    assert (shipping.delivered_after_cancel, shipping.rescheduled_early, shipping.early) == (0, 0, 0)
+    kinds = sorted((a["kind"], a["offset"], a["subscription"]) for a in anomalies_of(all_anomalies, "cx"))
+    assert kinds == [("delivered_after_cancel", 1, "billing"), ("rescheduled_early", 3, "billing")]

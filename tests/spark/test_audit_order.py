@@ -170,6 +170,8 @@ def test_order_anomalies_count_and_fail_the_audit_like_the_others(
         "late": 0,
         "out_of_order": 4,  # swap, keyed, blocks twice
         "wrong_partition": 2,  # split
+        "delivered_after_cancel": 0,
+        "rescheduled_early": 0,
     }
     assert len(all_anomalies) == sum(result.anomaly_counts.values())
     thresholds, passed = thresholds_report(result, AuditSettings(max_duplicates=2))
