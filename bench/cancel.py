@@ -18,6 +18,7 @@ records (each reads its message back to copy it). Measured per phase:
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import random
 import sys
@@ -118,9 +119,11 @@ def run(work: Path, pending: int, cancels: int, reschedules: int, partitions: in
         time.sleep(5)  # the baseline: the kept topic's lateness without commands
         rss_before = rss_mb()
         sizes = Watermarks(bootstrap).ends(PENDING)
-        everything = [(p, o) for p, size in enumerate(sizes) for o in range(size)]
-        targets = random.Random(3).sample(everything, cancels + reschedules)
+        starts = [sum(sizes[:p]) for p in range(len(sizes))]
+        chosen = random.Random(3).sample(range(sum(sizes)), cancels + reschedules)
+        targets = [(p, i - starts[p]) for i in chosen for p in [bisect.bisect_right(starts, i) - 1]]
         started_ms = time.time_ns() // 1_000_000
+        print("phase=commands", file=sys.stderr, flush=True)  # for a profiler to attach to
         cancel_sent = send(bootstrap, "cancel", targets[:cancels], {})
         wait(lambda: answered("cancel") >= len(cancel_sent), 900, "every cancel answered")
         moved_sent = send(bootstrap, "reschedule", targets[cancels:], {"deliver_at": base + 120_000})
