@@ -87,6 +87,8 @@ class Plan:
     zombie: bool = True
     commit_interval_ms: int = 500
     nack_fraction: float = 0.05
+    cancel_fraction: float = 0.0
+    """Records cancelled while the faults go on, each some time between its production and a window later."""
     spark_audit: bool = False
 
 
@@ -110,6 +112,12 @@ class Audit:
     written: dict[str, int] = field(default_factory=dict)
     """Distinct records written at least once, committed or not (read_uncommitted): a record lost
     read_committed but written was lost by the reader, not by the sidecar."""
+    cancels_sent: int = 0
+    cancelled: int = 0
+    """Cancels answered `cancelled` (read_committed): those records must not reach `shared`."""
+    cancelled_delivered: int = 0
+    """Records answered `cancelled` that reached `shared` anyway."""
+    cancels_not_answered_once: int = 0
 
     @property
     def anomalies(self) -> int:
@@ -121,6 +129,8 @@ class Audit:
             + self.redeliveries_unasked
             + sum(self.out_of_order.values())
             + sum(self.wrong_partition.values())
+            + self.cancelled_delivered
+            + self.cancels_not_answered_once
         )
 
 
@@ -253,6 +263,70 @@ class Nacks:
         self._thread.join(30)
 
 
+class Cancels:
+    """Cancels of a fixed share of the records, each sent at a random time between the record's
+    production and a window later: some before it falls due, some after (too late)."""
+
+    def __init__(
+        self, bootstrap: str, seed: int, fraction: float, window_s: float, produced: list[float], positions: Positions
+    ) -> None:
+        self._bootstrap, self._rng, self._window_s = bootstrap, random.Random(seed + 2), window_s
+        self._fraction, self._produced, self._positions = fraction, produced, positions
+        self.sent: dict[str, tuple[int, int]] = {}
+        """Command id -> (origin partition, origin offset)."""
+        self._stop = threading.Event()
+        self._produced_all = threading.Event()
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> Cancels:
+        if self._fraction > 0:
+            self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as e:  # reported in the outcome
+            self.error = e
+
+    def _loop(self) -> None:
+        producer = Producer({"bootstrap.servers": self._bootstrap, "linger.ms": 5})
+        due: list[tuple[float, int]] = []
+        seen = 0
+        try:
+            while not self._stop.wait(0.05):
+                if self._produced_all.is_set() and not due and seen == len(self._produced):
+                    return  # every record produced, every cancel chosen sent
+                for i in range(seen, len(self._produced)):
+                    if self._rng.random() < self._fraction:
+                        due.append((self._produced[i] + self._rng.uniform(0, self._window_s), i))
+                seen = len(self._produced)
+                due.sort()
+                while due and due[0][0] <= time.monotonic() and due[0][1] in self._positions:
+                    _, i = due.pop(0)
+                    partition, offset = self._positions[i]  # the sidecar's own records shift offsets
+                    command = {"v": 1, "type": "cancel", "topic": TOPIC, "partition": partition, "offset": offset,
+                               "id": f"c{i}"}  # fmt: skip
+                    key = f"{TOPIC}/{partition}/{offset}".encode()
+                    producer.produce(CONTROL, json.dumps(command).encode(), key=key)
+                    self.sent[f"c{i}"] = (partition, offset)
+                producer.poll(0)
+        finally:
+            producer.flush(10)
+
+    def finish(self) -> None:
+        """Every record is produced: send the cancels still to come (up to a window), then end."""
+        self._produced_all.set()
+        if self._thread.is_alive():
+            self._thread.join(self._window_s + 30)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(30)
+
+
 def read_all(bootstrap: str, topic: str, committed_only: bool = True) -> list[Any]:
     """Every record of the topic up to its high watermark now."""
     consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"audit-{uuid.uuid4().hex[:6]}",
@@ -260,7 +334,7 @@ def read_all(bootstrap: str, topic: str, committed_only: bool = True) -> list[An
                          "isolation.level": "read_committed" if committed_only else "read_uncommitted"})  # fmt: skip
     try:
         ends = {}
-        for p in range(PARTITIONS):
+        for p in consumer.list_topics(topic, timeout=10).topics[topic].partitions:
             low, high = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10, cached=False)
             if high > low:
                 ends[p] = high
@@ -284,11 +358,31 @@ def read_all(bootstrap: str, topic: str, committed_only: bool = True) -> list[An
         consumer.close()
 
 
-def audit(bootstrap: str, records: int, nacked: dict[tuple[int, int], int]) -> Audit:
+def audit(
+    bootstrap: str,
+    records: int,
+    nacked: dict[tuple[int, int], int],
+    cancels: dict[str, tuple[int, int]] | None = None,
+    positions: Positions | None = None,
+) -> Audit:
     """Count copies per (origin, redelivery count) as an outbound consumer sees them (read_committed)."""
-    result = Audit(nacks_sent=len(nacked))
-    # Record i went to partition i % PARTITIONS, so each partition holds a run of offsets from 0.
-    produced = {(i % PARTITIONS, i // PARTITIONS) for i in range(records)}
+    result = Audit(nacks_sent=len(nacked), cancels_sent=len(cancels or {}))
+    # Record i went to partition i % PARTITIONS; its offset is the producer's delivery report's, since
+    # cancels' requests and facts take offsets of the inbound partitions too.
+    if positions is not None and len(positions) == records:
+        produced = set(positions.values())
+    else:
+        produced = {(i % PARTITIONS, i // PARTITIONS) for i in range(records)}
+    cancelled: set[tuple[int, int]] = set()
+    if cancels:
+        answers: Counter[str] = Counter()
+        for m in read_all(bootstrap, f"{CONTROL}.outcomes"):
+            data = json.loads(m.value())
+            answers[data.get("id") or ""] += 1
+            if data.get("outcome") == "cancelled" and data.get("id") in cancels:
+                cancelled.add(cancels[data["id"]])
+        result.cancels_not_answered_once = sum(1 for command_id in cancels if answers[command_id] != 1)
+        result.cancelled = len(cancelled)
     for sub in SUBSCRIPTIONS:
         copies: Counter[tuple[int, int, int]] = Counter()
         # (origin partition, origin offset) -> (outbound partition, offset) of its first copy.
@@ -306,7 +400,10 @@ def audit(bootstrap: str, records: int, nacked: dict[tuple[int, int], int]) -> A
             result.wrong_partition[sub], result.out_of_order[sub] = order_counts(placed)
         result.redelivered[sub] = sum(1 for _, _, n in copies if n > 0)
         firsts = {(p, o) for p, o, n in copies if n == 0}
-        result.lost[sub] = len(produced - firsts)
+        gone = cancelled if sub == "shared" else set()  # a cancel reaches the delayed subscription only
+        result.lost[sub] = len(produced - gone - firsts)
+        if sub == "shared":
+            result.cancelled_delivered = len(firsts & cancelled)
         result.duplicated[sub] = sum(n - 1 for n in copies.values() if n > 1)
         result.early[sub] = early
         again = {(p, o) for p, o, n in copies if n > 0}
@@ -337,7 +434,11 @@ def order_counts(placed: dict[tuple[int, int], tuple[int, int]]) -> tuple[int, i
     return wrong, disorder
 
 
-def produce(bootstrap: str, plan: Plan) -> None:
+Positions = dict[int, tuple[int, int]]
+"""Record number -> (partition, offset), from the producer's delivery reports."""
+
+
+def produce(bootstrap: str, plan: Plan, produced: list[float], positions: Positions) -> None:
     """Records spread over the first part of the run, each with deliver-after 0 to window s."""
     rng = random.Random(plan.seed)
     producer = Producer({"bootstrap.servers": bootstrap, "linger.ms": 5})
@@ -345,16 +446,25 @@ def produce(bootstrap: str, plan: Plan) -> None:
     started = time.monotonic()
     for i in range(plan.records):
         delay_ms = rng.randrange(int(plan.window_s * 1000))
-        producer.produce(TOPIC, f"v{i}".encode(), headers=[("deliver-after", str(delay_ms))], partition=i % PARTITIONS)
+        producer.produce(TOPIC, f"v{i}".encode(), headers=[("deliver-after", str(delay_ms))], partition=i % PARTITIONS,
+                         on_delivery=lambda err, m, i=i: positions.__setitem__(i, (m.partition(), m.offset()))
+                         if err is None else None)  # fmt: skip
+        produced.append(time.monotonic())
         if i % 500 == 0:
             producer.poll(0)
             time.sleep(max(started + spread_s * i / plan.records - time.monotonic(), 0))
     assert producer.flush(60) == 0, "records not acknowledged"
 
 
-def visible(bootstrap: str, records: int, nacks: Nacks) -> bool:
+def visible(bootstrap: str, records: int, nacks: Nacks, cancels: Cancels) -> bool:
     counts = {sub: len(read_all(bootstrap, f"{TOPIC}.{sub}")) for sub in SUBSCRIPTIONS}
-    return counts["excl"] >= records and counts["shared"] >= records + len(nacks.sent)
+    cancelled = 0
+    if cancels.sent:
+        answers = [json.loads(m.value()) for m in read_all(bootstrap, f"{CONTROL}.outcomes")]
+        if sum(1 for a in answers if a.get("id") in cancels.sent) < len(cancels.sent):
+            return False  # every cancel answered first: until then, what `shared` should hold is not known
+        cancelled = sum(1 for a in answers if a.get("id") in cancels.sent and a.get("outcome") == "cancelled")
+    return counts["excl"] >= records and counts["shared"] >= records - cancelled + len(nacks.sent)
 
 
 def run(plan: Plan, workdir: Path, log: Any = print, spark: SparkSession | None = None) -> Outcome:
@@ -373,9 +483,12 @@ def run(plan: Plan, workdir: Path, log: Any = print, spark: SparkSession | None 
     sidecar = Sidecar(workdir, bootstrap, policies, plan, "a")
     others: list[Sidecar] = []
     nacks = Nacks(bootstrap, plan.seed, plan.nack_fraction).start()
+    produced: list[float] = []
+    positions: Positions = {}
+    cancels = Cancels(bootstrap, plan.seed, plan.cancel_fraction, plan.window_s, produced, positions).start()
     try:
         sidecar.start()
-        producer = threading.Thread(target=produce, args=(bootstrap, plan), daemon=True)
+        producer = threading.Thread(target=produce, args=(bootstrap, plan, produced, positions), daemon=True)
         producer.start()
         # The faults, in a random order, spread over the window while records fall due.
         faults = ["kill"] * plan.kills
@@ -407,19 +520,23 @@ def run(plan: Plan, workdir: Path, log: Any = print, spark: SparkSession | None 
                 others.append(sidecar)
                 sidecar = successor
         producer.join(600)
+        cancels.finish()
         deadline = time.monotonic() + 300 + plan.records / 1_000
-        while not visible(bootstrap, plan.records, nacks):
+        while not visible(bootstrap, plan.records, nacks, cancels):
             if time.monotonic() > deadline:
                 outcome.notes.append("not every record became visible before the deadline")
                 break
             time.sleep(2)
         time.sleep(plan.commit_interval_ms / 1000 * 4)  # extras, if any, would come now
         nacks.stop()
+        cancels.stop()
         if nacks.error is not None:
             outcome.notes.append(f"nacker failed: {nacks.error!r}")
+        if cancels.error is not None:
+            outcome.notes.append(f"canceller failed: {cancels.error!r}")
         if sidecar.stop() != 0:
             outcome.notes.append(f"the sidecar did not exit 0; see {sidecar.log}")
-        outcome.audit = audit(bootstrap, plan.records, nacks.sent)
+        outcome.audit = audit(bootstrap, plan.records, nacks.sent, cancels.sent, positions)
         uncommitted = {s: read_all(bootstrap, f"{TOPIC}.{s}", committed_only=False) for s in SUBSCRIPTIONS}
         for sub, found in uncommitted.items():
             firsts = [read_delivery(dict(m.headers() or [])) for m in found]
@@ -431,6 +548,7 @@ def run(plan: Plan, workdir: Path, log: Any = print, spark: SparkSession | None 
             outcome.spark.disagreements = disagreements(outcome.audit, plan.records, outcome.spark)
     finally:
         nacks.stop()
+        cancels.stop()
         for s in [sidecar, *others]:
             s.kill()
         broker.stop()
@@ -503,6 +621,8 @@ def disagreements(audit: Audit, records: int, spark: SparkAudit) -> list[str]:
         ]
         if sub == "shared":
             pairs += [
+                ("cancelled", audit.cancelled, s.get("cancelled", 0), ""),
+                ("delivered after cancel", audit.cancelled_delivered, s.get("delivered_after_cancel", 0), ""),
                 ("nacks", audit.nacks_sent, s["nacks"], ""),
                 ("nacks not redelivered", audit.nacks_missing_or_early, s["nacks_missing"] + s["nacks_pending"], ""),
             ]
@@ -536,6 +656,7 @@ def table(outcome: Outcome, command: str) -> str:
         ("seed", str(plan.seed)),
         (f"records (deliver-after 0 to {plan.window_s:.0f} s), subscriptions", f"{plan.records:,}, shared + exclusive"),
         ("nacks sent / redelivered", f"{a.nacks_sent:,} / {a.nacks_redelivered:,}"),
+        ("cancels sent / answered cancelled", f"{a.cancels_sent:,} / {a.cancelled:,}"),
         ("SIGKILLs / restarts on the state dir", f"{outcome.kills} / {outcome.restarts}"),
         ("state dirs deleted", str(outcome.state_dirs_deleted)),
         ("broker restarts", str(outcome.broker_restarts)),
@@ -555,6 +676,10 @@ def table(outcome: Outcome, command: str) -> str:
         (
             "nacks not redelivered / redeliveries not asked for",
             f"{a.nacks_missing_or_early} / {a.redeliveries_unasked}",
+        ),
+        (
+            "cancelled yet delivered / cancels not answered exactly once",
+            f"{a.cancelled_delivered} / {a.cancels_not_answered_once}",
         ),
         ("anomalies in all", str(a.anomalies)),
     ]
@@ -584,6 +709,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--window-s", type=float, default=30.0)
     parser.add_argument("--seed", type=int, default=14)
     parser.add_argument("--nack-fraction", type=float, default=0.05, help="share of `shared` records nacked")
+    parser.add_argument("--cancel-fraction", type=float, default=0.03, help="share of records cancelled")
     parser.add_argument("--no-broker-restart", action="store_true")
     parser.add_argument("--no-state-loss", action="store_true")
     parser.add_argument("--no-zombie", action="store_true")
@@ -593,6 +719,7 @@ def main(argv: list[str] | None = None) -> int:
     command = shlex.join([".venv/bin/python", "-m", "bench.chaos", *(sys.argv[1:] if argv is None else argv)])
     plan = Plan(args.records, args.kills, args.window_s, args.seed, not args.no_broker_restart,
                 not args.no_state_loss, not args.no_zombie, nack_fraction=args.nack_fraction,
+                cancel_fraction=args.cancel_fraction,
                 spark_audit=args.spark_audit)  # fmt: skip
     workdir = Path(tempfile.mkdtemp(prefix="bench-chaos-"))
     try:
