@@ -23,7 +23,6 @@ import json
 import random
 import sys
 import tempfile
-import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -35,9 +34,8 @@ if __package__ in (None, ""):
 from confluent_kafka import Producer
 
 from bench import load
-from bench.drain import KeptLoad, quantile, read_all, wait
+from bench.drain import KeptLoad, quantile, read_all, serve, wait
 from bench.probe import Watermarks, create_topic
-from sidecar.app import SidecarApp
 from sidecar.broker.embedded import EmbeddedBroker, free_port
 from sidecar.outbound.records import DELIVER_AT
 from sidecar.settings import RunSettings
@@ -99,13 +97,7 @@ def run(work: Path, pending: int, cancels: int, reschedules: int, partitions: in
         )
         settings = RunSettings(bootstrap_servers=bootstrap, policies=policies, state_dir=work / "state",
                                metrics_port=0, group_id="cancel-bench", control_topic=CONTROL)  # fmt: skip
-        app = SidecarApp(settings)
-        thread = threading.Thread(target=app.run, daemon=True)
-        thread.start()
-        registry = app.metrics.registry
-
-        def sample(name: str, **labels: str) -> float:
-            return registry.get_sample_value(name, labels) or 0.0
+        app, thread, sample = serve(settings)
 
         def answered(kind: str) -> float:
             outcomes = ("cancelled", "rescheduled", "too-late", "unknown-message", "rejected")

@@ -212,26 +212,41 @@ class Sidecar:
         return self.child.stop() if self.child is not None else 0
 
 
-class Nacks:
-    """A read_committed consumer of `shared` that nacks a fixed 5% of the records, once each."""
+class Background:
+    """A loop on a thread of its own until stopped; an exception it raises is kept for the outcome."""
 
-    def __init__(self, bootstrap: str, seed: int, fraction: float) -> None:
-        self._bootstrap, self._rng, self._fraction = bootstrap, random.Random(seed + 1), fraction
-        self.sent: dict[tuple[int, int], int] = {}
-        """(origin partition, origin offset) -> the earliest instant it may come back (ms)."""
+    def __init__(self) -> None:
         self._stop = threading.Event()
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def start(self) -> Nacks:
-        self._thread.start()
-        return self
 
     def _run(self) -> None:
         try:
             self._loop()
         except BaseException as e:  # reported in the outcome
             self.error = e
+
+    def _loop(self) -> None:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(30)
+
+
+class Nacks(Background):
+    """A read_committed consumer of `shared` that nacks a fixed 5% of the records, once each."""
+
+    def __init__(self, bootstrap: str, seed: int, fraction: float) -> None:
+        super().__init__()
+        self._bootstrap, self._rng, self._fraction = bootstrap, random.Random(seed + 1), fraction
+        self.sent: dict[tuple[int, int], int] = {}
+        """(origin partition, origin offset) -> the earliest instant it may come back (ms)."""
+
+    def start(self) -> Nacks:
+        self._thread.start()
+        return self
 
     def _loop(self) -> None:
         """A long-lived consumer would stop seeing the sidecar's records after its first aborted
@@ -258,37 +273,25 @@ class Nacks:
         finally:
             producer.flush(10)
 
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(30)
 
-
-class Cancels:
+class Cancels(Background):
     """Cancels of a fixed share of the records, each sent at a random time between the record's
     production and a window later: some before it falls due, some after (too late)."""
 
     def __init__(
         self, bootstrap: str, seed: int, fraction: float, window_s: float, produced: list[float], positions: Positions
     ) -> None:
+        super().__init__()
         self._bootstrap, self._rng, self._window_s = bootstrap, random.Random(seed + 2), window_s
         self._fraction, self._produced, self._positions = fraction, produced, positions
         self.sent: dict[str, tuple[int, int]] = {}
         """Command id -> (origin partition, origin offset)."""
-        self._stop = threading.Event()
         self._produced_all = threading.Event()
-        self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, daemon=True)
 
     def start(self) -> Cancels:
         if self._fraction > 0:
             self._thread.start()
         return self
-
-    def _run(self) -> None:
-        try:
-            self._loop()
-        except BaseException as e:  # reported in the outcome
-            self.error = e
 
     def _loop(self) -> None:
         producer = Producer({"bootstrap.servers": self._bootstrap, "linger.ms": 5})
@@ -320,11 +323,6 @@ class Cancels:
         self._produced_all.set()
         if self._thread.is_alive():
             self._thread.join(self._window_s + 30)
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(30)
 
 
 def read_all(bootstrap: str, topic: str, committed_only: bool = True) -> list[Any]:

@@ -123,6 +123,23 @@ def read_all(bootstrap: str, topic: str, take: Callable[[Any], None]) -> None:
         consumer.close()
 
 
+Sample = Callable[..., float]
+"""sample(metric name, **labels): the sidecar's metric now, 0 when it has no such sample yet."""
+
+
+def serve(settings: RunSettings) -> tuple[SidecarApp, threading.Thread, Sample]:
+    """The sidecar in this process, on a thread of its own, and a reader of its metrics."""
+    app = SidecarApp(settings)
+    thread = threading.Thread(target=app.run, daemon=True)
+    thread.start()
+    registry = app.metrics.registry
+
+    def sample(name: str, **labels: str) -> float:
+        return registry.get_sample_value(name, labels) or 0.0
+
+    return app, thread, sample
+
+
 def quantile(values: list[float], q: float) -> float | None:
     if not values:
         return None
@@ -152,14 +169,7 @@ def run(work: Path, pending: int, partitions: int, rate: int) -> dict[str, Any]:
         policies.write_text(policy(REMOVED, KEPT))
         settings = RunSettings(bootstrap_servers=bootstrap, policies=policies, state_dir=work / "state",
                                metrics_port=0, group_id="drain-bench")  # fmt: skip
-        app = SidecarApp(settings)
-        thread = threading.Thread(target=app.run, daemon=True)
-        thread.start()
-        registry = app.metrics.registry
-
-        def sample(name: str, **labels: str) -> float:
-            return registry.get_sample_value(name, labels) or 0.0
-
+        app, thread, sample = serve(settings)
         intake_s = wait(lambda: sample("delay_sidecar_messages_delayed_total", topic=REMOVED) >= pending,
                         900, "intake of the pending records")  # fmt: skip
         kept = KeptLoad(bootstrap, rate)

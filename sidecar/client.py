@@ -23,6 +23,7 @@ __all__ = [
     "ORIGIN_PARTITION_HEADER",
     "ORIGIN_TOPIC_HEADER",
     "REDELIVERY_COUNT_HEADER",
+    "CommandWriter",
     "MessageId",
     "NackDeliveryError",
     "Nacker",
@@ -273,7 +274,34 @@ class NackDeliveryError(RuntimeError):
         self.errors = errors
 
 
-class Nacker:
+class CommandWriter:
+    """Writes commands to the control topic, and turns a failed write into an exception at `flush()`.
+
+    librdkafka reports a failed write only to a delivery callback; a caller that commits or moves on
+    after `flush()` returned must know by then that every command was written.
+    """
+
+    def __init__(self, producer: NackProducer, control_topic: str = CONTROL_TOPIC) -> None:
+        if not control_topic:
+            raise ValueError("control_topic must not be empty")
+        self._producer = producer
+        self.control_topic = control_topic
+        self._failures: list[str] = []
+
+    def flush(self, timeout: float = -1) -> int:
+        """Wait for the commands sent so far; the count still queued is returned, as the producer does.
+
+        Raises NackDeliveryError when any command failed since the last flush, because a failed write
+        does not raise anywhere else and the consumer would otherwise commit a message it has lost.
+        """
+        remaining = self._producer.flush(timeout)
+        if self._failures:
+            failures, self._failures = self._failures, []
+            raise NackDeliveryError(failures)
+        return remaining
+
+
+class Nacker(CommandWriter):
     """Asks the sidecar to redeliver a message later, Pulsar's `negativeAcknowledge(message, delay)`.
 
     This is the retry recipe without a retry topic: the command names the message by its origin, and
@@ -291,14 +319,10 @@ class Nacker:
     def __init__(
         self, producer: NackProducer, control_topic: str = CONTROL_TOPIC, subscription: str | None = None
     ) -> None:
-        if not control_topic:
-            raise ValueError("control_topic must not be empty")
+        super().__init__(producer, control_topic)
         if subscription is not None and not subscription:
             raise ValueError("subscription must not be empty; pass None to name it on each nack")
-        self._producer = producer
-        self.control_topic = control_topic
         self.subscription = subscription
-        self._failures: list[str] = []
 
     def nack(
         self,
@@ -329,18 +353,6 @@ class Nacker:
         An instant now or in the past redelivers at once, as a deliver-at header would.
         """
         self._send(message, "deliver_at", _epoch_ms(deliver_at_ms, "deliver_at_ms"), subscription, on_delivery)
-
-    def flush(self, timeout: float = -1) -> int:
-        """Wait for the commands sent so far; the count still queued is returned, as the producer does.
-
-        Raises NackDeliveryError when any command failed since the last flush, because a failed write
-        does not raise anywhere else and the consumer would otherwise commit a message it has lost.
-        """
-        remaining = self._producer.flush(timeout)
-        if self._failures:
-            failures, self._failures = self._failures, []
-            raise NackDeliveryError(failures)
-        return remaining
 
     def _send(
         self,

@@ -24,9 +24,8 @@ from confluent_kafka import Consumer, KafkaException, TopicPartition
 from sidecar.client import (
     COMMAND_VERSION,
     CONTROL_TOPIC,
+    CommandWriter,
     MessageId,
-    NackDeliveryError,
-    NackProducer,
     Record,
     _duration_ms,
     _epoch_ms,
@@ -49,20 +48,13 @@ def _message_id(message: MessageId | Record | str) -> MessageId:
     return origin(message)
 
 
-class Canceller:
+class Canceller(CommandWriter):
     """Sends cancel and reschedule commands. Each call returns the command's id, which its outcome carries.
 
     A message is named by its id: a MessageId, an outbound record (its origin), or the text
     `topic/partition/offset` that a producer learns from its delivery report. Like nacks, commands are
     keyed by the message id, so the commands about one message are read in the order they were sent.
     """
-
-    def __init__(self, producer: NackProducer, control_topic: str = CONTROL_TOPIC) -> None:
-        if not control_topic:
-            raise ValueError("control_topic must not be empty")
-        self._producer = producer
-        self.control_topic = control_topic
-        self._failures: list[str] = []
 
     def cancel(
         self, message: MessageId | Record | str, *, subscription: str | None = None, command_id: str | None = None
@@ -92,14 +84,6 @@ class Canceller:
         """Deliver the message at an instant (epoch ms or an aware datetime) instead."""
         when = {"deliver_at": _epoch_ms(deliver_at_ms, "deliver_at_ms")}
         return self._send(message, "reschedule", when, subscription, command_id)
-
-    def flush(self, timeout: float = -1) -> int:
-        """Wait for the commands sent so far; raises NackDeliveryError when any could not be written."""
-        remaining = self._producer.flush(timeout)
-        if self._failures:
-            failures, self._failures = self._failures, []
-            raise NackDeliveryError(failures)
-        return remaining
 
     def _send(
         self,

@@ -23,8 +23,13 @@ import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from sidecar.durations import MAX_EPOCH_MS
-from sidecar.errors import RejectedRecord
+from sidecar.control.fields import (
+    INVALID_COMMAND,  # noqa: F401 - an outcome code too, listed with the others
+    count,
+    invalid,
+    text,
+    when,
+)
 
 VERSION = 1
 Kind = Literal["cancel", "reschedule"]
@@ -47,7 +52,6 @@ UNKNOWN_MESSAGE_OUTCOME = "unknown-message"
 REJECTED = "rejected"
 
 # Codes of `rejected` outcomes (and of commands too malformed to have one: the control dead-letter topic)
-INVALID_COMMAND = "INVALID_COMMAND"
 UNKNOWN_TOPIC = "UNKNOWN_TOPIC"
 UNKNOWN_SUBSCRIPTION = "UNKNOWN_SUBSCRIPTION"
 EXCEEDS_MAX_DELAY = "EXCEEDS_MAX_DELAY"
@@ -59,10 +63,6 @@ ALREADY_CANCELLED = "ALREADY_CANCELLED"
 
 _MAX_TOPIC_LENGTH = 249
 _MAX_ID_LENGTH = 256
-
-
-def _invalid(message: str) -> RejectedRecord:
-    return RejectedRecord(INVALID_COMMAND, message)
 
 
 @dataclass(frozen=True)
@@ -104,26 +104,20 @@ def parse_message_command(data: dict[str, Any]) -> MessageCommand:
     """A decoded JSON object whose type is cancel or reschedule; RejectedRecord(INVALID_COMMAND) when malformed."""
     kind = data.get("type")
     if kind not in KINDS:
-        raise _invalid(f"unknown command type {kind!r}; the types are 'nack', 'cancel' and 'reschedule'")
-    topic = _text(data, "topic")
+        raise invalid(f"unknown command type {kind!r}; the types are 'nack', 'cancel' and 'reschedule'")
+    topic = text(data, "topic")
     if len(topic) > _MAX_TOPIC_LENGTH:
-        raise _invalid("'topic' is longer than any Kafka topic name")
-    partition, offset = _count(data, "partition"), _count(data, "offset")
-    subscription = _text(data, "subscription") if "subscription" in data else None
-    command_id = _text(data, "id") if "id" in data else None
+        raise invalid("'topic' is longer than any Kafka topic name")
+    partition, offset = count(data, "partition"), count(data, "offset")
+    subscription = text(data, "subscription") if "subscription" in data else None
+    command_id = text(data, "id") if "id" in data else None
     if command_id is not None and len(command_id) > _MAX_ID_LENGTH:
-        raise _invalid(f"'id' is longer than {_MAX_ID_LENGTH} characters")
+        raise invalid(f"'id' is longer than {_MAX_ID_LENGTH} characters")
     deliver_at = delay_ms = None
     if kind == "reschedule":
-        has_delay, has_at = "delay_ms" in data, "deliver_at" in data
-        if has_delay == has_at:
-            raise _invalid("a reschedule gives exactly one of 'delay_ms' and 'deliver_at'")
-        delay_ms = _count(data, "delay_ms") if has_delay else None
-        deliver_at = _count(data, "deliver_at") if has_at else None
-        if (delay_ms or 0) > MAX_EPOCH_MS or (deliver_at or 0) > MAX_EPOCH_MS:
-            raise _invalid("the new time reaches past year 9999")
+        delay_ms, deliver_at = when(data)
     elif "delay_ms" in data or "deliver_at" in data:
-        raise _invalid("a cancel takes no 'delay_ms' or 'deliver_at'; send a reschedule to move a message")
+        raise invalid("a cancel takes no 'delay_ms' or 'deliver_at'; send a reschedule to move a message")
     return MessageCommand(kind, topic, partition, offset, subscription, command_id, deliver_at, delay_ms)
 
 
@@ -144,20 +138,6 @@ def loose_command(raw: bytes | None) -> CommandRef:
         offset if isinstance(offset, int) and not isinstance(offset, bool) else None,
         command_id[:_MAX_ID_LENGTH] if isinstance(command_id, str) else None,
     )
-
-
-def _text(data: dict[str, Any], field: str) -> str:
-    value = data.get(field)
-    if not isinstance(value, str) or not value:
-        raise _invalid(f"'{field}' must be a non-empty string")
-    return value
-
-
-def _count(data: dict[str, Any], field: str) -> int:
-    value = data.get(field)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise _invalid(f"'{field}' must be an integer of zero or more, got {value!r}")
-    return value
 
 
 # ------------------------------------------------------------------------------ request

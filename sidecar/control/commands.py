@@ -6,15 +6,14 @@ subscription and the message exist is for the caller, who knows the policies and
 
 import json
 from dataclasses import dataclass
-from typing import Any
 
 from sidecar.control.cancels import KINDS, MessageCommand, parse_message_command
-from sidecar.durations import MAX_EPOCH_MS, format_duration_ms
+from sidecar.control.fields import count, invalid, text, when
+from sidecar.durations import format_duration_ms
 from sidecar.errors import RejectedRecord
 from sidecar.policy.model import EffectiveDelay
 
 VERSION = 1
-INVALID_COMMAND = "INVALID_COMMAND"
 UNKNOWN_SUBSCRIPTION = "UNKNOWN_SUBSCRIPTION"
 UNKNOWN_MESSAGE = "UNKNOWN_MESSAGE"
 EXCEEDS_MAX_DELAY = "EXCEEDS_MAX_DELAY"
@@ -43,10 +42,6 @@ class NackCommand:
         return self.deliver_at if self.deliver_at is not None else received_ms + (self.delay_ms or 0)
 
 
-def invalid(message: str) -> RejectedRecord:
-    return RejectedRecord(INVALID_COMMAND, message)
-
-
 def parse_command(raw: bytes | None) -> NackCommand | MessageCommand:
     """Decode one control record's value; raises RejectedRecord(INVALID_COMMAND) for any malformed one."""
     if raw is None:
@@ -65,20 +60,14 @@ def parse_command(raw: bytes | None) -> NackCommand | MessageCommand:
         return parse_message_command(data)
     if data.get("type") != "nack":
         raise invalid(f"unknown command type {data.get('type')!r}; the types are 'nack', 'cancel' and 'reschedule'")
-    subscription = _text(data, "subscription")
-    topic = _text(data, "topic")
+    subscription = text(data, "subscription")
+    topic = text(data, "topic")
     if len(topic) > _MAX_TOPIC_LENGTH:
         raise invalid("'topic' is longer than any Kafka topic name")
-    partition = _count(data, "partition")
-    offset = _count(data, "offset")
-    redelivery_count = _count(data, "redelivery_count") if "redelivery_count" in data else 0
-    has_delay, has_at = "delay_ms" in data, "deliver_at" in data
-    if has_delay == has_at:
-        raise invalid("give exactly one of 'delay_ms' and 'deliver_at'")
-    delay_ms = _count(data, "delay_ms") if has_delay else None
-    deliver_at = _count(data, "deliver_at") if has_at else None
-    if (delay_ms or 0) > MAX_EPOCH_MS or (deliver_at or 0) > MAX_EPOCH_MS:
-        raise invalid("the delay reaches past year 9999")
+    partition = count(data, "partition")
+    offset = count(data, "offset")
+    redelivery_count = count(data, "redelivery_count") if "redelivery_count" in data else 0
+    delay_ms, deliver_at = when(data)
     return NackCommand(subscription, topic, partition, offset, delay_ms, deliver_at, redelivery_count)
 
 
@@ -94,20 +83,6 @@ def check_max_delay(command: NackCommand, delay: EffectiveDelay, received_ms: in
             f"{format_duration_ms(delay.max_ms)} (from {delay.max_delivery_delay.source}) "
             f"by {format_duration_ms(asked - delay.max_ms)}",
         )
-
-
-def _text(data: dict[str, Any], field: str) -> str:
-    value = data.get(field)
-    if not isinstance(value, str) or not value:
-        raise invalid(f"'{field}' must be a non-empty string")
-    return value
-
-
-def _count(data: dict[str, Any], field: str) -> int:
-    value = data.get(field)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise invalid(f"'{field}' must be an integer of zero or more, got {value!r}")
-    return value
 
 
 ACCEPTED = "accepted"
@@ -157,16 +132,16 @@ def parse_accepted(raw: bytes | None) -> AcceptedNack | None:
         return None
     try:
         command = NackCommand(
-            _text(data, "subscription"),
-            _text(data, "topic"),
-            _count(data, "partition"),
-            _count(data, "offset"),
+            text(data, "subscription"),
+            text(data, "topic"),
+            count(data, "partition"),
+            count(data, "offset"),
             None,
-            _count(data, "deliver_at"),
-            _count(data, "redelivery_count"),
+            count(data, "deliver_at"),
+            count(data, "redelivery_count"),
         )
         return AcceptedNack(
-            command, _count(data, "deliver_at"), (_count(data, "command_partition"), _count(data, "command_offset"))
+            command, count(data, "deliver_at"), (count(data, "command_partition"), count(data, "command_offset"))
         )
     except RejectedRecord:
         return None
