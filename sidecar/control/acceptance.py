@@ -83,26 +83,37 @@ class Acceptance:
         if headers.get(ACCEPTED_BY) == self._group:
             accepted = parse_accepted(record.value())
             if accepted is not None:
-                self._index(accepted, offset, state, due_now)
+                key = accepted.source[1]
+                if key in state.unread_facts:
+                    state.unread_facts.discard(key)  # ours, indexed when it was accepted
+                    return
+                self._index(accepted, key, offset < state.replay_until, state, due_now)
                 return
         if offset < state.replay_until:
             return  # judged before the restart: accepted records or the dead-letter topic hold the outcome
-        self._judge(record)
+        self._judge(record, state, due_now)
 
     def _index(
-        self, accepted: AcceptedNack, offset: int, state: PartitionState, due_now: list[tuple[int, AcceptedNack]]
+        self,
+        accepted: AcceptedNack,
+        key: int,
+        replayed: bool,
+        state: PartitionState,
+        due_now: list[tuple[int, AcceptedNack]],
     ) -> None:
-        done = offset < state.replay_until and pack(accepted.deliver_at, offset) <= state.replay_through
-        self._nacks.accept(accepted, offset)
-        if done:
-            self._nacks.claim(accepted, offset)  # redelivered, or superseded, before
+        """An accepted record an earlier member or run wrote: indexed by its command's offset (`key`),
+        unless its key is at or below the delivered watermark, which means it went out (or was
+        superseded) before. Entries leave the index in key order, so that is exact."""
+        self._nacks.accept(accepted, key)
+        if pack(accepted.deliver_at, key) <= state.tracker.delivered_through():
+            self._nacks.claim(accepted, key)  # redelivered, or superseded, before
             return
         # Exactly once: nothing is delivered while replaying (see partitions/metadata.py).
-        deliver_now = not (state.exact and offset < state.replay_until)
-        if not state.tracker.add(offset, accepted.deliver_at, deliver_now=deliver_now):
-            due_now.append((offset, accepted))
+        deliver_now = not (state.exact and replayed)
+        if not state.tracker.add(key, accepted.deliver_at, deliver_now=deliver_now):
+            due_now.append((key, accepted))
 
-    def _judge(self, record: Message) -> None:
+    def _judge(self, record: Message, state: PartitionState, due_now: list[tuple[int, AcceptedNack]]) -> None:
         subscription = ""
         now = self._clock.now_ms()
         try:
@@ -145,6 +156,14 @@ class Acceptance:
             [(ACCEPTED_BY, self._group)],
             partition=record.partition(),
         )
+        # Indexed now, by the command's own offset, not when the accepted record comes back behind
+        # every command written before it: a burst of nacks falls due on time. The accepted record
+        # stays the durable word for a restart; read back by this member, it is skipped.
+        key = record.offset()
+        self._nacks.accept(accepted, key)
+        state.unread_facts.add(key)
+        if not state.tracker.add(key, accepted.deliver_at):
+            due_now.append((key, accepted))
         self._metrics.nacks.labels(subscription, "accepted").inc()
 
     def _check_known_message(self, command: NackCommand, routes: Routes) -> None:

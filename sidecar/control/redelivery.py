@@ -12,7 +12,14 @@ from confluent_kafka import Message
 
 from sidecar.clock import Clock
 from sidecar.control.acceptance import Acceptance
-from sidecar.control.commands import UNKNOWN_MESSAGE, UNKNOWN_SUBSCRIPTION, AcceptedNack, parse_accepted
+from sidecar.control.commands import (
+    UNKNOWN_MESSAGE,
+    UNKNOWN_SUBSCRIPTION,
+    AcceptedNack,
+    NackCommand,
+    parse_accepted,
+    parse_command,
+)
 from sidecar.control.nacks import LatestNacks
 from sidecar.dispatch.reader import LogReader
 from sidecar.errors import RejectedRecord
@@ -73,7 +80,7 @@ class Redelivery:
             wanted = {(topic, partition): list(offsets) for partition, offsets in popped.items()}
             found: list[tuple[int, int, AcceptedNack]] = []
             for (_, partition), offset, record in self._reader.read(wanted):
-                accepted = parse_accepted(record.value()) if record is not None else None
+                accepted = self._nack_at(record, partition, offset, popped[partition][offset])
                 if accepted is None:
                     logger.error(
                         "due nack missing from the control log partition=%d offset=%d; raise the control "
@@ -85,6 +92,21 @@ class Redelivery:
                 found.append((partition, offset, accepted))
             self.redeliver(found)
         return not stalled
+
+    @staticmethod
+    def _nack_at(record: Message | None, partition: int, offset: int, deliver_at: int) -> AcceptedNack | None:
+        """The nack an index entry stands for: its command (indexed by the command's offset since
+        acceptance does so), or, for entries indexed before that, its accepted record."""
+        if record is None:
+            return None
+        accepted = parse_accepted(record.value())
+        if accepted is not None:
+            return accepted
+        try:
+            command = parse_command(record.value())
+        except RejectedRecord:
+            return None
+        return AcceptedNack(command, deliver_at, (partition, offset)) if isinstance(command, NackCommand) else None
 
     def redeliver(self, accepted: list[tuple[int, int, AcceptedNack]]) -> None:
         """[(control partition, accepted offset, nack)]: the ones still in force go out now."""

@@ -78,8 +78,6 @@ class PartitionState:
     """Exactly-once, during the checkpoint of its assignment: commit only `claim_point`."""
     replay_until: int = 0
     """Control partitions: commands below this offset were judged before a restart; not again."""
-    replay_through: int = NOTHING_DELIVERED
-    """Control partitions: the committed watermark; accepted nacks at or below it are done."""
     rule: IntakeRule | None = None
     """The rule live intake noted last (the hot path compares identity, not values)."""
     runs: Runs[Message] = field(default_factory=Runs)
@@ -161,7 +159,7 @@ class PartitionState:
         tail = restore(self, committed, metadata) if restore is not None else None
         if self.control:  # accepted nacks: from the state topic's tail, else from the earliest pending
             self.runs = Runs()
-            self.replay_until, self.replay_through = committed, metadata.through
+            self.replay_until = committed
             return earliest if tail is None else max(earliest, min(tail, committed))
         # Run members are in no bucket, and cancels' facts are records: with either pending, read
         # everything again (what the buckets hold is not indexed twice). The rebuild indexes run
@@ -233,7 +231,8 @@ class PartitionState:
             self.rules.items(),
             tuple(runs.encode()),
             producer,
-            commands=bool(self.overrides) or bool(self.unread_facts) or self.hold_until is not None,
+            commands=not self.control
+            and (bool(self.overrides) or bool(self.unread_facts) or self.hold_until is not None),
         )
         point = (self.next_offset, metadata.encode())
         if point == self.committed:

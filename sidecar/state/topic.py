@@ -151,8 +151,9 @@ class StateTopic:
         """
         covered = state.tracker.delivered_through() if self._writer.transactional else state.committed_through
         entries, dead = self._nacks.take(state.partition, covered)
-        if not entries and not dead and state.name in self._manifests:
-            return
+        last = self._manifests.get(state.name)
+        if not entries and not dead and last is not None and last.tail == cursor:
+            return  # (a moved cursor is written even so: a restore reads the log again only from it)
         records, tombstones = nack_records(state.name, entries, dead)
         self._send(state.name, records, Manifest((), 1, cursor, cursor), tombstones)
 
