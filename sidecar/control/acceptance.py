@@ -1,12 +1,14 @@
 """Nack commands in, decided once: rejected to the control dead-letter topic, or accepted durably.
 
 An accepted command becomes an *accepted record* on the command's own control partition (see
-`AcceptedNack`). The tracker indexes accepted records, not commands, when the intake reads them
-back. So the control offset can be committed past every command as soon as it is judged, and
-a restart, with or without local state, loads the pending ones from the state topic and reads the
+`AcceptedNack`), and is indexed at once by the command's own offset: waiting for the accepted
+record to come back would put every nack of a burst behind all the commands before it. The
+accepted record is the durable word. The member that wrote it skips it when it comes back; a
+restart, with or without local state, loads the pending nacks from the state topic and reads the
 accepted records after them again (without a state topic: from the earliest one still pending, in
-the commit metadata), skipping those the delivered watermark covers. Commands below the committed
-offset are never judged a second time.
+the commit metadata), skipping those the delivered watermark covers. So the control offset can be
+committed past every command as soon as it is judged, and commands below the committed offset are
+never judged a second time.
 """
 
 import logging
