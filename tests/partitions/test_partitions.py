@@ -96,7 +96,7 @@ def test_without_local_state_the_index_is_rebuilt_from_the_earliest_pending_offs
 def test_control_partitions_replay_accepted_nacks_without_judging_commands_again() -> None:
     s = state(InMemoryTracker(ManualClock()), control=True)
     assert s.start(100, CommitMetadata(40, pack(5, 39))) == 40
-    assert s.rebuild is None and (s.replay_until, s.replay_through) == (100, pack(5, 39))
+    assert s.rebuild is None and (s.replay_until, s.tracker.delivered_through()) == (100, pack(5, 39))
 
 
 def bucket(storage: FakeSnapshotStorage) -> BucketTracker:
