@@ -179,11 +179,6 @@ class Overrides:
         if len(self._gone) > REMEMBERED:
             self._gone.popitem(last=False)
 
-    def live_from(self) -> int | None:
-        """The lowest offset the table depends on (None: it is empty): a restart must read from there."""
-        offsets = list(self.suppressed) + list(self.copies)
-        return min(offsets) if offsets else None
-
     def _pending(self, carrier: int, origin: int, indexed: Indexed) -> bool:
         if carrier == origin:
             return indexed(origin)
