@@ -44,6 +44,12 @@ FACT = "delay-command-fact"
 
 OUTCOMES_SUFFIX = ".outcomes"
 
+
+def is_marked(headers: list[tuple[str, bytes | None]] | None) -> bool:
+    """A record a sidecar (of any group) wrote to an inbound partition: never a message to deliver."""
+    return bool(headers) and headers[0][0] == COMMAND_BY  # type: ignore[index]
+
+
 # Outcomes
 CANCELLED = "cancelled"
 RESCHEDULED = "rescheduled"

@@ -44,6 +44,7 @@ class Admission:
 
     def take(self, batch: IntakeBatch, state: PartitionState, routes: Routes, records: Sequence[Message]) -> None:
         headers = [r.headers() for r in records]  # read once: judging needs them too
+        # is_marked, inlined: a call per record on the hot path costs more than the test
         marked = [i for i, h in enumerate(headers) if h and h[0][0] == COMMAND_BY]
         if marked:  # requests and facts of cancels and reschedules: rare, decided after the slice's records
             chosen = set(marked)

@@ -24,6 +24,7 @@ from sidecar.control.cancels import (
     Fact,
     OutcomeRecord,
     Request,
+    is_marked,
 )
 from sidecar.control.outcomes import Outcomes
 from sidecar.control.overrides import Decision
@@ -38,11 +39,6 @@ from sidecar.policy.routes import IntakeRule, Routes
 from sidecar.tracker.base import pack
 
 logger = logging.getLogger(__name__)
-
-
-def is_marked(headers: list[tuple[str, bytes | None]] | None) -> bool:
-    """A record the sidecar wrote to an inbound partition (of any group): never a message to deliver."""
-    return bool(headers) and headers[0][0] == COMMAND_BY  # type: ignore[index]
 
 
 @dataclass

@@ -9,8 +9,9 @@ from collections.abc import Sequence
 
 from confluent_kafka import Message
 
+from sidecar.control.cancels import is_marked
 from sidecar.inbound.batch import IntakeBatch
-from sidecar.inbound.commands import CommandStep, is_marked
+from sidecar.inbound.commands import CommandStep
 from sidecar.metrics import Metrics
 from sidecar.outbound.delivery import Delivery
 from sidecar.partitions.state import PartitionState

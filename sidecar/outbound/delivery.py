@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from confluent_kafka import KafkaException, Message
 
 from sidecar.clock import Clock
-from sidecar.control.cancels import COMMAND_BY
+from sidecar.control.cancels import is_marked
 from sidecar.metrics import Metrics
 from sidecar.outbound.records import DELIVER_AT, ORIGIN, HeaderForm, OutHeaders, outbound_headers
 from sidecar.outbound.writer import ANY_PARTITION, Writer
@@ -142,7 +142,7 @@ class Delivery:
                 self.send_many(topic, targets, [(deliver_at, offset, record)], sent)
                 continue
             original = record.headers()  # the original's: the dispatcher read the copy's payload from it
-            if original and original[0][0] == COMMAND_BY:
+            if is_marked(original):
                 self._lost(topic, state.partition, copy.origin, copy.deliver_at)  # not read: logged, counted
                 continue
             headers = outbound_headers(original, topic, state.partition, copy.origin, copy.deliver_at, form=self._form)

@@ -11,6 +11,7 @@ from typing import Any
 
 from confluent_kafka import Message
 
+from sidecar.control.cancels import is_marked
 from sidecar.partitions.state import PartitionState
 from sidecar.policy.intake import judge
 from sidecar.policy.routes import Routes
@@ -32,7 +33,7 @@ def locate(
     if message is None:
         return {**answer, "state": "unknown", "reason": "no such record in the log (retention, or past its end)"}
     headers = message.headers()
-    if headers and headers[0][0] == "delay-command-by":
+    if is_marked(headers):
         return {**answer, "state": "unknown", "reason": "a cancel or reschedule record of the sidecar, not a message"}
     publish_ms = max(message.timestamp()[1], 0)
     rule = state.rules.at(offset) or routes.rule(retention_ms)
