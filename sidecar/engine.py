@@ -237,18 +237,13 @@ class Sidecar:
                     question.set_result(None)
                 else:
                     retention = self._admin.retention_ms.get(topic)
-                    question.set_result(locate(state, routes, retention, offset, self._read_one))
+                    question.set_result(locate(state, routes, retention, offset, self._reader.read_one))
             except Exception as e:  # the asker gets the error; the loop goes on
                 question.set_exception(e)
 
     def _copy_origins(self, partition: tuple[str, int]) -> Mapping[int, int]:
         state = self._assignment.states.get(partition)
         return state.overrides.origins if state is not None else {}
-
-    def _read_one(self, topic: str, partition: int, offset: int) -> Message | None:
-        for _, _, record in self._reader.read({(topic, partition): [offset]}):
-            return record
-        return None
 
     def run(self) -> None:
         """Serve until stop() is called; raises SidecarError when the broker fails for good."""

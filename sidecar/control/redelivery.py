@@ -168,14 +168,14 @@ class Redelivery:
     def _reject(self, nack: AcceptedNack, rejected: RejectedRecord) -> None:
         """The command, unchanged, to the control dead-letter topic (read back: this path is rare)."""
         partition, offset = nack.source
-        for _, _, command in self._reader.read({(self._acceptance.control_topic, partition): [offset]}):
-            if command is not None:
-                self._acceptance.reject(command, rejected)
-            else:
-                logger.error(
-                    "nack rejected at redelivery but its command is gone from the control log "
-                    "partition=%d offset=%d code=%s",
-                    partition,
-                    offset,
-                    rejected.code,
-                )
+        command = self._reader.read_one(self._acceptance.control_topic, partition, offset)
+        if command is not None:
+            self._acceptance.reject(command, rejected)
+        else:
+            logger.error(
+                "nack rejected at redelivery but its command is gone from the control log "
+                "partition=%d offset=%d code=%s",
+                partition,
+                offset,
+                rejected.code,
+            )

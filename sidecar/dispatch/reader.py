@@ -139,6 +139,12 @@ class LogReader:
             self._consumer.incremental_unassign([TopicPartition(t, p) for t, p in keys])
             self._assigned.difference_update(keys)
 
+    def read_one(self, topic: str, partition: int, offset: int) -> Message | None:
+        """One record back from the log (None: no longer, or not yet, in it), as `read` gives it."""
+        for _, _, record in self.read({(topic, partition): [offset]}):
+            return record
+        return None
+
     def watermarks(self, topic: str, partition: int) -> tuple[int, int]:
         """(low, high) offsets of an inbound partition, asked of the broker."""
         try:

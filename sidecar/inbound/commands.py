@@ -112,17 +112,12 @@ class CommandStep:
             state.overrides.apply(fact, tracker.contains)
             if due:  # rescheduled to now or the past: the copy goes out at once, read from the original
                 assert fact.deliver_at is not None
-                original = self._read_one(state, request.offset)
+                original = self._reader.read_one(state.topic, state.partition, request.offset)
                 self._delivery.delayed((state.topic, state.partition), [(fact.deliver_at, offset, original)])
         if decision.outcome == TOO_LATE and not decision.subscriptions:
             self._late.append(_Late(state, request, decision, rule))
             return
         self._answer(state, request, decision)
-
-    def _read_one(self, state: PartitionState, offset: int) -> Message | None:
-        for _, _, message in self._reader.read({(state.topic, state.partition): [offset]}):
-            return message
-        return None
 
     def _answer(
         self, state: PartitionState, request: Request, decision: Decision, delivered_at: int | None = None
