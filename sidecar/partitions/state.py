@@ -190,13 +190,9 @@ class PartitionState:
 
     @property
     def holding(self) -> bool:
-        """Not delivering: facts of an earlier owner may still be ahead (see `hold_until`)."""
-        if self.hold_until is None:
-            return False
-        if self.next_offset is not None and self.next_offset >= self.hold_until:
-            self.hold_until = None
-            return False
-        return True
+        """Not delivering: facts of an earlier owner may still be ahead (see `hold_until`; the engine
+        ends the hold once the consumer's position reaches it)."""
+        return self.hold_until is not None
 
     @property
     def replaying(self) -> bool:
