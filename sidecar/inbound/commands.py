@@ -147,16 +147,18 @@ class CommandStep:
             return
         late, self._late = self._late, []
         wanted: dict[tuple[str, int], list[int]] = {}
+        copies_at: list[int | None] = []
         for item in late:
-            copy_at = [a for c in item.decision.delivered if (a := item.state.overrides.delivered_at(c)) is not None]
-            if not copy_at:
+            overrides = item.state.overrides
+            at = [a for c in item.decision.delivered if (a := overrides.delivered_at(c)) is not None]
+            copies_at.append(max(at) if at else None)
+            if not at:
                 wanted.setdefault((item.state.topic, item.state.partition), []).append(item.request.offset)
         found = {(key, offset): message for key, offset, message in self._reader.read(wanted)} if wanted else {}
-        for item in late:
+        for item, copy_at in zip(late, copies_at, strict=True):
             state, request, decision = item.state, item.request, item.decision
-            copy_at = [a for c in decision.delivered if (a := state.overrides.delivered_at(c)) is not None]
-            if copy_at:
-                self._answer(state, request, decision, max(copy_at))
+            if copy_at is not None:
+                self._answer(state, request, decision, copy_at)
                 continue
             message = found.get(((state.topic, state.partition), request.offset))
             if message is None or is_marked(message.headers()):

@@ -42,14 +42,11 @@ class Rebuilder:
             headers = record.headers()
             if is_marked(headers):
                 self._commands.replay(state, record, rebuild.through)
-                state.next_offset = offset + 1
-                taken += 1
-                if rebuild.progress(state.name, offset):
-                    state.rebuild = rebuild = None
-                continue
-            publish_ms = record.timestamp()[1]
-            rule = state.rules.at(offset) or current
-            deliver_at = judge(rule, headers, publish_ms if publish_ms > 0 else batch.now).deliver_at
+                deliver_at = None
+            else:
+                publish_ms = record.timestamp()[1]
+                rule = state.rules.at(offset) or current
+                deliver_at = judge(rule, headers, publish_ms if publish_ms > 0 else batch.now).deliver_at
             if deliver_at is not None and pack(deliver_at, offset) > rebuild.through:
                 # Nothing goes out while a cancel read later in the log may still take it back.
                 deliver_now = not state.exact and state.hold_until is None
