@@ -28,6 +28,7 @@ from sidecar.control.forwarding import Forwarding
 from sidecar.control.intake import ControlIntake
 from sidecar.control.nacks import LatestNacks
 from sidecar.control.outcomes import Outcomes
+from sidecar.control.overrides import Copy
 from sidecar.control.redelivery import Redelivery
 from sidecar.dispatch.dispatcher import Dispatcher
 from sidecar.dispatch.drain import Drains, RemovedTopic, holds_pending, removed_while_down
@@ -241,9 +242,9 @@ class Sidecar:
             except Exception as e:  # the asker gets the error; the loop goes on
                 question.set_exception(e)
 
-    def _copy_origins(self, partition: tuple[str, int]) -> Mapping[int, int]:
+    def _copy_origins(self, partition: tuple[str, int]) -> Mapping[int, Copy]:
         state = self._assignment.states.get(partition)
-        return state.overrides.origins if state is not None else {}
+        return state.overrides.copies if state is not None else {}
 
     def run(self) -> None:
         """Serve until stop() is called; raises SidecarError when the broker fails for good."""

@@ -61,8 +61,6 @@ class Overrides:
         """Carrier offset -> subscriptions it no longer goes to."""
         self.copies: dict[int, Copy] = {}
         """Copy (request offset) still indexed -> what it delivers."""
-        self.origins: dict[int, int] = {}
-        """Copy still indexed -> its message's offset: where the dispatcher reads its payload."""
         self._carrier: dict[int, dict[str, int]] = {}
         """Message offset -> subscription -> its copy, once rescheduled."""
         self._done: dict[int, int] = {}
@@ -133,7 +131,6 @@ class Overrides:
         if copy_pending:
             assert fact.deliver_at is not None
             self.copies[fact.copy] = Copy(origin, fact.deliver_at, fact.subs)
-            self.origins[fact.copy] = origin
         elif fact.deliver_at is not None:
             self._done[fact.copy] = fact.deliver_at
 
@@ -147,7 +144,6 @@ class Overrides:
         For a copy, `owed` is ignored: it goes to the subscriptions whose latest reschedule it is."""
         held = self.suppressed.pop(offset, ())
         copy = self.copies.pop(offset, None)
-        self.origins.pop(offset, None)
         if copy is None:
             if held:
                 self._remember(offset, held)

@@ -40,9 +40,17 @@ from sidecar.tracker.runs import Runs
 
 logger = logging.getLogger(__name__)
 
-Origins = Callable[[TopicPartitionKey], Mapping[int, int]]
-"""The partition's reschedule copies still indexed: copy offset -> the original's offset. A copy's
-entry is its request record, which holds no payload: the payload is read from the original."""
+
+class Copy(Protocol):
+    @property
+    def origin(self) -> int:
+        """The offset of the message a reschedule copied."""
+        ...
+
+
+Origins = Callable[[TopicPartitionKey], Mapping[int, Copy]]
+"""The partition's reschedule copies still indexed, by their offset. A copy's entry is its request
+record, which holds no payload: the payload is read from the original."""
 Deliver = Callable[[TopicPartitionKey, list[tuple[int, int, Message | None]]], None]
 """deliver(partition, [(deliver_at, offset, record), ...]) in deliver-at order; record is None when
 the log no longer has it."""
@@ -344,7 +352,8 @@ class Dispatcher:
                 continue
             asked: list[Due] = []
             for due in dues:
-                offset = origins.get(due.offset, due.offset)
+                copy = origins.get(due.offset)
+                offset = copy.origin if copy is not None else due.offset
                 readers = renamed.setdefault((partition, offset), [])
                 if not readers:
                     asked.append(Due(due.deliver_at, offset))
