@@ -34,10 +34,9 @@ if __package__ in (None, ""):
 from confluent_kafka import Producer
 
 from bench import load
-from bench.drain import KeptLoad, quantile, read_all, serve, wait
+from bench.drain import KeptLoad, lateness, quantile, read_all, serve, wait
 from bench.probe import Watermarks, create_topic
 from sidecar.broker.embedded import EmbeddedBroker, free_port
-from sidecar.outbound.records import DELIVER_AT
 from sidecar.settings import RunSettings
 
 PENDING, KEPT, CONTROL = "cancel.pending", "cancel.kept", "cancel.control"
@@ -136,15 +135,7 @@ def run(work: Path, pending: int, cancels: int, reschedules: int, partitions: in
             answers.setdefault(data.get("id") or "", []).append((data["outcome"], m.timestamp()[1]))
 
         read_all(bootstrap, f"{CONTROL}.outcomes", answer)
-        before: list[float] = []
-        during: list[float] = []
-
-        def lateness(m: Any) -> None:
-            at = int(dict(m.headers())[DELIVER_AT])
-            late = float(m.timestamp()[1] - at)
-            (before if at < started_ms else during if at <= ended_ms else []).append(late)
-
-        read_all(bootstrap, f"{KEPT}.a", lateness)
+        before, during = lateness(bootstrap, f"{KEPT}.a", started_ms, ended_ms)
         return {
             "pending": pending,
             "partitions": partitions,

@@ -140,6 +140,24 @@ def serve(settings: RunSettings) -> tuple[SidecarApp, threading.Thread, Sample]:
     return app, thread, sample
 
 
+def lateness(bootstrap: str, outbound: str, start_ms: int, end_ms: int) -> tuple[list[float], list[float]]:
+    """Lateness (outbound timestamp - deliver-at, ms) of the records of `outbound` due before
+    `start_ms`, and of those due from then until `end_ms`."""
+    before: list[float] = []
+    during: list[float] = []
+
+    def take(m: Any) -> None:
+        at = int(dict(m.headers())[DELIVER_AT])
+        late = float(m.timestamp()[1] - at)
+        if at < start_ms:
+            before.append(late)
+        elif at <= end_ms:
+            during.append(late)
+
+    read_all(bootstrap, outbound, take)
+    return before, during
+
+
 def quantile(values: list[float], q: float) -> float | None:
     if not values:
         return None
@@ -194,18 +212,7 @@ def run(work: Path, pending: int, partitions: int, rate: int) -> dict[str, Any]:
 
         dead: Counter[tuple[int, int]] = Counter()
         read_all(bootstrap, f"{REMOVED}.dlt", lambda m: dead.update([_origin(m)]))
-        before: list[float] = []
-        during: list[float] = []
-
-        def lateness(m: Any) -> None:
-            at = int(dict(m.headers())[DELIVER_AT])
-            late = float(m.timestamp()[1] - at)
-            if at < removed_ms:
-                before.append(late)
-            elif at <= drained_ms:
-                during.append(late)
-
-        read_all(bootstrap, f"{KEPT}.a", lateness)
+        before, during = lateness(bootstrap, f"{KEPT}.a", removed_ms, drained_ms)
         return {
             "pending": pending,
             "partitions": partitions,
