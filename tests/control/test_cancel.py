@@ -233,17 +233,18 @@ def test_a_cancel_racing_the_due_instant_is_either_delivered_or_cancelled_never_
     topic, control = topic_factory("cancelrace"), f"ctl-{uuid.uuid4().hex[:8]}"
     settings = settings_for(kafka, policies(topic, policy_file), tmp_path, control_topic=control)
     count = 400
-    due = int(time.time() * 1000) + 6_000
+    due = int(time.time() * 1000) + 8_000
     for i in range(count):
-        kafka_helper.produce(topic, f"v{i}".encode(), headers=[("deliver-at", str(due + i * 2))])
+        kafka_helper.produce(topic, f"v{i}".encode(), headers=[("deliver-at", str(due + i * 10))])
     kafka_helper.flush()
     producer = Producer({"bootstrap.servers": kafka, "linger.ms": 0})
     with ThreadedSidecar(settings):
-        # Record i falls due at due + 2i ms; its cancel goes out at about due - 300 + 4i ms, so the
-        # first cancels come early and the last ones late, and some cross the due instant.
-        start = due - 300
+        # Record i falls due at due + 10i ms; its cancel goes out at about due - 2000 + 20i ms: the
+        # first cancels come up to 2 s early and the last up to 2 s late (a margin that a loaded
+        # machine's intake lag does not erase), and the ones around i = 200 cross the due instant.
+        start = due - 2_000
         for i in range(count):
-            while time.time() * 1000 < start + 4 * i:
+            while time.time() * 1000 < start + 20 * i:
                 time.sleep(0.0005)
             command(producer, control, {"type": "cancel", "topic": topic, "partition": 0, "offset": i, "id": str(i)})
             producer.poll(0)
