@@ -63,18 +63,13 @@ behind the cursor: a new owner then reads about this much of the log again (docs
 
 
 def tracker_factory(
-    settings: RunSettings, clock: Clock, storage: SnapshotStorage | None, metrics: Metrics, control_topic: str
+    settings: RunSettings, clock: Clock, storage: SnapshotStorage | None, metrics: Metrics
 ) -> Callable[[str, int], DelayedDeliveryTracker]:
-    """One tracker per inbound partition, all over one snapshot store.
-
-    Nack indexes (control partitions) stay in memory: the control topic is their write-ahead log,
-    and after a restart they come from the state topic, or from the control log read again from the
-    earliest pending accepted nack (partitions/metadata.py).
-    """
+    """One tracker per inbound partition, all over one snapshot store (control partitions: engine.py)."""
     listener = BucketMetrics(metrics)
 
     def create(topic: str, partition: int) -> DelayedDeliveryTracker:
-        if storage is None or topic == control_topic:
+        if storage is None:
             return InMemoryTracker(clock)
         return BucketTracker(
             clock,
@@ -210,9 +205,7 @@ class SidecarApp:
                 return Sidecar(
                     client_config,
                     policies=policies.get,
-                    tracker_factory=tracker_factory(
-                        settings, self.clock, storage, self.metrics, settings.control_topic
-                    ),
+                    tracker_factory=tracker_factory(settings, self.clock, storage, self.metrics),
                     group_id=settings.group_id,
                     instance_id=instance_id,
                     session_timeout_ms=settings.session_timeout_ms,

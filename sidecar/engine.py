@@ -23,13 +23,13 @@ from sidecar.broker.admin import TopicAdmin
 from sidecar.checkpoint import checkpoint
 from sidecar.clock import Clock, SystemClock
 from sidecar.control.acceptance import Acceptance
-from sidecar.control.cancels import OUTCOMES_SUFFIX
 from sidecar.control.forwarding import Forwarding
 from sidecar.control.intake import ControlIntake
 from sidecar.control.nacks import LatestNacks
 from sidecar.control.outcomes import Outcomes
 from sidecar.control.overrides import Copy
 from sidecar.control.redelivery import Redelivery
+from sidecar.control.topics import ControlTopics, retired
 from sidecar.dispatch.dispatcher import Dispatcher
 from sidecar.dispatch.drain import Drains, RemovedTopic, holds_pending, removed_while_down
 from sidecar.dispatch.payload_cache import PayloadCache
@@ -59,6 +59,7 @@ from sidecar.policy.routes import Routes
 from sidecar.state.mirror import MirroredStorage
 from sidecar.state.topic import StateTopic
 from sidecar.tracker import DelayedDeliveryTracker
+from sidecar.tracker.memory import InMemoryTracker
 from sidecar.tracker.runs import Runs
 
 logger = logging.getLogger(__name__)
@@ -112,7 +113,7 @@ class Sidecar:
         self.clock = clock = clock or SystemClock()
         self._commit_interval_s = commit_interval_ms / 1000
         self._batch_size = batch_size
-        self._control_topic = control_topic
+        self._controls = controls = ControlTopics(control_topic)
         self._group_id = group_id
         self._draining: dict[str, RemovedTopic] = {}
         """Topics out of the policies still subscribed until no member has their pending records (drain.py)."""
@@ -143,8 +144,7 @@ class Sidecar:
             group["isolation.level"] = "read_committed"  # accepted nacks of aborted transactions are not ours
         self._consumer = Consumer(consumer_config(client_config, **group), logger=librdkafka)
         self._writer = writer = Writer(client_config, librdkafka, transactional_ids, producer)
-        control_topics = (control_topic, f"{control_topic}.dlt", control_topic + OUTCOMES_SUFFIX)
-        self._admin = TopicAdmin(client_config, control_topics, new_topic_partitions)
+        self._admin = TopicAdmin(client_config, new_topic_partitions)
         self._nacks = LatestNacks(changelog=bool(state_topic and mirror))
         self._state_topic = (
             StateTopic(state_topic, client_config, self._admin, writer, mirror, self._nacks, metrics)
@@ -156,9 +156,16 @@ class Sidecar:
         # Due reads are never interrupted: their entries are already popped, and a stop must
         # deliver them before its final checkpoint makes the pops durable.
         self._reader = LogReader(client_config, threading.Event())
+
+        def create_tracker(topic: str, partition: int) -> DelayedDeliveryTracker:
+            # Nack indexes stay in memory: the control topic is their write-ahead log, and after a
+            # restart they come from the state topic, or from the control log read again from the
+            # earliest pending accepted nack (partitions/metadata.py).
+            return InMemoryTracker(clock) if controls.is_control(topic) else tracker_factory(topic, partition)
+
         self._assignment = assignment = Assignment(
-            tracker_factory,
-            control_topic,
+            create_tracker,
+            controls.is_control,
             self._checkpoint,
             self._forget,
             writer.abort if exactly_once else None,
@@ -192,10 +199,10 @@ class Sidecar:
             self._roll,
             self._copy_origins,
         )
-        outcomes = Outcomes(control_topic, writer, metrics)
-        forwarding = Forwarding(group_id, writer, self._reader, self._current_routes, outcomes, clock)
+        outcomes = Outcomes(writer, metrics)
+        forwarding = Forwarding(group_id, writer, self._reader, self._current_routes, outcomes, clock, controls)
         self._acceptance = Acceptance(
-            control_topic, group_id, writer, self._reader, states, self._current_routes, self._nacks, metrics, clock,
+            controls, group_id, writer, self._reader, states, self._current_routes, self._nacks, metrics, clock,
             forwarding,
         )  # fmt: skip
         self._redelivery = Redelivery(
@@ -203,7 +210,7 @@ class Sidecar:
             clock, outbound_headers,
         )  # fmt: skip
         indexer = Indexer(self._dispatcher, self._delivery, monotone_runs)
-        commands = CommandStep(group_id, writer, self._delivery, outcomes, self._reader, retention)
+        commands = CommandStep(group_id, writer, self._delivery, outcomes, self._reader, retention, control_topic)
         self._admission = Admission(retention, writer, self._delivery, indexer, metrics, commands)
         self._receiver = Receiver(
             states, batches(self._current_routes, metrics, clock, payload_cache), self._admission,
@@ -329,9 +336,13 @@ class Sidecar:
         self._routes, self._generation = routes, policies.generation
         self.metrics.policy_generation.set(policies.generation)
         self.metrics.export_topics(list(routes))
-        self._admin.ensure(policies)
-        if first:
-            self._draining.update(self._removed_while_down(policies))
+        self._controls.update(policies)
+        commits = self._admin.group_offsets(self._group_id) if first else None
+        if commits is not None:
+            self._controls.add(retired(commits, self._admin.existing(), self._controls.read))
+        self._admin.ensure(policies, self._controls.with_side_topics())
+        if commits is not None:
+            self._draining.update(self._removed_while_down(commits, policies))
         for topic in back:
             self._serve_again(topic)
         counts = self._admin.partitions
@@ -356,17 +367,18 @@ class Sidecar:
             self._adopt_drains()  # from the commit just made
 
     def _subscribe(self) -> None:
-        """The policies' topics, the control topic, and the removed topics still draining."""
-        topics = frozenset([*self._routes, self._control_topic, *self._draining])
+        """The policies' topics, the control topics, and the removed topics still draining."""
+        topics = frozenset([*self._routes, *self._controls.read, *self._draining])
         if topics != self._subscribed:
             a = self._assignment
             self._consumer.subscribe(sorted(topics), on_assign=a.on_assign, on_revoke=a.on_revoke, on_lost=a.on_lost)
             logger.info("subscribed topics=%s generation=%d", ",".join(sorted(topics)), self._generation)
             self._subscribed = topics
 
-    def _removed_while_down(self, policies: PolicySet) -> dict[str, RemovedTopic]:
-        served = {*policies.topics, self._control_topic}
-        commits = self._admin.group_offsets(self._group_id)
+    def _removed_while_down(
+        self, commits: dict[tuple[str, int], tuple[int, str | None]], policies: PolicySet
+    ) -> dict[str, RemovedTopic]:
+        served = {*policies.topics, *self._controls.read}
         return removed_while_down(commits, served, set(self._admin.partitions), policies)
 
     def _adopt_drains(self) -> None:
@@ -460,7 +472,7 @@ class Sidecar:
         if self._roll is not None:
             self._roll.forget((state.topic, state.partition))
         if state.control:
-            self._nacks.forget_partition(state.partition)
+            self._nacks.forget_partition((state.topic, state.partition))
         if self._state_topic is not None:
             self._state_topic.forget(state)
 

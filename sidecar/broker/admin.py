@@ -6,6 +6,7 @@ their inbound topic, so that one inbound partition maps to one outbound partitio
 
 import logging
 import time
+from collections.abc import Iterable
 from typing import Any
 
 from confluent_kafka import ConsumerGroupTopicPartitions
@@ -23,9 +24,8 @@ RETENTION_REFRESH_S = 60.0
 
 
 class TopicAdmin:
-    def __init__(self, client_config: dict[str, Any], control_topics: tuple[str, ...], new_partitions: int) -> None:
+    def __init__(self, client_config: dict[str, Any], new_partitions: int) -> None:
         self._admin = AdminClient(client_config, logger=LIBRDKAFKA)
-        self._control_topics = control_topics
         self._new_partitions = new_partitions
         self.partitions: dict[str, int] = {}
         """Partition count of every topic the policies name, after `ensure`."""
@@ -55,10 +55,11 @@ class TopicAdmin:
                 if "TOPIC_ALREADY_EXISTS" not in str(e):
                     raise BrokerError(f"cannot create topic {topic}: {e}; {advice}") from e
 
-    def ensure(self, policies: PolicySet) -> None:
-        """Create what is missing; afterwards `partitions` counts every topic the policies name."""
+    def ensure(self, policies: PolicySet, own: Iterable[str]) -> None:
+        """Create what is missing: `own` are the sidecar's own topics (control topics and theirs).
+        Afterwards `partitions` counts every topic the policies name."""
         existing = self.existing()
-        wanted: dict[str, int] = {name: self._new_partitions for name in self._control_topics if name not in existing}
+        wanted: dict[str, int] = {name: self._new_partitions for name in own if name not in existing}
         for name, route in policies.topics.items():
             partitions = existing.get(name, self._new_partitions)
             if name not in existing:

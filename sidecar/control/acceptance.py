@@ -30,8 +30,9 @@ from sidecar.control.commands import (
 )
 from sidecar.control.forwarding import Forwarding
 from sidecar.control.nacks import LatestNacks
+from sidecar.control.topics import ControlTopics, side_topics
 from sidecar.dispatch.reader import LogReader
-from sidecar.errors import RejectedRecord, SidecarError
+from sidecar.errors import Refused, RejectedRecord, SidecarError
 from sidecar.metrics import Metrics
 from sidecar.outbound.writer import Writer
 from sidecar.partitions import TopicPartitionKey
@@ -48,7 +49,7 @@ UNKNOWN_LABEL = "(unknown)"
 class Acceptance:
     def __init__(
         self,
-        control_topic: str,
+        controls: ControlTopics,
         group_id: str,
         writer: Writer,
         reader: LogReader,
@@ -61,8 +62,7 @@ class Acceptance:
     ) -> None:
         """`forwarding` takes the cancel and reschedule commands (forwarding.py)."""
         self._forwarding = forwarding
-        self.control_topic = control_topic
-        self.dead_letter_topic = f"{control_topic}.dlt"
+        self._controls = controls
         self._group = group_id.encode()
         self._writer = writer
         self._reader = reader
@@ -72,20 +72,19 @@ class Acceptance:
         self._metrics = metrics
         self._clock = clock
         self._high_watermarks: dict[TopicPartitionKey, int] = {}
-        self._replayed = metrics.child(metrics.replayed, control_topic)
-        """Control records read again after a restart or a handoff (exported at 0 from the start)."""
+        metrics.child(metrics.replayed, controls.default)  # exported at 0 from the start
 
     def take(self, record: Message, state: PartitionState, due_now: list[tuple[int, AcceptedNack]]) -> None:
         """One control record: a command to judge, or an accepted record to index."""
         offset = record.offset()
         state.next_offset = offset + 1
-        if offset < state.replay_until:
-            self._replayed.inc()
+        if offset < state.replay_until:  # read again after a restart or a handoff
+            self._metrics.child(self._metrics.replayed, state.topic).inc()
         headers = dict(record.headers() or [])
         if headers.get(ACCEPTED_BY) == self._group:
-            accepted = parse_accepted(record.value())
+            accepted = parse_accepted(record.value(), state.topic)
             if accepted is not None:
-                key = accepted.source[1]
+                key = accepted.source[2]
                 if key in state.unread_facts:
                     state.unread_facts.discard(key)  # ours, indexed when it was accepted
                     return
@@ -133,6 +132,10 @@ class Acceptance:
             return
         command = parsed
         try:
+            try:
+                self._controls.check(record.topic(), command.topic)
+            except Refused as wrong:
+                raise RejectedRecord(wrong.code, wrong.message) from None
             subscription = command.subscription
             routes = self._routes().get(command.topic)
             if routes is None or routes.route.subscription(subscription) is None:
@@ -150,9 +153,10 @@ class Acceptance:
             self._metrics.nacks.labels(label, rejected.code.lower()).inc()
             return
         # From the command's own timestamp, so the time does not depend on when it was read.
-        accepted = AcceptedNack(command, command.effective_deliver_at(sent_ms), (record.partition(), record.offset()))
+        source = (record.topic(), record.partition(), record.offset())
+        accepted = AcceptedNack(command, command.effective_deliver_at(sent_ms), source)
         self._writer.send(
-            self.control_topic,
+            record.topic(),
             record.key(),
             accepted.encode(),
             [(ACCEPTED_BY, self._group)],
@@ -197,5 +201,12 @@ class Acceptance:
             )
 
     def reject(self, record: Message, rejected: RejectedRecord) -> None:
-        self._writer.dead_letter(self.dead_letter_topic, record, rejected.code, rejected.message)
-        logger.info("nack rejected partition=%d offset=%d code=%s", record.partition(), record.offset(), rejected.code)
+        dead_letter_topic, _ = side_topics(record.topic())
+        self._writer.dead_letter(dead_letter_topic, record, rejected.code, rejected.message)
+        logger.info(
+            "nack rejected topic=%s partition=%d offset=%d code=%s",
+            record.topic(),
+            record.partition(),
+            record.offset(),
+            rejected.code,
+        )

@@ -159,8 +159,8 @@ class Request:
     id: str | None
     deliver_at: int | None
     """Reschedules: the new deliver-at, from the command's timestamp."""
-    source: tuple[int, int]
-    """(control partition, offset) of the command."""
+    source: tuple[str, int, int]
+    """(control topic, partition, offset) of the command: its answer goes to that control topic's outcomes."""
     key: bytes | None
     """The command's key, which its outcome carries too."""
 
@@ -178,19 +178,21 @@ class Request:
         )
 
     @classmethod
-    def decode(cls, raw: bytes | None) -> "Request | None":
+    def decode(cls, raw: bytes | None, default_control: str) -> "Request | None":
+        """`default_control`: the control topic of a request written before requests named theirs."""
         data = _load(raw)
         try:
             kind = data["kind"]
             source = data["source"]
             key = data["key"]
+            control = str(source[0]) if len(source) == 3 else default_control
             request = cls(
                 kind,
                 int(data["offset"]),
                 data["subscription"],
                 data["id"],
                 data["deliver_at"],
-                (int(source[0]), int(source[1])),
+                (control, int(source[-2]), int(source[-1])),
                 key.encode("latin-1") if isinstance(key, str) else None,
             )
         except (KeyError, TypeError, ValueError, IndexError):
@@ -264,7 +266,8 @@ class OutcomeRecord:
     partition: int | None
     offset: int | None
     id: str | None
-    source: tuple[int, int]
+    source: tuple[str, int, int]
+    """(control topic, partition, offset) of the command."""
     subscriptions: tuple[str, ...] = ()
     """cancelled / rescheduled: the subscriptions it applied to."""
     too_late: tuple[str, ...] = ()
@@ -285,7 +288,7 @@ class OutcomeRecord:
             "partition": self.partition,
             "offset": self.offset,
             "id": self.id,
-            "command": {"partition": self.source[0], "offset": self.source[1]},
+            "command": {"topic": self.source[0], "partition": self.source[1], "offset": self.source[2]},
         }
         optional: dict[str, Any] = {
             "subscriptions": list(self.subscriptions) or None,

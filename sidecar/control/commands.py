@@ -90,6 +90,10 @@ ACCEPTED_BY = "delay-accepted-by"
 """Header of accepted records: the consumer group of the sidecar that wrote it."""
 
 
+ControlPosition = tuple[str, int, int]
+"""(control topic, partition, offset) of a command."""
+
+
 @dataclass(frozen=True)
 class AcceptedNack:
     """The sidecar's durable record that it accepted a nack, written to the command's control partition.
@@ -100,8 +104,8 @@ class AcceptedNack:
 
     command: NackCommand
     deliver_at: int
-    source: tuple[int, int]
-    """(control partition, offset) of the command: identifies the acceptance for latest-wins."""
+    source: ControlPosition
+    """Where the command is: identifies the acceptance for latest-wins."""
 
     def encode(self) -> bytes:
         c = self.command
@@ -115,15 +119,17 @@ class AcceptedNack:
                 "offset": c.offset,
                 "deliver_at": self.deliver_at,
                 "redelivery_count": c.redelivery_count,
-                "command_partition": self.source[0],
-                "command_offset": self.source[1],
+                "command_partition": self.source[1],
+                "command_offset": self.source[2],
             },
             separators=(",", ":"),
         ).encode()
 
 
-def parse_accepted(raw: bytes | None) -> AcceptedNack | None:
-    """An accepted record's content; None when the value is not one (a command, or garbage)."""
+def parse_accepted(raw: bytes | None, control_topic: str) -> AcceptedNack | None:
+    """An accepted record's content; None when the value is not one (a command, or garbage).
+
+    The record lies in its command's control partition, so only the partition and offset are in it."""
     try:
         data = json.loads(raw or b"")
     except (ValueError, UnicodeDecodeError):
@@ -140,8 +146,7 @@ def parse_accepted(raw: bytes | None) -> AcceptedNack | None:
             count(data, "deliver_at"),
             count(data, "redelivery_count"),
         )
-        return AcceptedNack(
-            command, count(data, "deliver_at"), (count(data, "command_partition"), count(data, "command_offset"))
-        )
+        source = (control_topic, count(data, "command_partition"), count(data, "command_offset"))
+        return AcceptedNack(command, count(data, "deliver_at"), source)
     except RejectedRecord:
         return None

@@ -29,6 +29,7 @@ from sidecar.control.cancels import (
     Request,
 )
 from sidecar.control.outcomes import Outcomes
+from sidecar.control.topics import ControlTopics
 from sidecar.dispatch.reader import LogReader
 from sidecar.durations import format_duration_ms
 from sidecar.errors import Refused, SidecarError
@@ -49,7 +50,9 @@ class Forwarding:
         routes: Callable[[], dict[str, Routes]],
         outcomes: Outcomes,
         clock: Clock,
+        controls: ControlTopics,
     ) -> None:
+        self._controls = controls
         self._group = group_id.encode()
         self._writer = writer
         self._reader = reader
@@ -64,6 +67,7 @@ class Forwarding:
         if sent_ms <= 0:
             sent_ms = self._clock.now_ms()
         try:
+            self._controls.check(record.topic(), command.topic)
             deliver_at = self._check(command, sent_ms)
         except Refused as rejected:
             self.refuse(record, command.ref, REJECTED, rejected.code, rejected.message)
@@ -71,7 +75,7 @@ class Forwarding:
         if not self._exists(command.topic, command.partition, command.offset):
             self.refuse(record, command.ref, UNKNOWN_MESSAGE_OUTCOME, None, "the partition has no such offset")
             return
-        source = (record.partition(), record.offset())
+        source = (record.topic(), record.partition(), record.offset())
         request = Request(
             command.kind, command.offset, command.subscription, command.id, deliver_at, source, record.key()
         )
@@ -89,13 +93,14 @@ class Forwarding:
                 command.partition,
                 command.offset,
                 command.id,
-                (record.partition(), record.offset()),
+                (record.topic(), record.partition(), record.offset()),
                 code=code,
                 message=message,
             ),
         )
         logger.info(
-            "command refused partition=%d offset=%d outcome=%s code=%s",
+            "command refused topic=%s partition=%d offset=%d outcome=%s code=%s",
+            record.topic(),
             record.partition(),
             record.offset(),
             outcome,

@@ -16,13 +16,13 @@ class ControlIntake:
     def __init__(self, acceptance: Acceptance, redelivery: Redelivery) -> None:
         self._acceptance = acceptance
         self._redelivery = redelivery
-        self._due: list[tuple[int, int, AcceptedNack]] = []
+        self._due: list[tuple[int, AcceptedNack]] = []
 
     def take(self, state: PartitionState, records: Sequence[Message]) -> None:
         due: list[tuple[int, AcceptedNack]] = []
         for record in records:
             self._acceptance.take(record, state, due)
-        self._due += [(state.partition, offset, nack) for offset, nack in due]
+        self._due += due
 
     def settle(self) -> None:
         if self._due:

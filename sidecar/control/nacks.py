@@ -19,10 +19,8 @@ An entry is written when its accepted record is read and tombstoned when it stop
 from dataclasses import dataclass, field
 
 from sidecar.control.commands import AcceptedNack
+from sidecar.partitions import TopicPartitionKey
 from sidecar.tracker.base import pack
-
-ControlPosition = tuple[int, int]
-"""(control partition, offset) of a command."""
 
 
 @dataclass
@@ -40,16 +38,16 @@ class _Changes:
 class LatestNacks:
     def __init__(self, changelog: bool = False) -> None:
         """`changelog`: keep the changes for the state topic (taken at each checkpoint by `take`)."""
-        self._latest: dict[tuple[str, str, int, int], tuple[int, int, int]] = {}
-        """Message -> (control partition, command offset, accepted-record offset) of the nack in force."""
-        self._changes: dict[int, _Changes] | None = {} if changelog else None
+        self._latest: dict[tuple[str, str, int, int], tuple[str, int, int, int]] = {}
+        """Message -> (control topic, partition, command offset, accepted-record offset) of the nack in force."""
+        self._changes: dict[TopicPartitionKey, _Changes] | None = {} if changelog else None
 
     def accept(self, nack: AcceptedNack, offset: int) -> None:
         """An accepted record read at `offset`: in force for its message unless a later command is.
 
         Commands for one message share its key, hence one control partition, so their offsets
-        give their order. An acceptance written twice (a crash before the commit) or read again
-        changes nothing.
+        give their order (when a topic moves to another control topic, the one read last wins).
+        An acceptance written twice (a crash before the commit) or read again changes nothing.
         """
         self._take(nack, offset, journal=True)
 
@@ -59,16 +57,16 @@ class LatestNacks:
 
     def claim(self, nack: AcceptedNack, offset: int) -> bool:
         """True when this due nack is still the latest for its message; it is then settled."""
-        changes = self._of(nack.source[0])
+        changes = self._of(nack.source[:2])
         if changes is not None:
             changes.settled.append((pack(nack.deliver_at, offset), offset))
         current = self._latest.get(nack.command.message_key)
-        if current is None or current[:2] != nack.source:
+        if current is None or current[:3] != nack.source:
             return False
         del self._latest[nack.command.message_key]
         return True
 
-    def take(self, partition: int, covered: int) -> tuple[list[tuple[int, bytes]], list[int]]:
+    def take(self, partition: TopicPartitionKey, covered: int) -> tuple[list[tuple[int, bytes]], list[int]]:
         """(entries to write as (offset, accepted record), offsets to tombstone) for a control partition.
 
         `covered`: the delivered watermark that the commit going with these records (exactly
@@ -89,15 +87,15 @@ class LatestNacks:
         changes.upserts, changes.dead, changes.settled = {}, set(), waiting
         return upserts, dead
 
-    def drop_later(self, partition: int, offsets: list[int]) -> None:
+    def drop_later(self, partition: TopicPartitionKey, offsets: list[int]) -> None:
         """Tombstone these entries at the next checkpoint (found covered at a restore)."""
         changes = self._of(partition)
         if changes is not None:
             changes.dead.update(offsets)
 
-    def forget_partition(self, partition: int) -> None:
+    def forget_partition(self, partition: TopicPartitionKey) -> None:
         """A control partition went to another sidecar: its commands are not ours to settle."""
-        self._latest = {k: v for k, v in self._latest.items() if v[0] != partition}
+        self._latest = {k: v for k, v in self._latest.items() if v[:2] != partition}
         if self._changes is not None:
             self._changes.pop(partition, None)
 
@@ -105,28 +103,29 @@ class LatestNacks:
         return len(self._latest)
 
     def _take(self, nack: AcceptedNack, offset: int, journal: bool) -> None:
-        partition, command_offset = nack.source
+        topic, partition, command_offset = nack.source
+        where = (topic, partition)
         message = nack.command.message_key
         current = self._latest.get(message)
-        if current is not None and current[:2] == nack.source:
-            if current[2] != offset and journal:
-                self._dead(partition, offset)  # the same acceptance written twice: this copy never counts
+        if current is not None and current[:3] == nack.source:
+            if current[3] != offset and journal:
+                self._dead(where, offset)  # the same acceptance written twice: this copy never counts
             return
-        if current is None or current[0] != partition or current[1] < command_offset:
-            self._latest[message] = (partition, command_offset, offset)
-            changes = self._of(partition) if journal else None
+        if current is None or current[:2] != where or current[2] < command_offset:
+            self._latest[message] = (topic, partition, command_offset, offset)
+            changes = self._of(where) if journal else None
             if changes is not None:
                 changes.upserts[offset] = nack
             if current is not None:
-                self._dead(current[0], current[2])
+                self._dead(current[:2], current[3])
         elif journal:
-            self._dead(partition, offset)  # an earlier command, read after a later one: superseded already
+            self._dead(where, offset)  # an earlier command, read after a later one: superseded already
 
-    def _dead(self, partition: int, offset: int) -> None:
+    def _dead(self, partition: TopicPartitionKey, offset: int) -> None:
         changes = self._of(partition)
         if changes is not None:
             changes.upserts.pop(offset, None)
             changes.dead.add(offset)
 
-    def _of(self, partition: int) -> _Changes | None:
+    def _of(self, partition: TopicPartitionKey) -> _Changes | None:
         return None if self._changes is None else self._changes.setdefault(partition, _Changes())

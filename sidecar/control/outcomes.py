@@ -12,11 +12,11 @@ from sidecar.outbound.writer import Writer
 
 
 class Outcomes:
-    def __init__(self, control_topic: str, writer: Writer, metrics: Metrics) -> None:
-        self.topic = control_topic + OUTCOMES_SUFFIX
+    def __init__(self, writer: Writer, metrics: Metrics) -> None:
         self._writer = writer
         self._metrics = metrics
 
     def send(self, key: bytes | None, outcome: OutcomeRecord) -> None:
-        self._writer.send(self.topic, key, outcome.encode(), [])
+        """To the outcomes topic of the control topic the command came on."""
+        self._writer.send(outcome.source[0] + OUTCOMES_SUFFIX, key, outcome.encode(), [])
         self._metrics.commands.labels(outcome.kind or "unknown", outcome.outcome).inc()

@@ -66,52 +66,52 @@ class Redelivery:
 
     def dispatch_due(self, controls: list[PartitionState]) -> bool:
         """Redeliver due nacks; False when a tracker reported a due entry it could not pop."""
-        popped: dict[int, dict[int, int]] = {}
+        popped: dict[TopicPartitionKey, dict[int, int]] = {}
         stalled = False
         for state in controls:
             if state.tracker.has_message_available():
                 due = state.tracker.pop_due(MAX_NACK_DISPATCH)
                 if due:
-                    popped[state.partition] = {d.offset: d.deliver_at for d in due}
+                    popped[(state.topic, state.partition)] = {d.offset: d.deliver_at for d in due}
                 else:
                     stalled = True
         if popped:
-            topic = self._acceptance.control_topic
-            wanted = {(topic, partition): list(offsets) for partition, offsets in popped.items()}
-            found: list[tuple[int, int, AcceptedNack]] = []
-            for (_, partition), offset, record in self._reader.read(wanted):
-                accepted = self._nack_at(record, partition, offset, popped[partition][offset])
+            wanted = {key: list(offsets) for key, offsets in popped.items()}
+            found: list[tuple[int, AcceptedNack]] = []
+            for key, offset, record in self._reader.read(wanted):
+                accepted = self._nack_at(record, key, offset, popped[key][offset])
                 if accepted is None:
                     logger.error(
-                        "due nack missing from the control log partition=%d offset=%d; raise the control "
-                        "topic's retention.ms above the longest nack delay",
-                        partition,
+                        "due nack missing from the control log topic=%s partition=%d offset=%d; raise the "
+                        "control topic's retention.ms above the longest nack delay",
+                        key[0],
+                        key[1],
                         offset,
                     )
                     continue
-                found.append((partition, offset, accepted))
+                found.append((offset, accepted))
             self.redeliver(found)
         return not stalled
 
     @staticmethod
-    def _nack_at(record: Message | None, partition: int, offset: int, deliver_at: int) -> AcceptedNack | None:
+    def _nack_at(record: Message | None, where: TopicPartitionKey, offset: int, deliver_at: int) -> AcceptedNack | None:
         """The nack an index entry stands for: its command (indexed by the command's offset since
         acceptance does so), or, for entries indexed before that, its accepted record."""
         if record is None:
             return None
-        accepted = parse_accepted(record.value())
+        accepted = parse_accepted(record.value(), where[0])
         if accepted is not None:
             return accepted
         try:
             command = parse_command(record.value())
         except RejectedRecord:
             return None
-        return AcceptedNack(command, deliver_at, (partition, offset)) if isinstance(command, NackCommand) else None
+        return AcceptedNack(command, deliver_at, (*where, offset)) if isinstance(command, NackCommand) else None
 
-    def redeliver(self, accepted: list[tuple[int, int, AcceptedNack]]) -> None:
-        """[(control partition, accepted offset, nack)]: the ones still in force go out now."""
+    def redeliver(self, accepted: list[tuple[int, AcceptedNack]]) -> None:
+        """[(index key, nack)]: the ones still in force go out now."""
         jobs: Jobs = defaultdict(lambda: defaultdict(list))
-        for _, offset, nack in accepted:
+        for offset, nack in accepted:
             command = nack.command
             if self._nacks.claim(nack, offset):
                 jobs[(command.topic, command.partition)][command.offset].append((nack, offset))
@@ -167,14 +167,15 @@ class Redelivery:
 
     def _reject(self, nack: AcceptedNack, rejected: RejectedRecord) -> None:
         """The command, unchanged, to the control dead-letter topic (read back: this path is rare)."""
-        partition, offset = nack.source
-        command = self._reader.read_one(self._acceptance.control_topic, partition, offset)
+        topic, partition, offset = nack.source
+        command = self._reader.read_one(topic, partition, offset)
         if command is not None:
             self._acceptance.reject(command, rejected)
         else:
             logger.error(
                 "nack rejected at redelivery but its command is gone from the control log "
-                "partition=%d offset=%d code=%s",
+                "topic=%s partition=%d offset=%d code=%s",
+                topic,
                 partition,
                 offset,
                 rejected.code,

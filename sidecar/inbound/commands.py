@@ -60,7 +60,10 @@ class CommandStep:
         outcomes: Outcomes,
         reader: LogReader,
         retention_ms: dict[str, int | None],
+        default_control: str,
     ) -> None:
+        """`default_control`: the control topic of requests written before requests named theirs."""
+        self._default_control = default_control
         self._retention_ms = retention_ms
         self._group = group_id.encode()
         self._writer = writer
@@ -93,7 +96,7 @@ class CommandStep:
     def _decide(
         self, batch: IntakeBatch, state: PartitionState, routes: Routes, record: Message, raw: bytes | None
     ) -> None:
-        request = Request.decode(raw)
+        request = Request.decode(raw, self._default_control)
         if request is None:
             logger.error(
                 "unreadable cancel or reschedule request skipped partition=%s offset=%d", state.name, record.offset()

@@ -28,7 +28,7 @@ class Assignment:
     def __init__(
         self,
         tracker_factory: Callable[[str, int], DelayedDeliveryTracker],
-        control_topic: str,
+        is_control: Callable[[str], bool],
         checkpoint: Callable[[], None],
         forget: Callable[[PartitionState], None],
         abort: Callable[[], None] | None = None,
@@ -51,7 +51,7 @@ class Assignment:
         """Why the engine must start again, found in a callback: raised from there, an exception
         would reach librdkafka's C code and come out of poll as a bare SystemError."""
         self._factory = tracker_factory
-        self._control_topic = control_topic
+        self._is_control = is_control
         self._checkpoint = checkpoint
         self._forget = forget
         self._incremental = incremental
@@ -70,7 +70,7 @@ class Assignment:
             state = self.states.get(key)
             if state is None:
                 tracker = self._factory(tp.topic, tp.partition)
-                control = tp.topic == self._control_topic
+                control = self._is_control(tp.topic)
                 state = PartitionState(tp.topic, tp.partition, tracker, control=control, exact=self._abort is not None)
                 self.states[key] = state
             committed = tp.offset if tp.offset >= 0 else None

@@ -61,6 +61,9 @@ class CommitMetadata:
     """Cancels or reschedules are in force, or their facts may lie past the committed offset: the
     next owner rebuilds the index from the log, facts included, and delivers nothing until it has
     read to the end of the partition (control/overrides.py)."""
+    control: bool = False
+    """A control partition's commit: a control topic the policies no longer name is still read while
+    such a commit holds a pending nack (control/topics.py)."""
 
     def encode(self) -> str:
         rules = self._encoded_rules()
@@ -92,6 +95,8 @@ class CommitMetadata:
             data["runs"] = list(self.runs)
         if self.commands:
             data["commands"] = 1
+        if self.control:
+            data["control"] = 1
         data["rules"] = rules
         return data
 
@@ -134,6 +139,7 @@ class CommitMetadata:
             producer if isinstance(producer, str) else None,
             ref if isinstance(ref, str) else None,
             data.get("commands") == 1,
+            data.get("control") == 1,
         )
 
 

@@ -229,6 +229,7 @@ class PartitionState:
             producer,
             commands=not self.control
             and (bool(self.overrides) or bool(self.unread_facts) or self.hold_until is not None),
+            control=self.control,
         )
         point = (self.next_offset, metadata.encode())
         if point == self.committed:

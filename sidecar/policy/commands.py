@@ -55,6 +55,7 @@ def effective_policy_json(policy_set: PolicySet, topic: str) -> dict[str, Any]:
         "generation": policy_set.generation,
         "delayed_delivery": delay.as_json(),
         "dead_letter_topic": route.dead_letter_topic if route is not None else None,
+        "control_topic": route.control_topic if route is not None else None,
         "subscriptions": [
             {"name": s.name, "outbound": s.outbound, "type": s.type, "ordered": s.ordered}
             for s in (route.subscriptions if route is not None else ())
@@ -93,6 +94,8 @@ def format_effective_policy(policy_set: PolicySet, topic: str) -> str:
     lines += [f"  {a:<{widths[0]}}  {b:<{widths[1]}}  {c}" for a, b, c in rows]
     if route is not None:
         lines.append(f"  dead_letter_topic: {route.dead_letter_topic}")
+        control = route.control_topic or "the sidecar's --control-topic"
+        lines.append(f"  control_topic: {control}")
         lines.append("  subscriptions:" if route.subscriptions else "  subscriptions: none")
         for s in route.subscriptions:
             note = "  (ignores delays, inbound order)" if s.ordered else ""

@@ -51,8 +51,8 @@ _ALLOWED_KEYS = {
     "file": "defaults, namespaces, topics, allow_empty",
     "defaults": "delayed_delivery",
     "delayed_delivery": _DELAY_KEYS,
-    "namespace": "topics, delayed_delivery",
-    "topic": "delayed_delivery, dead_letter_topic, subscriptions",
+    "namespace": "topics, delayed_delivery, control_topic",
+    "topic": "delayed_delivery, dead_letter_topic, control_topic, subscriptions",
     "subscription": "outbound, type",
 }
 
@@ -214,6 +214,8 @@ def load_policies(
                 _route(name, sub, policy or SubscriptionPolicy()) for sub, policy in topic.subscriptions.items()
             ),
             delay=resolve_delay(levels),
+            control_topic=topic.control_topic
+            or (namespace_policies[namespace].control_topic if namespace is not None else None),
         )
     problems.extend(_crossed_topics(routes, topics))
     allow_empty = any(f.policy.allow_empty for f in parsed)
@@ -281,6 +283,30 @@ def _crossed_topics(
                     "rejected records would reach that subscription",
                 )
             )
+    dead_letters = {route.dead_letter_topic: name for name, route in routes.items()}
+    for name, route in routes.items():
+        control = route.control_topic
+        if control is None:
+            continue
+        file = topics[name][1]
+        own = topics[name][0].control_topic is not None
+        key = ("topics", name, "control_topic") if own else ("topics", name)
+        shown = f"control topic {control}" + ("" if own else f" (from namespace {route.namespace})")
+        # The control topic's own dead-letter and outcomes topics count too: none may be another's topic.
+        for used in (control, f"{control}.dlt", f"{control}.outcomes"):
+            clash = (
+                "an inbound topic"
+                if used in routes
+                else f"the outbound topic of {owners[used]}"
+                if used in owners
+                else f"the dead-letter topic of {dead_letters[used]}"
+                if used in dead_letters
+                else None
+            )
+            if clash is not None:
+                what = shown if used == control else f"{used}, which goes with {shown},"
+                problems.append(file.problem(key, f"{what} is also {clash}; give the control topic a name of its own"))
+                break
     return problems
 
 
@@ -339,7 +365,7 @@ def _expected(err: Any) -> str:
     if kind in ("bool_type", "bool_parsing"):
         return f"expected true or false, got {got}"
     if kind == "string_type":
-        topical = loc and loc[-1] in ("[key]", "outbound", "dead_letter_topic")
+        topical = loc and loc[-1] in ("[key]", "outbound", "dead_letter_topic", "control_topic")
         what = "a Kafka topic name" if topical else "a string"
         return f"expected {what}, got {got}"
     if kind == "literal_error":

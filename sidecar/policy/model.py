@@ -89,12 +89,15 @@ class SubscriptionPolicy(_Strict):
 class TopicPolicy(_Strict):
     delayed_delivery: DelayedDeliveryPolicy = DelayedDeliveryPolicy()
     dead_letter_topic: TopicName | None = None
+    control_topic: TopicName | None = None
+    """Where this topic's nack, cancel and reschedule commands must arrive (control/topics.py)."""
     subscriptions: dict[TopicName, SubscriptionPolicy | None] = {}
 
 
 class NamespacePolicy(_Strict):
     topics: TopicGlob
     delayed_delivery: DelayedDeliveryPolicy = DelayedDeliveryPolicy()
+    control_topic: TopicName | None = None
 
 
 class DefaultsPolicy(_Strict):
@@ -185,6 +188,8 @@ class TopicRoute:
     dead_letter_topic: str
     subscriptions: tuple[SubscriptionRoute, ...]
     delay: EffectiveDelay
+    control_topic: str | None = None
+    """The topic's own control topic (from the topic or its namespace); None: the sidecar's --control-topic."""
 
     def subscription(self, name: str) -> SubscriptionRoute | None:
         return next((s for s in self.subscriptions if s.name == name), None)

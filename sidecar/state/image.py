@@ -166,6 +166,7 @@ class PartitionImage:
         that settled them.
         """
         prefix = f"{self.partition}/nack/".encode()
+        control_topic = self.partition.rsplit("/", 1)[0]
         pending, covered = [], []
         for key, value in self.values.items():
             if not key.startswith(prefix):
@@ -174,7 +175,7 @@ class PartitionImage:
                 offset = _count(int(key[len(prefix) :]))
             except ValueError as exc:
                 raise ImageError(f"the nack key {key!r} names no offset") from exc
-            nack = parse_accepted(value)
+            nack = parse_accepted(value, control_topic)
             if nack is None:
                 raise ImageError(f"the accepted nack at control offset {offset} is unreadable")
             if pack(nack.deliver_at, offset) <= through:

@@ -150,7 +150,7 @@ class StateTopic:
         this transaction holds; at least once, the last one made (these records are not waited for).
         """
         covered = state.tracker.delivered_through() if self._writer.transactional else state.committed_through
-        entries, dead = self._nacks.take(state.partition, covered)
+        entries, dead = self._nacks.take((state.topic, state.partition), covered)
         last = self._manifests.get(state.name)
         if not entries and not dead and last is not None and last.tail == cursor:
             return  # (a moved cursor is written even so: a restore reads the log again only from it)
@@ -264,7 +264,7 @@ class StateTopic:
         for offset, nack in pending:
             state.tracker.add(offset, nack.deliver_at, deliver_now=False)
             self._nacks.restore(nack, offset)
-        self._nacks.drop_later(state.partition, covered)
+        self._nacks.drop_later((state.topic, state.partition), covered)
 
     def _fresh(self, tracker: Snapshots, image: PartitionImage | None, metadata: CommitMetadata) -> None:
         """An empty index whose new buckets take ids no record in the state topic uses."""

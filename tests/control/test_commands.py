@@ -104,10 +104,12 @@ def test_an_accepted_record_round_trips_and_is_not_a_command() -> None:
     command = parse_command(
         b'{"v":1,"type":"nack","subscription":"s","topic":"t","partition":1,"offset":2,"delay_ms":5}'
     )
-    accepted = AcceptedNack(command, 1_700_000_000_005, (2, 40))
-    parsed = parse_accepted(accepted.encode())
-    assert parsed is not None and parsed.deliver_at == accepted.deliver_at and parsed.source == (2, 40)
+    accepted = AcceptedNack(command, 1_700_000_000_005, ("orders.control", 2, 40))
+    parsed = parse_accepted(accepted.encode(), "orders.control")
+    assert (
+        parsed is not None and parsed.deliver_at == accepted.deliver_at and parsed.source == ("orders.control", 2, 40)
+    )
     assert parsed.command.message_key == command.message_key
-    assert parse_accepted(b'{"v":1,"type":"nack"}') is None and parse_accepted(b"\xff") is None
+    assert parse_accepted(b'{"v":1,"type":"nack"}', "c") is None and parse_accepted(b"\xff", "c") is None
     with pytest.raises(RejectedRecord, match="written by the sidecar"):
         parse_command(accepted.encode())

@@ -2,9 +2,14 @@ from sidecar.control.commands import AcceptedNack, NackCommand
 from sidecar.control.nacks import LatestNacks
 from sidecar.tracker.base import pack
 
+C0, C1 = ("control", 0), ("control", 1)
 
-def nack(offset: int, position: tuple[int, int], sub: str = "billing", deliver_at: int = 5_000) -> AcceptedNack:
-    return AcceptedNack(NackCommand(sub, "orders", 0, offset, 1000, None, 0), deliver_at, position)
+
+def nack(
+    offset: int, position: tuple[int, int], sub: str = "billing", deliver_at: int = 5_000, control: str = "control"
+) -> AcceptedNack:
+    """A nack accepted at `position`: (partition, offset) of the command in `control`."""
+    return AcceptedNack(NackCommand(sub, "orders", 0, offset, 1000, None, 0), deliver_at, (control, *position))
 
 
 def test_latest_command_for_the_same_subscription_and_message_wins() -> None:
@@ -23,9 +28,9 @@ def test_forgetting_a_revoked_control_partition() -> None:
     latest = LatestNacks(changelog=True)
     latest.accept(nack(1, (0, 1)), 2)
     latest.accept(nack(2, (1, 1)), 2)
-    latest.forget_partition(0)
+    latest.forget_partition(C0)
     assert len(latest) == 1 and latest.claim(nack(2, (1, 1)), 2)
-    assert latest.take(0, 0) == ([], [])  # its changes are the new owner's to write
+    assert latest.take(C0, 0) == ([], [])  # its changes are the new owner's to write
 
 
 def test_an_acceptance_written_twice_or_late_does_not_replace_a_later_command() -> None:
@@ -41,7 +46,7 @@ def test_without_a_state_topic_no_changes_are_kept() -> None:
     nacks = LatestNacks()
     nacks.accept(nack(5, (0, 10)), 11)
     assert nacks.claim(nack(5, (0, 10)), 11)
-    assert nacks.take(0, pack(10**12, 0)) == ([], [])
+    assert nacks.take(C0, pack(10**12, 0)) == ([], [])
 
 
 def test_the_changelog_writes_a_pending_nack_and_tombstones_it_once_a_commit_covers_it() -> None:
@@ -49,23 +54,23 @@ def test_the_changelog_writes_a_pending_nack_and_tombstones_it_once_a_commit_cov
     first = nack(5, (0, 10))
     nacks.accept(first, 11)
     nacks.accept(first, 11)  # read again (a replay): nothing new
-    assert nacks.take(0, -1) == ([(11, first.encode())], [])
+    assert nacks.take(C0, -1) == ([(11, first.encode())], [])
     assert nacks.claim(first, 11)
-    assert nacks.take(0, pack(first.deliver_at, 11) - 1) == ([], [])  # not covered by the commit yet
-    assert nacks.take(0, pack(first.deliver_at, 11)) == ([], [11])
-    assert nacks.take(0, pack(first.deliver_at, 11)) == ([], [])
+    assert nacks.take(C0, pack(first.deliver_at, 11) - 1) == ([], [])  # not covered by the commit yet
+    assert nacks.take(C0, pack(first.deliver_at, 11)) == ([], [11])
+    assert nacks.take(C0, pack(first.deliver_at, 11)) == ([], [])
 
 
 def test_a_superseded_nack_is_tombstoned_at_once_after_the_one_that_replaces_it() -> None:
     nacks = LatestNacks(changelog=True)
     older, newer = nack(5, (0, 10)), nack(5, (0, 20), deliver_at=9_000)
     nacks.accept(older, 11)
-    nacks.take(0, -1)
+    nacks.take(C0, -1)
     nacks.accept(newer, 21)
-    assert nacks.take(0, -1) == ([(21, newer.encode())], [11])
+    assert nacks.take(C0, -1) == ([(21, newer.encode())], [11])
     # An older command read after a later one (accepted late) is never written.
     nacks.accept(nack(5, (0, 15)), 22)
-    assert nacks.take(0, -1) == ([], [22])
+    assert nacks.take(C0, -1) == ([], [22])
 
 
 def test_an_acceptance_written_twice_keeps_only_its_first_copy() -> None:
@@ -73,7 +78,7 @@ def test_an_acceptance_written_twice_keeps_only_its_first_copy() -> None:
     accepted = nack(5, (0, 10))
     nacks.accept(accepted, 11)
     nacks.accept(accepted, 12)
-    assert nacks.take(0, -1) == ([(11, accepted.encode())], [12])
+    assert nacks.take(C0, -1) == ([(11, accepted.encode())], [12])
 
 
 def test_a_restored_nack_is_not_written_again_but_can_be_superseded() -> None:
@@ -81,8 +86,18 @@ def test_a_restored_nack_is_not_written_again_but_can_be_superseded() -> None:
     restored = nack(5, (0, 10))
     nacks.restore(restored, 11)
     nacks.accept(restored, 11)  # the tail of the control log read again
-    assert nacks.take(0, -1) == ([], [])
+    assert nacks.take(C0, -1) == ([], [])
     newer = nack(5, (0, 30))
     nacks.accept(newer, 31)
-    assert nacks.take(0, -1) == ([(31, newer.encode())], [11])
+    assert nacks.take(C0, -1) == ([(31, newer.encode())], [11])
     assert not nacks.claim(restored, 11) and nacks.claim(newer, 31)
+
+
+def test_control_topics_with_the_same_partition_numbers_are_kept_apart() -> None:
+    latest = LatestNacks(changelog=True)
+    payments, orders = nack(1, (0, 7), control="payments.control"), nack(2, (0, 7))
+    latest.accept(payments, 8)
+    latest.accept(orders, 8)
+    latest.forget_partition(C0)
+    assert len(latest) == 1 and latest.take(("payments.control", 0), -1) == ([(8, payments.encode())], [])
+    assert not latest.claim(orders, 8) and latest.claim(payments, 8)

@@ -41,7 +41,7 @@ class Index:
 
 
 def request(kind: str, offset: int, sub: str | None = None, at: int | None = None) -> Request:
-    return Request(kind, offset, sub, None, at, (0, 0), None)  # type: ignore[arg-type]
+    return Request(kind, offset, sub, None, at, ("control", 0, 0), None)  # type: ignore[arg-type]
 
 
 def decide_apply(table: Overrides, index: Index, at: int, req: Request) -> str:
@@ -149,7 +149,7 @@ def test_any_cancel_or_reschedule_json_parses_or_is_refused_with_a_code(fields: 
     except RejectedRecord as rejected:
         assert rejected.code == INVALID_COMMAND and rejected.message
         ref = loose_command(raw)
-        OutcomeRecord("rejected", ref.kind, ref.topic, ref.partition, ref.offset, ref.id, (0, 0)).encode()
+        OutcomeRecord("rejected", ref.kind, ref.topic, ref.partition, ref.offset, ref.id, ("control", 0, 0)).encode()
         return
     if isinstance(command, MessageCommand):
         assert message_kind(raw) == command.kind

@@ -237,6 +237,7 @@ def test_cli_show(write_yaml: WriteYaml, capsys: pytest.CaptureFixture[str]) -> 
         "  max_delivery_delay    1d (86400000 ms)  namespace:payments\n"
         "  fixed_delivery_delay  30m (1800000 ms)  topic\n"
         "  dead_letter_topic: payments.refunds.dlt\n"
+        "  control_topic: the sidecar's --control-topic\n"
         "  subscriptions:\n"
         "    ledger: shared -> payments.refunds.ledger\n"
     )
@@ -278,6 +279,7 @@ def test_effective_policy_json_of_an_undeclared_topic(write_yaml: WriteYaml) -> 
             "fixed_delivery_delay_ms": {"value": 0, "source": "defaults"},
         },
         "dead_letter_topic": None,
+        "control_topic": None,
         "subscriptions": [],
     }
     no_defaults = load_policies(write_yaml("q.yaml", "topics:\n  a: {}\n"))

@@ -66,7 +66,7 @@ def problems(path: Path) -> list[str]:
         (
             "topics:\n  orders:\n    dead_letter_topics: orders.dead\n",
             "3: topics.orders.dead_letter_topics: "
-            "unknown key; expected one of delayed_delivery, dead_letter_topic, subscriptions",
+            "unknown key; expected one of delayed_delivery, dead_letter_topic, control_topic, subscriptions",
         ),
         (
             "topics:\n  orders:\n    subscriptions:\n      billing:\n        outbound: bad name!\n",
@@ -240,6 +240,22 @@ def test_overlapping_globs_without_a_topic_in_both_load(write_yaml: WriteYaml) -
             "2: topics.a: dead-letter topic a.dlt (the default) is also the outbound topic of "
             "topics.a.subscriptions.dlt; rejected records would reach that subscription",
         ),
+        (
+            "topics:\n  a:\n    control_topic: b\n  b: {}\n",
+            "3: topics.a.control_topic: control topic b is also an inbound topic; "
+            "give the control topic a name of its own",
+        ),
+        (
+            "topics:\n  a:\n    control_topic: b\n    subscriptions:\n      s:\n        outbound: b.outcomes\n",
+            "3: topics.a.control_topic: b.outcomes, which goes with control topic b, is also the outbound topic "
+            "of topics.a.subscriptions.s; give the control topic a name of its own",
+        ),
+        (
+            "namespaces:\n  n:\n    topics: 'n.*'\n    control_topic: n.c\n"
+            "topics:\n  n.a: {}\n  m:\n    dead_letter_topic: n.c.dlt\n",
+            "6: topics.n.a: n.c.dlt, which goes with control topic n.c (from namespace n), is also the "
+            "dead-letter topic of m; give the control topic a name of its own",
+        ),
     ],
 )
 def test_crossed_topics(write_yaml: WriteYaml, text: str, expected: str) -> None:
@@ -270,3 +286,17 @@ def test_empty_file_and_null_sections_are_fine(write_yaml: WriteYaml) -> None:
 def test_duration_forms(write_yaml: WriteYaml, written: str, ms: int) -> None:
     path = write_yaml("p.yaml", f"defaults:\n  delayed_delivery:\n    max_delivery_delay: {written}\n")
     assert load_policies(path).delay_for("any").max_delivery_delay == Sourced(ms, "defaults")
+
+
+def test_control_topic_from_the_topic_then_its_namespace_else_the_sidecars(write_yaml: WriteYaml) -> None:
+    path = write_yaml(
+        "p.yaml",
+        "namespaces:\n  pay:\n    topics: 'pay.*'\n    control_topic: pay.control\n"
+        "topics:\n  pay.orders: {}\n  pay.refunds:\n    control_topic: refunds.control\n  other: {}\n",
+    )
+    policies = load_policies(path)
+    assert {name: route.control_topic for name, route in policies.topics.items()} == {
+        "pay.orders": "pay.control",
+        "pay.refunds": "refunds.control",
+        "other": None,
+    }

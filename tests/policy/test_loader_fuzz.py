@@ -27,6 +27,7 @@ KEYS = st.sampled_from(
         "max_delivery_delay",
         "fixed_delivery_delay",
         "dead_letter_topic",
+        "control_topic",
         "subscriptions",
         "outbound",
         "type",

@@ -21,6 +21,7 @@ from sidecar.tracker import InMemoryTracker
 from sidecar.tracker.base import NOTHING_DELIVERED, pack
 
 PARTITION = "ctl/0"
+CONTROL = ("ctl", 0)
 FAR = 10**12
 Commit = tuple[int, int, int]
 """(committed offset, delivered watermark, earliest pending offset)"""
@@ -76,7 +77,7 @@ class Owner:
         """StateTopic._publish_nacks, then the commit, unless the owner crashes in between."""
         through = self.tracker.delivered_through()
         covered = through if self.exact else (self.commit[1] if self.commit else NOTHING_DELIVERED)
-        pending, dead = self.nacks.take(0, covered)
+        pending, dead = self.nacks.take(CONTROL, covered)
         if pending or dead or not self.published:
             records, tombstones = nack_records(PARTITION, pending, dead)
             manifest = Manifest((), 1, self.cursor, self.cursor)
@@ -106,7 +107,7 @@ def take_over(
             for offset, nack in pending:
                 owner.tracker.add(offset, nack.deliver_at, deliver_now=False)
                 owner.nacks.restore(nack, offset)
-            owner.nacks.drop_later(0, covered)
+            owner.nacks.drop_later(CONTROL, covered)
             start = max(earliest, min(manifest.tail, committed))
             owner.published = True
     owner.cursor = start
@@ -129,7 +130,9 @@ def test_nacks_from_the_state_topic_plus_the_tail_are_the_nacks_of_a_full_replay
     for op, a, b in script:
         if op == "nack":
             command += 1
-            log.append(AcceptedNack(NackCommand("s", "t", 0, a, None, None, 0), clock.now_ms() + b, (0, command)))
+            log.append(
+                AcceptedNack(NackCommand("s", "t", 0, a, None, None, 0), clock.now_ms() + b, (*CONTROL, command))
+            )
         elif op == "twice" and log:
             log.append(log[-1])
         elif op == "advance":
