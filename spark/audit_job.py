@@ -112,6 +112,7 @@ def audit_routes(settings: AuditSettings) -> list[AuditRoute]:
                 ordered=sub.ordered,
                 delays_enabled=policy.topics[t].delay.is_enabled,
                 fixed_delay_ms=policy.topics[t].delay.fixed_ms,
+                control_topic=policy.topics[t].control_topic,
             )
             for t in topics
             for sub in policy.topics[t].subscriptions
@@ -301,8 +302,8 @@ def audit(settings: AuditSettings, spark: SparkSession | None = None, out: TextI
         control_dead_letter=read_topics(spark, fmt, read_options, snapshot.control_dead_letter)
         if settings.control_topic
         else None,
-        control_topic=settings.control_topic,
-        outcomes=read_topics(spark, fmt, read_options, snapshot.outcomes) if settings.outcomes_topic else None,
+        control_topics=tuple(snapshot.control),
+        outcomes=read_topics(spark, fmt, read_options, snapshot.outcomes) if settings.command_outcomes_topic else None,
     )
     params = AuditParams(as_of_ms=snapshot.as_of_ms, grace_ms=settings.grace_ms, from_ms=from_ms, to_ms=to_ms)
     output = settings.output_dir

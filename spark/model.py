@@ -114,6 +114,8 @@ class AuditRoute:
     """An exclusive or failover subscription: every record at once, in inbound order (contract section 2)."""
     delays_enabled: bool = True
     fixed_delay_ms: int = 0
+    control_topic: str | None = None
+    """The topic's own control topic in the policies (None: the sidecar's --control-topic)."""
     same_partitions: bool = True
     """The outbound topic has as many partitions as the inbound topic, so the sidecar writes each record
     on its inbound partition's number; otherwise it partitions by key and only per-key order holds
@@ -140,7 +142,8 @@ class AuditInputs:
     dead_letter: DataFrame
     control: DataFrame | None = None
     control_dead_letter: DataFrame | None = None
-    control_topic: str = "delay-sidecar.control"
+    control_topics: tuple[str, ...] = ("delay-sidecar.control",)
+    """Every control topic read into `control` (the default one and the topics' own)."""
     outcomes: DataFrame | None = None
     """`<control>.outcomes`: the answers to cancels and reschedules (contract section 5)."""
 

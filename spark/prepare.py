@@ -122,6 +122,7 @@ def _parsed_control(inputs: AuditInputs) -> DataFrame | None:
     if inputs.control is None:
         return None
     commands = inputs.control.select(
+        F.col("topic").alias("control_topic"),
         F.col("partition").alias("control_partition"),
         F.col("offset").alias("control_offset"),
         F.unix_millis(F.col("timestamp")).alias("command_ms"),
@@ -130,14 +131,12 @@ def _parsed_control(inputs: AuditInputs) -> DataFrame | None:
     if inputs.control_dead_letter is not None:
         refused = (
             inputs.control_dead_letter.select(
-                header_text(ORIGIN_TOPIC).alias("origin_topic"),
+                header_text(ORIGIN_TOPIC).alias("control_topic"),
                 header_long(ORIGIN_PARTITION).cast("int").alias("control_partition"),
                 header_long(ORIGIN_OFFSET).alias("control_offset"),
             )
-            .where(F.col("origin_topic") == F.lit(inputs.control_topic))
-            .drop("origin_topic")
-        )
-        commands = commands.join(refused, ["control_partition", "control_offset"], "left_anti")
+        ).where(F.col("control_topic").isin(list(inputs.control_topics)))
+        commands = commands.join(refused, ["control_topic", "control_partition", "control_offset"], "left_anti")
     return commands.select(
         "control_partition",
         "control_offset",

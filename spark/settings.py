@@ -36,9 +36,13 @@ class AuditSettings(KafkaSettings):
         [], description="Without --policies: dead-letter topics other than '{topic}.dlt', as TOPIC=DLT"
     )
     control_topic: str = Field("delay-sidecar.control", description="Topic of nack commands ('' to skip nacks)")
-    control_dead_letter_topic: str = Field("delay-sidecar.control.dlt", description="Dead-letter topic of commands")
-    outcomes_topic: str = Field(
-        "delay-sidecar.control.outcomes", description="Topic of cancel and reschedule outcomes ('' to skip them)"
+    control_dead_letter_topic: str | None = Field(
+        None, description="Dead-letter topic of commands (default: the control topic's name + '.dlt')"
+    )
+    outcomes_topic: str | None = Field(
+        None,
+        description="Topic of cancel and reschedule outcomes (default: the control topic's name + '.outcomes'; "
+        "'' to skip them)",
     )
     starting_offsets: str = Field(
         "earliest",
@@ -106,3 +110,15 @@ class AuditSettings(KafkaSettings):
         None, ge=1, description="Split the Kafka read into at least this many Spark tasks (minPartitions)"
     )
     show_anomalies: int = Field(20, ge=0, description="How many anomalies to print (all are in the Parquet files)")
+
+    @property
+    def command_dead_letter_topic(self) -> str:
+        """Where the sidecar puts refused commands: `<control topic>.dlt` unless named."""
+        return self.control_dead_letter_topic or f"{self.control_topic}.dlt"
+
+    @property
+    def command_outcomes_topic(self) -> str:
+        """Where cancels and reschedules are answered: `<control topic>.outcomes` unless named ('' skips)."""
+        if self.outcomes_topic is not None:
+            return self.outcomes_topic
+        return f"{self.control_topic}.outcomes" if self.control_topic else ""

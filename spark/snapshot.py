@@ -101,12 +101,19 @@ def take_snapshot(
     missing_inbound = [t for t in inbound if t not in exists]
     if missing_inbound:
         raise ConfigError(f"inbound topic(s) {', '.join(missing_inbound)} do not exist on the cluster")
+    # Topics with a control topic of their own (policy control_topic) take commands there, and
+    # answer them on its dead-letter and outcomes topics (contract section 5).
+    own = sorted({r.control_topic for r in routes if r.control_topic and r.control_topic != settings.control_topic})
     wanted = {
         "outbound": sorted({r.outbound for r in routes}),
         "dead_letter": sorted({r.dead_letter_topic for r in routes}),
-        "control": [settings.control_topic] if settings.control_topic else [],
-        "control_dead_letter": [settings.control_dead_letter_topic] if settings.control_topic else [],
-        "outcomes": [settings.outcomes_topic] if settings.outcomes_topic else [],
+        "control": [settings.control_topic, *own] if settings.control_topic else [],
+        "control_dead_letter": [settings.command_dead_letter_topic, *(f"{c}.dlt" for c in own)]
+        if settings.control_topic
+        else [],
+        "outcomes": [settings.command_outcomes_topic, *(f"{c}.outcomes" for c in own)]
+        if settings.command_outcomes_topic
+        else [],
     }
     absent = sorted(t for topics in wanted.values() for t in topics if t not in exists)
     inbound_options = {"startingOffsets": settings.starting_offsets, "endingOffsets": settings.ending_offsets}

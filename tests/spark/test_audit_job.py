@@ -38,6 +38,7 @@ def test_real_sidecar_topics_audit_clean_with_correct_counts(
 topics:
   {topic}:
     delayed_delivery: {{max_delivery_delay: 1m}}
+    control_topic: {topic}.control
     subscriptions:
       billing: {{}}
       shipping: {{}}
@@ -57,12 +58,16 @@ topics:
         for sub in ("billing", "shipping", "archive"):
             assert len(kafka_helper.read(f"{topic}.{sub}", 10, timeout_s=30)) == 10
         assert len(kafka_helper.read(f"{topic}.dlt", 2, timeout_s=30)) == 2
-        # A consumer of billing nacks one record; it comes back once, with redelivery count 1.
+        # A consumer of billing nacks one record on the topic's own control topic; it comes back once,
+        # with redelivery count 1. The same nack on the default control topic is refused.
         billing = kafka_helper.read(f"{topic}.billing", 10)
-        nacker = Nacker(Producer({"bootstrap.servers": kafka}), control_topic=control, subscription="billing")
+        producer = Producer({"bootstrap.servers": kafka})
+        Nacker(producer, control_topic=control, subscription="billing").nack(RecordView(billing[1]), 500)  # type: ignore[arg-type]
+        nacker = Nacker(producer, control_topic=f"{topic}.control", subscription="billing")
         nacker.nack(RecordView(billing[0]), 500)  # type: ignore[arg-type]
         nacker.flush()
         assert len(kafka_helper.read(f"{topic}.billing", 11, timeout_s=30)) == 11
+        assert len(kafka_helper.read(f"{control}.dlt", 1, timeout_s=30)) == 1
 
     settings = AuditSettings(
         bootstrap_servers=kafka,
@@ -87,6 +92,7 @@ topics:
         {"topic": topic, "code": "EXCEEDS_MAX_DELAY", "count": 1},
         {"topic": topic, "code": "INVALID_DELAY_HEADER", "count": 1},
     ]
+    assert outcome.result.control_rejections == [{"code": "WRONG_CONTROL_TOPIC", "count": 1}]
     report = json.loads((tmp_path / "report" / "report.json").read_text())
     assert report["passed"] is True and report["source"] == "python (confluent-kafka)"
     ranges = report["snapshot"]["inbound"][topic]

@@ -21,6 +21,7 @@ T0 = 1_700_000_000_000
 NOW = T0 + 3_600_000
 GRACE = 5000
 CONTROL = "delay-sidecar.control"
+OWN_CONTROL = "own.control"
 
 
 def two_subs(topic: str) -> list[AuditRoute]:
@@ -38,10 +39,10 @@ def both(topic: str, offset: int, delivered_ms: int, deliver_at: int, partition:
     ]
 
 
-def nack(offset: int, ts_ms: int, topic: str, origin_offset: int, delay_ms: int) -> Row:
+def nack(offset: int, ts_ms: int, topic: str, origin_offset: int, delay_ms: int, control: str = CONTROL) -> Row:
     body = {"v": 1, "type": "nack", "subscription": "billing", "topic": topic, "partition": 0}
     body |= {"offset": origin_offset, "delay_ms": delay_ms}
-    return record(CONTROL, offset, ts_ms, value=json.dumps(body).encode())
+    return record(control, offset, ts_ms, value=json.dumps(body).encode())
 
 
 def accepted(offset: int, ts_ms: int, topic: str, origin_offset: int, redelivery_count: int) -> Row:
@@ -137,6 +138,15 @@ def build_world() -> World:
         dead_lettered(f"{CONTROL}.dlt", 0, T0, (CONTROL, 0, 3), "EXCEEDS_MAX_DELAY"),
         dead_lettered(f"{CONTROL}.dlt", 1, T0, (CONTROL, 0, 4), "INVALID_COMMAND"),
     ]
+    # own: a topic with its own control topic (policy control_topic). Its nack at control offset 3 is
+    # accepted and redelivered (the default control topic's offset 3 was refused: not this one); the
+    # one at offset 5 was refused there, on its own control dead-letter topic.
+    w.routes.append(AuditRoute("own", "billing", "own.billing", "own.dlt", control_topic=OWN_CONTROL))
+    w.inbound += [record("own", i, T0) for i in range(2)]
+    w.outbound += [delivered("own.billing", i, T0 + 1, ("own", 0, i), T0) for i in range(2)]
+    w.outbound.append(delivered("own.billing", 2, T0 + 30_010, ("own", 0, 0), T0 + 30_000, redelivery_count=1))
+    w.control += [nack(3, T0, "own", 0, 30_000, OWN_CONTROL), nack(5, T0, "own", 1, 30_000, OWN_CONTROL)]
+    w.control_dead.append(dead_lettered(f"{OWN_CONTROL}.dlt", 0, T0, (OWN_CONTROL, 0, 5), "WRONG_CONTROL_TOPIC"))
     # renack: redelivered after the first nack, then nacked again: the second nack got no redelivery.
     w.routes += one_sub("renack")
     w.inbound.append(record("renack", 0, T0))
@@ -178,7 +188,7 @@ def audit(spark: SparkSession, w: World, **params: Any) -> AuditResult:
         frame(spark, w.dead),
         frame(spark, w.control),
         frame(spark, w.control_dead),
-        control_topic=CONTROL,
+        control_topics=(CONTROL, OWN_CONTROL),
         outcomes=frame(spark, w.outcomes),
     )
     return run_audit(spark, inputs, w.routes, AuditParams(**{"as_of_ms": NOW, "grace_ms": GRACE, **params}))
@@ -326,7 +336,13 @@ def test_nack_redeliveries_are_counted_with_their_lateness_and_missing_ones_repo
     assert result.control_rejections == [
         {"code": "EXCEEDS_MAX_DELAY", "count": 1},
         {"code": "INVALID_COMMAND", "count": 1},
+        {"code": "WRONG_CONTROL_TOPIC", "count": 1},
     ]
+
+
+def test_nacks_on_a_topics_own_control_topic_are_audited_with_its_refusals(result: AuditResult) -> None:
+    s = summary(result, "own")
+    assert (s.delivered, s.nacks, s.redelivered, s.nacks_missing) == (2, 1, 1, 0)
 
 
 def test_a_redelivery_before_the_latest_nack_does_not_honour_it(result: AuditResult) -> None:
