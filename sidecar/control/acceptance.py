@@ -17,7 +17,7 @@ from collections.abc import Callable
 from confluent_kafka import Message
 
 from sidecar.clock import Clock
-from sidecar.control.cancels import REJECTED, MessageCommand, loose_command, message_kind
+from sidecar.control.cancels import REJECTED, WRONG_CONTROL_TOPIC, MessageCommand, loose_command, message_kind
 from sidecar.control.commands import (
     ACCEPTED_BY,
     UNKNOWN_MESSAGE,
@@ -135,7 +135,7 @@ class Acceptance:
             try:
                 self._controls.check(record.topic(), command.topic)
             except Refused as wrong:
-                raise RejectedRecord(wrong.code, wrong.message) from None
+                raise RejectedRecord(WRONG_CONTROL_TOPIC, wrong.message) from None
             subscription = command.subscription
             routes = self._routes().get(command.topic)
             if routes is None or routes.route.subscription(subscription) is None:

@@ -66,6 +66,8 @@ DELAYS_DISABLED = "DELAYS_DISABLED"
 NOT_DELAYED = "NOT_DELAYED"
 DEAD_LETTERED = "DEAD_LETTERED"
 ALREADY_CANCELLED = "ALREADY_CANCELLED"
+WRONG_CONTROL_TOPIC = "WRONG_CONTROL_TOPIC"
+"""Nacks too: the topic has a control topic of its own and the command came on another (topics.py)."""
 
 _MAX_TOPIC_LENGTH = 249
 _MAX_ID_LENGTH = 256

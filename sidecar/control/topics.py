@@ -12,12 +12,11 @@ restart, the group's commits on it keep it read while they hold a pending nack (
 
 from collections.abc import Iterable, Mapping
 
-from sidecar.control.cancels import OUTCOMES_SUFFIX
+from sidecar.control.cancels import OUTCOMES_SUFFIX, WRONG_CONTROL_TOPIC
 from sidecar.errors import Refused
 from sidecar.partitions.metadata import CommitMetadata
 from sidecar.policy.model import PolicySet
 
-WRONG_CONTROL_TOPIC = "WRONG_CONTROL_TOPIC"
 DEAD_LETTER_SUFFIX = ".dlt"
 
 
