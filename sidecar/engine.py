@@ -245,7 +245,9 @@ class Sidecar:
                     question.set_result(None)
                 else:
                     retention = self._admin.retention_ms.get(topic)
-                    question.set_result(locate(state, routes, retention, offset, self._reader.read_one))
+                    subs = [s.name for s in routes.route.subscriptions]
+                    nacks = self._nacks.pending_for(topic, partition, offset, subs)
+                    question.set_result(locate(state, routes, retention, offset, self._reader.read_one, nacks))
             except Exception as e:  # the asker gets the error; the loop goes on
                 question.set_exception(e)
 

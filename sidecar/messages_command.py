@@ -57,6 +57,8 @@ def format_answer(answer: dict[str, Any]) -> str:
         lines.append(f"  published: {_when(answer['publish_ms'])}")
     for name, sub in sorted((answer.get("subscriptions") or {}).items()):
         moved = " (rescheduled)" if sub.get("rescheduled") else ""
+        if sub.get("nack"):
+            moved = f" (nack, redelivery {sub.get('redelivery_count')})"
         lines.append(f"  {name}: {sub['state']}{moved} {_when(sub.get('deliver_at'))}")
     return "\n".join(lines)
 

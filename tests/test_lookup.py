@@ -56,6 +56,14 @@ def test_the_owner_says_where_each_message_is(
         assert pending["subscriptions"]["billing"] == {"state": "pending", "deliver_at": later}
         assert pending["subscriptions"]["audit"]["state"] == "delivered", "exclusive: at once"
         assert lookup(port, f"{topic}/0/1")["state"] == "delivered"
+        nack_at = int(time.time() * 1000) + 600_000
+        command(producer, control, {**base, "type": "nack", "subscription": "billing", "offset": 1,
+                                    "deliver_at": nack_at})  # fmt: skip
+        producer.flush(10)
+        nacked = lambda: lookup(port, f"{topic}/0/1")["subscriptions"]  # noqa: E731
+        wait_for(lambda: nacked()["billing"]["state"] == "pending", 30, "the nack pending")
+        assert nacked()["billing"] == {"state": "pending", "deliver_at": nack_at, "nack": True, "redelivery_count": 1}
+        assert nacked()["fraud"]["state"] == "delivered"
         bad = lookup(port, f"{topic}/0/2")
         assert (bad["state"], bad["code"]) == ("dead-lettered", "INVALID_DELAY_HEADER")
         cancelled = lookup(port, f"{topic}/0/3")["subscriptions"]

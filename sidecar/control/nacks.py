@@ -16,6 +16,7 @@ An entry is written when its accepted record is read and tombstoned when it stop
   it: a restore takes the committed watermark, and must still find every nack it does not cover.
 """
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from sidecar.control.commands import AcceptedNack
@@ -38,8 +39,9 @@ class _Changes:
 class LatestNacks:
     def __init__(self, changelog: bool = False) -> None:
         """`changelog`: keep the changes for the state topic (taken at each checkpoint by `take`)."""
-        self._latest: dict[tuple[str, str, int, int], tuple[str, int, int, int]] = {}
-        """Message -> (control topic, partition, command offset, accepted-record offset) of the nack in force."""
+        self._latest: dict[tuple[str, str, int, int], tuple[str, int, int, int, int, int]] = {}
+        """Message -> (control topic, partition, command offset, accepted-record offset, deliver-at,
+        redelivery count of the command) of the nack in force."""
         self._changes: dict[TopicPartitionKey, _Changes] | None = {} if changelog else None
 
     def accept(self, nack: AcceptedNack, offset: int) -> None:
@@ -99,6 +101,17 @@ class LatestNacks:
         if self._changes is not None:
             self._changes.pop(partition, None)
 
+    def pending_for(
+        self, topic: str, partition: int, offset: int, subscriptions: Iterable[str]
+    ) -> dict[str, tuple[int, int]]:
+        """The nacks of a message in force here, by subscription: (deliver-at, redelivery count it will carry)."""
+        found = {}
+        for sub in subscriptions:
+            entry = self._latest.get((sub, topic, partition, offset))
+            if entry is not None:
+                found[sub] = (entry[4], entry[5] + 1)
+        return found
+
     def __len__(self) -> int:
         return len(self._latest)
 
@@ -112,7 +125,14 @@ class LatestNacks:
                 self._dead(where, offset)  # the same acceptance written twice: this copy never counts
             return
         if current is None or current[:2] != where or current[2] < command_offset:
-            self._latest[message] = (topic, partition, command_offset, offset)
+            self._latest[message] = (
+                topic,
+                partition,
+                command_offset,
+                offset,
+                nack.deliver_at,
+                nack.command.redelivery_count,
+            )
             changes = self._of(where) if journal else None
             if changes is not None:
                 changes.upserts[offset] = nack

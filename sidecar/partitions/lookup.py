@@ -6,7 +6,7 @@ leaves it. The index holds positions, not times: for a deliver-at the record is 
 judged again with the rule it was taken in with, as a rebuild would.
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from confluent_kafka import Message
@@ -21,9 +21,17 @@ ReadOne = Callable[[str, int, int], Message | None]
 
 
 def locate(
-    state: PartitionState, routes: Routes, retention_ms: int | None, offset: int, read: ReadOne
+    state: PartitionState,
+    routes: Routes,
+    retention_ms: int | None,
+    offset: int,
+    read: ReadOne,
+    nacks: Mapping[str, tuple[int, int]] | None = None,
 ) -> dict[str, Any]:
-    """The message's fate per subscription: pending, delivered, cancelled or dead-lettered."""
+    """The message's fate per subscription: pending, delivered, cancelled or dead-lettered.
+
+    `nacks`: the message's nacks pending at this member, by subscription (deliver-at, redelivery
+    count): the subscription then waits for that redelivery, whatever its first delivery did."""
     answer: dict[str, Any] = {"topic": state.topic, "partition": state.partition, "offset": offset}
     if state.next_offset is None or offset >= state.next_offset:
         return {**answer, "state": "unknown", "reason": "not read from the partition yet"}
@@ -48,6 +56,9 @@ def locate(
             subscriptions[name] = {"state": "delivered", "deliver_at": publish_ms}
     else:
         subscriptions.update(_delayed(state, rule.delayed, offset, fate.deliver_at))
+    for name, (at, count) in (nacks or {}).items():
+        if name in subscriptions:
+            subscriptions[name] = {"state": "pending", "deliver_at": at, "nack": True, "redelivery_count": count}
     states = {s["state"] for s in subscriptions.values()}
     overall = states.pop() if len(states) == 1 else "mixed"
     return {**answer, "state": overall, "publish_ms": publish_ms, "subscriptions": subscriptions}
