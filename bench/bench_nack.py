@@ -62,7 +62,7 @@ from bench.probe import scrape
 from bench.procs import Child
 from sidecar.broker import embedded
 from sidecar.broker.embedded import EmbeddedBroker, free_port
-from sidecar.client import Nacker, origin, redelivery_count
+from sidecar.client import Nacker, deliver_at, origin, redelivery_count
 
 ROOT = Path(__file__).resolve().parents[1]
 PEER_DIR = ROOT / "bench" / "nack_peer"
@@ -518,6 +518,12 @@ def run_sidecar(args: argparse.Namespace, bootstrap: str, records: list[tuple[by
         count = redelivery_count(message)
         counts[count] = counts.get(count, 0) + 1
     outcome.figures["redelivery_counts_on_outbound"] = counts
+    # The sidecar's own lateness, without the application's: when it wrote each redelivery (the
+    # record's timestamp) after the nack's deliver-at. The observed delay adds how long the
+    # application took to read it, behind the first deliveries still unread on its partitions.
+    outcome.figures["written_late_ms"] = percentiles(
+        [max(m.timestamp()[1] - deliver_at(m), 0) for m in again]
+    )
     if outcome.retried < n:
         outcome.figures["missing"] = missing_report(bootstrap, control, partitions, again)
     dead, _ = read_back(bootstrap, f"{control}.dlt", partitions)
@@ -786,6 +792,8 @@ def markdown(sidecar: Outcome, peer: Outcome, args: argparse.Namespace) -> str:
         "| | | |",
         f"| observed delay min / p50 / p99 / max (ms), asked {args.delay_ms} | "
         f"{delays(sidecar)} | {delays(peer)} | | | |",
+        f"| written late: redelivery timestamp minus its deliver-at, min / p50 / p99 / max (ms) | "
+        f"{delays(sidecar, 'written_late_ms')} | - | | <= 250 (p99) | |",
     ]
     breakdown = ["", "| written because of retries | records | key | value | header names | header values | "
                  "headers / record | bytes / record | v2 bytes / record | stored bytes / record |",
@@ -804,8 +812,8 @@ def markdown(sidecar: Outcome, peer: Outcome, args: argparse.Namespace) -> str:
     return "\n".join(rows + breakdown)
 
 
-def delays(outcome: Outcome) -> str:
-    d = outcome.figures.get("retry_delays_ms") or {}
+def delays(outcome: Outcome, figure: str = "retry_delays_ms") -> str:
+    d = outcome.figures.get(figure) or {}
     if not d:
         return "-"
     return f"{d['min']:,.0f} / {d['p50']:,.0f} / {d['p99']:,.0f} / {d['max']:,.0f}"
