@@ -8,6 +8,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
+from functools import cached_property
 from types import MappingProxyType
 from typing import Annotated, Literal
 
@@ -192,7 +193,12 @@ class TopicRoute:
     """The topic's own control topic (from the topic or its namespace); None: the sidecar's --control-topic."""
 
     def subscription(self, name: str) -> SubscriptionRoute | None:
-        return next((s for s in self.subscriptions if s.name == name), None)
+        return self._by_name.get(name)
+
+    @cached_property
+    def _by_name(self) -> dict[str, SubscriptionRoute]:
+        """Every command looks its subscription up (a nack three times): a dict, not a scan."""
+        return {s.name: s for s in self.subscriptions}
 
 
 @dataclass(frozen=True)
