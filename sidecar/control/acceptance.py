@@ -128,7 +128,7 @@ class Acceptance:
                 self._metrics.nacks.labels("", rejected.code.lower()).inc()
             return
         if isinstance(parsed, MessageCommand):
-            self._forwarding.take(record, parsed)
+            self._forwarding.take(record, parsed, lambda r, c: self._cancel_nacks(r, c, state, due_now))
             return
         command = parsed
         try:
@@ -171,6 +171,41 @@ class Acceptance:
         if not state.tracker.add(key, accepted.deliver_at):
             due_now.append((key, accepted))
         self._metrics.nacks.labels(subscription, "accepted").inc()
+
+    def _cancel_nacks(
+        self, record: Message, command: MessageCommand, state: PartitionState, due_now: list[tuple[int, AcceptedNack]]
+    ) -> tuple[str, ...]:
+        """A cancel takes back the message's pending nack redeliveries: a cancelled acceptance per
+        subscription, written and indexed like a nack at the cancel's offset, supersedes each one
+        (latest wins) and redelivers nothing. Returns the subscriptions it applied to."""
+        routes = self._routes().get(command.topic)
+        if routes is None:
+            return ()
+        subs = [command.subscription] if command.subscription else [s.name for s in routes.route.subscriptions]
+        pending = self._nacks.pending_for(command.topic, command.partition, command.offset, subs)
+        if not pending:
+            return ()
+        at = record.timestamp()[1] if record.timestamp()[1] > 0 else self._clock.now_ms()
+        key = record.offset()
+        source = (record.topic(), record.partition(), key)
+        markers = [
+            AcceptedNack(
+                NackCommand(sub, command.topic, command.partition, command.offset, None, at, 0), at, source, True
+            )
+            for sub in pending
+        ]
+        for marker in markers:
+            self._writer.send(
+                record.topic(),
+                record.key(),
+                marker.encode(),
+                [(ACCEPTED_BY, self._group)],
+                partition=record.partition(),
+            )
+            self._nacks.accept(marker, key)
+        if not state.tracker.add(key, at):
+            due_now.extend((key, marker) for marker in markers)
+        return tuple(pending)
 
     def _check_known_message(self, command: NackCommand, routes: Routes) -> None:
         """UNKNOWN_MESSAGE: the offset is not in the inbound topic, or not yet delivered to anyone."""

@@ -165,10 +165,14 @@ class Request:
     """(control topic, partition, offset) of the command: its answer goes to that control topic's outcomes."""
     key: bytes | None
     """The command's key, which its outcome carries too."""
+    nacks: tuple[str, ...] = ()
+    """A cancel: the subscriptions whose pending nack redelivery the control partition's owner
+    cancelled (they count as cancelled in the outcome, whatever the first delivery did)."""
 
     def encode(self) -> bytes:
         return _dump(
             {
+                "nacks": list(self.nacks),
                 "kind": self.kind,
                 "offset": self.offset,
                 "subscription": self.subscription,
@@ -196,6 +200,7 @@ class Request:
                 data["deliver_at"],
                 (control, int(source[-2]), int(source[-1])),
                 key.encode("latin-1") if isinstance(key, str) else None,
+                tuple(str(s) for s in data.get("nacks") or ()),
             )
         except (KeyError, TypeError, ValueError, IndexError):
             return None

@@ -106,6 +106,8 @@ class AcceptedNack:
     deliver_at: int
     source: ControlPosition
     """Where the command is: identifies the acceptance for latest-wins."""
+    cancelled: bool = False
+    """Written for a cancel: it supersedes the pending nack like a later nack, and redelivers nothing."""
 
     def encode(self) -> bytes:
         c = self.command
@@ -121,6 +123,7 @@ class AcceptedNack:
                 "redelivery_count": c.redelivery_count,
                 "command_partition": self.source[1],
                 "command_offset": self.source[2],
+                **({"cancelled": True} if self.cancelled else {}),
             },
             separators=(",", ":"),
         ).encode()
@@ -147,6 +150,6 @@ def parse_accepted(raw: bytes | None, control_topic: str) -> AcceptedNack | None
             count(data, "redelivery_count"),
         )
         source = (control_topic, count(data, "command_partition"), count(data, "command_offset"))
-        return AcceptedNack(command, count(data, "deliver_at"), source)
+        return AcceptedNack(command, count(data, "deliver_at"), source, data.get("cancelled") is True)
     except RejectedRecord:
         return None

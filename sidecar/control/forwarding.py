@@ -40,6 +40,9 @@ from sidecar.policy.routes import Routes
 
 logger = logging.getLogger(__name__)
 
+CancelNacks = Callable[[Message, MessageCommand], tuple[str, ...]]
+"""Cancel a message's pending nacks (at the control partition's owner); the subscriptions they were for."""
+
 
 class Forwarding:
     def __init__(
@@ -61,8 +64,11 @@ class Forwarding:
         self._clock = clock
         self._ends: dict[TopicPartitionKey, int] = {}
 
-    def take(self, record: Message, command: MessageCommand) -> None:
-        """Check one command: refuse it here, or forward it to the message's partition."""
+    def take(self, record: Message, command: MessageCommand, cancel_nacks: CancelNacks) -> None:
+        """Check one command: refuse it here, or forward it to the message's partition.
+
+        A cancel first takes back the message's pending nack redeliveries, which this member holds:
+        commands for one message share its key, so its nacks are in this control partition."""
         sent_ms = record.timestamp()[1]
         if sent_ms <= 0:
             sent_ms = self._clock.now_ms()
@@ -76,8 +82,9 @@ class Forwarding:
             self.refuse(record, command.ref, UNKNOWN_MESSAGE_OUTCOME, None, "the partition has no such offset")
             return
         source = (record.topic(), record.partition(), record.offset())
+        nacks = cancel_nacks(record, command) if command.kind == "cancel" else ()
         request = Request(
-            command.kind, command.offset, command.subscription, command.id, deliver_at, source, record.key()
+            command.kind, command.offset, command.subscription, command.id, deliver_at, source, record.key(), nacks
         )
         headers: OutHeaders = [(COMMAND_BY, self._group), (REQUEST, request.encode())]
         self._writer.send(command.topic, record.key(), None, headers, partition=command.partition)

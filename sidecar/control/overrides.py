@@ -14,7 +14,7 @@ carrier is no longer pending changes nothing: it was delivered (or taken back) b
 
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from sidecar.control.cancels import (
     ALREADY_CANCELLED,
@@ -49,6 +49,18 @@ class Decision:
     fact: Fact | None = None
     code: str | None = None
     message: str | None = None
+
+
+def with_cancelled_nacks(decision: Decision, nacks: tuple[str, ...]) -> Decision:
+    """A cancel whose control partition's owner took back pending nack redeliveries for `nacks`:
+    those subscriptions are cancelled, whatever the first delivery did (it went out: it was nacked)."""
+    if not nacks:
+        return decision
+    if decision.outcome not in (CANCELLED, TOO_LATE):
+        return Decision(CANCELLED, nacks)
+    subscriptions = (*decision.subscriptions, *(s for s in nacks if s not in decision.subscriptions))
+    too_late = tuple(s for s in decision.too_late if s not in nacks)
+    return replace(decision, outcome=CANCELLED, subscriptions=subscriptions, too_late=too_late)
 
 
 Indexed = Callable[[int], bool]

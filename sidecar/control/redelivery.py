@@ -79,7 +79,7 @@ class Redelivery:
             wanted = {key: list(offsets) for key, offsets in popped.items()}
             found: list[tuple[int, AcceptedNack]] = []
             for key, offset, record in self._reader.read(wanted):
-                accepted = self._nack_at(record, key, offset, popped[key][offset])
+                accepted = self._nacks_at(record, key, offset, popped[key][offset])
                 if accepted is None:
                     logger.error(
                         "due nack missing from the control log topic=%s partition=%d offset=%d; raise the "
@@ -89,24 +89,41 @@ class Redelivery:
                         offset,
                     )
                     continue
-                found.append((offset, accepted))
+                found += [(offset, nack) for nack in accepted]
             self.redeliver(found)
         return not stalled
 
-    @staticmethod
-    def _nack_at(record: Message | None, where: TopicPartitionKey, offset: int, deliver_at: int) -> AcceptedNack | None:
-        """The nack an index entry stands for: its command (indexed by the command's offset since
-        acceptance does so), or, for entries indexed before that, its accepted record."""
+    def _nacks_at(
+        self, record: Message | None, where: TopicPartitionKey, offset: int, deliver_at: int
+    ) -> list[AcceptedNack] | None:
+        """The nacks an index entry stands for: its command (indexed by the command's offset since
+        acceptance does so), or, for entries indexed before that, its accepted record. A cancel's
+        entry stands for the cancelled acceptances it wrote, one per subscription that had a nack
+        pending; for the others `LatestNacks.claim` finds nothing in force."""
         if record is None:
             return None
         accepted = parse_accepted(record.value(), where[0])
         if accepted is not None:
-            return accepted
+            return [accepted]
         try:
             command = parse_command(record.value())
         except RejectedRecord:
             return None
-        return AcceptedNack(command, deliver_at, (*where, offset)) if isinstance(command, NackCommand) else None
+        if isinstance(command, NackCommand):
+            return [AcceptedNack(command, deliver_at, (*where, offset))]
+        if command.kind != "cancel":
+            return None
+        routes = self._routes().get(command.topic)
+        subs = [s.name for s in routes.route.subscriptions] if routes is not None else []
+        return [
+            AcceptedNack(
+                NackCommand(sub, command.topic, command.partition, command.offset, None, deliver_at, 0),
+                deliver_at,
+                (*where, offset),
+                True,
+            )
+            for sub in ([command.subscription] if command.subscription else subs)
+        ]
 
     def redeliver(self, accepted: list[tuple[int, AcceptedNack]]) -> None:
         """[(index key, nack)]: the ones still in force go out now."""
@@ -114,8 +131,11 @@ class Redelivery:
         for offset, nack in accepted:
             command = nack.command
             if self._nacks.claim(nack, offset):
-                jobs[(command.topic, command.partition)][command.offset].append((nack, offset))
-            else:
+                if nack.cancelled:  # the pending nack it superseded is taken back: nothing goes out
+                    self._metrics.nacks.labels(command.subscription, "cancelled").inc()
+                else:
+                    jobs[(command.topic, command.partition)][command.offset].append((nack, offset))
+            elif not nack.cancelled:
                 self._metrics.nacks.labels(command.subscription, "superseded").inc()
         if not jobs:
             return

@@ -27,7 +27,7 @@ from sidecar.control.cancels import (
     is_marked,
 )
 from sidecar.control.outcomes import Outcomes
-from sidecar.control.overrides import Decision
+from sidecar.control.overrides import Decision, with_cancelled_nacks
 from sidecar.dispatch.reader import LogReader
 from sidecar.inbound.batch import IntakeBatch
 from sidecar.outbound.delivery import Delivery
@@ -105,7 +105,9 @@ class CommandStep:
         offset = record.offset()
         rule = state.rules.at(request.offset) or batch.rule(state.topic, routes, self._retention_ms.get(state.topic))
         tracker = state.tracker
-        decision = state.overrides.decide(offset, request, rule.delayed, tracker.contains)
+        decision = with_cancelled_nacks(
+            state.overrides.decide(offset, request, rule.delayed, tracker.contains), request.nacks
+        )
         fact = decision.fact
         if fact is not None:
             headers: OutHeaders = [(COMMAND_BY, self._group), (FACT, fact.encode())]

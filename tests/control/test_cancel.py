@@ -16,7 +16,7 @@ from confluent_kafka import Producer
 from sidecar.broker.embedded import free_port
 from sidecar.client import MessageId
 from sidecar.client_cancel import Canceller, OutcomeReader
-from sidecar.outbound.records import DELIVER_AT, ORIGIN_OFFSET, ORIGIN_PARTITION
+from sidecar.outbound.records import DELIVER_AT, ORIGIN_OFFSET, ORIGIN_PARTITION, REDELIVERY_COUNT
 from tests.kafka_helpers import (
     KafkaHelper,
     PolicyFile,
@@ -204,6 +204,66 @@ def test_cancels_and_reschedules_hold_across_kill_9_and_a_lost_state_dir(
         assert not early(records)
         at = {int(r.headers[ORIGIN_OFFSET]): r.header_int(DELIVER_AT) for r in records}
         assert all(at[o] == new for o, new in rescheduled.items() if o not in gone), sub
+
+
+@pytest.mark.parametrize(("mode", "state_topic"), [("at-least-once", "none"), ("exactly-once", "")])
+def test_a_cancel_takes_back_pending_nack_redeliveries_across_kill_9_and_a_lost_state_dir(
+    mode: str, state_topic: str, kafka: str, kafka_helper: KafkaHelper, topic_factory: TopicFactory,
+    policy_file: PolicyFile, tmp_path: Path,
+) -> None:  # fmt: skip
+    """A nacked message is cancelled: its pending redeliveries are taken back, the outcome says
+    `cancelled` for those subscriptions, and neither a kill -9 nor a lost state dir brings them back
+    (from the state topic, or without one from the control log read again)."""
+    topic, control = topic_factory("cancelnack"), f"ctl-{uuid.uuid4().hex[:8]}"
+    port, group, state = free_port(), f"g-{topic}", tmp_path / "state"
+    extra = ["--control-topic", control, "--processing-guarantee", mode]
+    args = run_args(kafka, policies(topic, policy_file), state, port, group, *extra,
+                    *(["--state-topic", state_topic] if state_topic else []))  # fmt: skip
+    sidecar = SidecarProcess(args, tmp_path / "log")
+    for i in range(4):
+        kafka_helper.produce(topic, f"v{i}".encode())
+    kafka_helper.flush()
+    producer = Producer({"bootstrap.servers": kafka})
+    base = {"topic": topic, "partition": 0}
+    committed = mode == "exactly-once"
+    try:
+        sidecar.start()
+        for sub in ("billing", "fraud"):
+            assert len(kafka_helper.read(f"{topic}.{sub}", 4, timeout_s=60)) == 4, sidecar.tail()
+        nack_at = int(time.time() * 1000) + 12_000
+        for sub, offset in [("billing", 0), ("billing", 1), ("billing", 2), ("billing", 3), ("fraud", 0)]:
+            command(producer, control, {**base, "type": "nack", "subscription": sub, "offset": offset,
+                                        "deliver_at": nack_at})  # fmt: skip
+        command(producer, control, {**base, "type": "cancel", "offset": 0, "id": "all"})
+        command(producer, control, {**base, "type": "cancel", "offset": 1, "subscription": "billing", "id": "one"})
+        command(producer, control, {**base, "type": "cancel", "offset": 2, "subscription": "fraud", "id": "none"})
+        assert producer.flush(10) == 0
+        wait_for(lambda: len(outcomes(kafka_helper, control, committed_only=committed)) == 3, 60, "3 answers")
+        time.sleep(1.0)  # a commit after the answers
+        sidecar.kill()
+        shutil.rmtree(state)
+        sidecar.start()
+        wait_for(lambda: time.time() * 1000 > nack_at + 2_000, 60, "the nacks' time passed")
+        wait_for(lambda: len(kafka_helper.read_to_end(f"{topic}.billing", committed_only=committed)) >= 6, 60,
+                 "offsets 2 and 3 redelivered")  # fmt: skip
+        time.sleep(2.0)  # anything extra would come now
+        assert sidecar.stop() == 0, sidecar.tail()
+    finally:
+        sidecar.close()
+    answers = outcomes(kafka_helper, control, committed_only=committed)
+    got = {k: [(a["outcome"], sorted(a.get("subscriptions") or [])) for a in v] for k, v in answers.items()}
+    assert got["all"][0] == ("cancelled", ["billing", "fraud"])
+    assert got["one"][0] == ("cancelled", ["billing"])
+    assert got["none"][0] == ("too-late", [])
+    if committed:
+        assert all(len(v) == 1 for v in got.values()), got
+    for sub, again in (("billing", {2: 1, 3: 1}), ("fraud", {})):
+        records = kafka_helper.read_to_end(f"{topic}.{sub}", committed_only=committed)
+        nacked = [r.headers.get(REDELIVERY_COUNT, b"0") != b"0" for r in records]
+        first = Counter(int(r.headers[ORIGIN_OFFSET]) for r, n in zip(records, nacked, strict=True) if not n)
+        redelivered = Counter(int(r.headers[ORIGIN_OFFSET]) for r, n in zip(records, nacked, strict=True) if n)
+        assert first == Counter(range(4)) and redelivered == Counter(again), (sub, first, redelivered)
+        assert not early(records)
 
 
 def test_the_client_cancels_and_learns_whether_it_was_in_time(
