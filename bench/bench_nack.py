@@ -521,9 +521,7 @@ def run_sidecar(args: argparse.Namespace, bootstrap: str, records: list[tuple[by
     # The sidecar's own lateness, without the application's: when it wrote each redelivery (the
     # record's timestamp) after the nack's deliver-at. The observed delay adds how long the
     # application took to read it, behind the first deliveries still unread on its partitions.
-    outcome.figures["written_late_ms"] = percentiles(
-        [max(m.timestamp()[1] - deliver_at(m), 0) for m in again]
-    )
+    outcome.figures["written_late_ms"] = percentiles([max(m.timestamp()[1] - deliver_at(m), 0) for m in again])
     if outcome.retried < n:
         outcome.figures["missing"] = missing_report(bootstrap, control, partitions, again)
     dead, _ = read_back(bootstrap, f"{control}.dlt", partitions)

@@ -323,7 +323,7 @@ def analyse(spark: SparkSession, prepared: Prepared, routes: Sequence[AuditRoute
         .hint("broadcast")
         .join(published, KEYS)
     )
-    nack_fates = _nack_fates(prepared.commands, published, redeliveries, params)
+    nack_fates = _nack_fates(prepared.commands, published, redeliveries, params, prepared.nack_cancels)
 
     dlt_copy = Window.partitionBy(*KEYS).orderBy("dlt_partition", "dlt_offset")
     anomaly_parts = [
@@ -453,9 +453,14 @@ def analyse(spark: SparkSession, prepared: Prepared, routes: Sequence[AuditRoute
 
 
 def _nack_fates(
-    commands: DataFrame | None, published: DataFrame, redeliveries: DataFrame, params: AuditParams
+    commands: DataFrame | None,
+    published: DataFrame,
+    redeliveries: DataFrame,
+    params: AuditParams,
+    cancels: DataFrame | None = None,
 ) -> DataFrame | None:
-    """Each (record, subscription) with valid nack commands: its latest command and whether it was honoured."""
+    """Each (record, subscription) with valid nack commands: its latest command and whether it was
+    honoured. A cancel after the latest nack took its redelivery back: `cancelled`, not owed."""
     if commands is None:
         return None
     audited = commands.hint("broadcast").join(published, KEYS)
@@ -467,6 +472,10 @@ def _nack_fates(
         ).alias("last"),
     )
     latest = latest.select(*KEYS, "subscription", "publish_ms", "commands", "last.*")
+    if cancels is not None:
+        latest = latest.join(F.broadcast(cancels), [*KEYS, "subscription"], "left")
+    else:
+        latest = latest.withColumn("cancel_offset", F.lit(None).cast("long"))
     honoured = (
         latest.alias("l")
         .join(
@@ -483,6 +492,7 @@ def _nack_fates(
         .withColumn(
             "status",
             F.when(F.col("honoured"), "redelivered")
+            .when(F.col("cancel_offset") > F.col("control_offset"), "cancelled")
             .when(F.col("due_ms") + F.lit(params.grace_ms) > F.lit(params.as_of_ms), "pending")
             .otherwise("missing"),
         )

@@ -93,6 +93,7 @@ OUTCOME_SCHEMA = StructType(
         StructField("partition", LongType()),
         StructField("offset", LongType()),
         StructField("subscriptions", ArrayType(StringType())),
+        StructField("nacks", ArrayType(StringType())),
         StructField("deliver_at", LongType()),
         StructField("command", StructType([StructField("partition", LongType()), StructField("offset", LongType())])),
     ]
@@ -246,6 +247,9 @@ class Prepared:
     overrides: DataFrame | None = None
     """Per (origin, subscription), what the latest cancel or reschedule that applied made of it:
     `override` (cancelled or rescheduled) and `new_due_ms` (rescheduled)."""
+    nack_cancels: DataFrame | None = None
+    """Origin, subscription, control_offset: cancels that took back the pending nack redeliveries
+    of an already delivered record (the outcome's `nacks`); the nacks before them are not owed."""
 
     def frames(self) -> dict[str, DataFrame]:
         named = {"inbound": self.inbound, "outbound": self.outbound, "dead_letter": self.dead_letter}

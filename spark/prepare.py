@@ -87,8 +87,27 @@ def prepare(spark: SparkSession, inputs: AuditInputs, routes: Sequence[AuditRout
     refused = None
     if inputs.control_dead_letter is not None:
         refused = inputs.control_dead_letter.select(header_text(ERROR_CODE).alias("code"))
-    overrides = _overrides(inputs.outcomes) if inputs.outcomes is not None else None
-    return Prepared(inb, out, dlt, commands, refused, overrides)
+    overrides = nack_cancels = None
+    if inputs.outcomes is not None:
+        outcomes = inputs.outcomes.select(F.from_json(F.col("value").cast("string"), OUTCOME_SCHEMA).alias("o"))
+        overrides, nack_cancels = _overrides(outcomes), _nack_cancels(outcomes)
+    return Prepared(inb, out, dlt, commands, refused, overrides, nack_cancels)
+
+
+def _nack_cancels(outcomes: DataFrame) -> DataFrame:
+    """Per (origin, subscription), the latest cancel that took back a pending nack redelivery."""
+    return (
+        outcomes.where(F.col("o.outcome") == "cancelled")
+        .select(
+            F.col("o.topic").alias("topic"),
+            F.col("o.partition").cast("int").alias("partition"),
+            F.col("o.offset").alias("offset"),
+            F.explode("o.nacks").alias("subscription"),
+            F.col("o.command.offset").alias("cancel_offset"),
+        )
+        .groupBy("topic", "partition", "offset", "subscription")
+        .agg(F.max("cancel_offset").alias("cancel_offset"))
+    )
 
 
 def _overrides(outcomes: DataFrame) -> DataFrame:
@@ -96,15 +115,16 @@ def _overrides(outcomes: DataFrame) -> DataFrame:
 
     Commands about one message share a key, hence a control partition, so the command's offset orders
     them: a cancel after a reschedule leaves the message cancelled, a reschedule after another moves it
-    again. Outcomes that changed nothing (too-late, rejected, unknown-message) are not overrides."""
-    parsed = outcomes.select(F.from_json(F.col("value").cast("string"), OUTCOME_SCHEMA).alias("o")).where(
-        F.col("o.outcome").isin("cancelled", "rescheduled")
-    )
+    again. Outcomes that changed nothing (too-late, rejected, unknown-message) are not overrides, nor
+    is a cancel for a subscription whose first delivery had gone out (it took back a nack, `nacks`)."""
+    parsed = outcomes.where(F.col("o.outcome").isin("cancelled", "rescheduled"))
     per_subscription = parsed.select(
         F.col("o.topic").alias("topic"),
         F.col("o.partition").cast("int").alias("partition"),
         F.col("o.offset").alias("offset"),
-        F.explode("o.subscriptions").alias("subscription"),
+        F.explode(F.array_except("o.subscriptions", F.coalesce("o.nacks", F.array().cast("array<string>")))).alias(
+            "subscription"
+        ),
         F.struct(
             F.col("o.command.offset").alias("position"),
             F.col("o.outcome").alias("override"),

@@ -285,6 +285,9 @@ class OutcomeRecord:
     """too-late: the deliver-at the message went out at (or was due at), when known."""
     code: str | None = None
     message: str | None = None
+    nacks: tuple[str, ...] = ()
+    """cancelled: the subscriptions whose pending nack redelivery it took back (their first delivery
+    had gone out already)."""
 
     def encode(self) -> bytes:
         data: dict[str, Any] = {
@@ -304,6 +307,7 @@ class OutcomeRecord:
             "delivered_at": self.delivered_at,
             "code": self.code,
             "message": self.message,
+            "nacks": list(self.nacks) or None,
         }
         data.update({k: v for k, v in optional.items() if v is not None})
         return _dump(data)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from confluent_kafka import Message
 
 from sidecar.control.cancels import (
+    CANCELLED,
     COMMAND_BY,
     DEAD_LETTERED,
     FACT,
@@ -143,6 +144,7 @@ class CommandStep:
                 delivered_at,
                 decision.code,
                 decision.message,
+                request.nacks if decision.outcome == CANCELLED else (),
             ),
         )
 

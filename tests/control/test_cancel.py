@@ -255,6 +255,7 @@ def test_a_cancel_takes_back_pending_nack_redeliveries_across_kill_9_and_a_lost_
     assert got["all"][0] == ("cancelled", ["billing", "fraud"])
     assert got["one"][0] == ("cancelled", ["billing"])
     assert got["none"][0] == ("too-late", [])
+    assert sorted(answers["all"][0]["nacks"]) == ["billing", "fraud"] and "nacks" not in answers["none"][0]
     if committed:
         assert all(len(v) == 1 for v in got.values()), got
     for sub, again in (("billing", {2: 1, 3: 1}), ("fraud", {})):

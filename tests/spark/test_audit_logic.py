@@ -168,16 +168,26 @@ def build_world() -> World:
         outcome(5, "cancelled", "cx", 4, ["billing", "shipping"]),
         outcome(6, "too-late", "cx", 0, []),  # answers that changed nothing are not overrides
     ]
+    # nc: delivered, nacked at control offset 20, then cancelled (command at 21): the cancel took the
+    # nack's redelivery back, so nothing more is owed, and the first delivery is no anomaly.
+    w.routes += one_sub("nc")
+    w.inbound.append(record("nc", 0, T0))
+    w.outbound.append(delivered("nc.billing", 0, T0 + 1, ("nc", 0, 0), T0))
+    w.control.append(nack(20, T0, "nc", 0, 30_000))
+    w.outcomes.append(outcome(21, "cancelled", "nc", 0, ["billing"], nacks=["billing"]))
     w.outbound += both("cx", 1, T0 + 10_005, T0 + 10_000)
     w.outbound += both("cx", 2, moved + 5, moved)
     w.outbound += both("cx", 3, T0 + 10_005, T0 + 10_000)
     return w
 
 
-def outcome(position: int, kind: str, topic: str, offset: int, subs: list[str], deliver_at: int | None = None) -> Row:
+def outcome(
+    position: int, kind: str, topic: str, offset: int, subs: list[str], deliver_at: int | None = None,
+    nacks: list[str] | None = None,
+) -> Row:  # fmt: skip
     body = {"v": 1, "outcome": kind, "type": "reschedule" if deliver_at else "cancel", "topic": topic,
             "partition": 0, "offset": offset, "subscriptions": subs, "deliver_at": deliver_at,
-            "command": {"partition": 0, "offset": position}}  # fmt: skip
+            "command": {"partition": 0, "offset": position}, "nacks": nacks}  # fmt: skip
     return record(f"{CONTROL}.outcomes", position, T0 + 1_000, value=json.dumps(body).encode())
 
 
@@ -338,6 +348,14 @@ def test_nack_redeliveries_are_counted_with_their_lateness_and_missing_ones_repo
         {"code": "INVALID_COMMAND", "count": 1},
         {"code": "WRONG_CONTROL_TOPIC", "count": 1},
     ]
+
+
+def test_a_cancel_of_a_nacked_record_takes_its_redelivery_back(
+    result: AuditResult, all_anomalies: list[dict[str, Any]]
+) -> None:
+    s = summary(result, "nc")
+    assert (s.delivered, s.nacks, s.redelivered, s.nacks_missing, s.nacks_pending) == (1, 1, 0, 0, 0)
+    assert anomalies_of(all_anomalies, "nc") == []
 
 
 def test_nacks_on_a_topics_own_control_topic_are_audited_with_its_refusals(result: AuditResult) -> None:
