@@ -101,6 +101,8 @@ class Audit:
     early: dict[str, int] = field(default_factory=dict)
     nacks_sent: int = 0
     nacks_redelivered: int = 0
+    nacks_cancelled: int = 0
+    """Nacked records whose pending redelivery a cancel took back (never redelivered)."""
     nacks_missing_or_early: int = 0
     redeliveries_unasked: int = 0
     redelivered: dict[str, int] = field(default_factory=dict)
@@ -372,13 +374,16 @@ def audit(
     else:
         produced = {(i % PARTITIONS, i // PARTITIONS) for i in range(records)}
     cancelled: set[tuple[int, int]] = set()
+    nack_cancelled: set[tuple[int, int]] = set()
+    """Nacked records whose cancel took the pending redelivery back (the outcome's `nacks`)."""
     if cancels:
         answers: Counter[str] = Counter()
         for m in read_all(bootstrap, f"{CONTROL}.outcomes"):
             data = json.loads(m.value())
             answers[data.get("id") or ""] += 1
             if data.get("outcome") == "cancelled" and data.get("id") in cancels:
-                cancelled.add(cancels[data["id"]])
+                took_nack = "shared" in (data.get("nacks") or [])
+                (nack_cancelled if took_nack else cancelled).add(cancels[data["id"]])
         result.cancels_not_answered_once = sum(1 for command_id in cancels if answers[command_id] != 1)
         result.cancelled = len(cancelled)
     for sub in SUBSCRIPTIONS:
@@ -407,7 +412,8 @@ def audit(
         again = {(p, o) for p, o, n in copies if n > 0}
         if sub == "shared":
             result.nacks_redelivered = len(again & set(nacked))
-            result.nacks_missing_or_early = len(set(nacked) - again)
+            result.nacks_cancelled = len((set(nacked) & nack_cancelled) - again)
+            result.nacks_missing_or_early = len(set(nacked) - again - nack_cancelled)
             result.redeliveries_unasked = len(again - set(nacked))
         else:
             result.redeliveries_unasked += len(again)
@@ -653,7 +659,7 @@ def table(outcome: Outcome, command: str) -> str:
         ("command", f"`{command}`"),
         ("seed", str(plan.seed)),
         (f"records (deliver-after 0 to {plan.window_s:.0f} s), subscriptions", f"{plan.records:,}, shared + exclusive"),
-        ("nacks sent / redelivered", f"{a.nacks_sent:,} / {a.nacks_redelivered:,}"),
+        ("nacks sent / redelivered / cancelled", f"{a.nacks_sent:,} / {a.nacks_redelivered:,} / {a.nacks_cancelled:,}"),
         ("cancels sent / answered cancelled", f"{a.cancels_sent:,} / {a.cancelled:,}"),
         ("SIGKILLs / restarts on the state dir", f"{outcome.kills} / {outcome.restarts}"),
         ("state dirs deleted", str(outcome.state_dirs_deleted)),
