@@ -24,6 +24,7 @@ from sidecar.control.commands import (
     UNKNOWN_SUBSCRIPTION,
     AcceptedNack,
     NackCommand,
+    accepted_key,
     check_max_delay,
     parse_accepted,
     parse_command,
@@ -82,6 +83,10 @@ class Acceptance:
             self._metrics.child(self._metrics.replayed, state.topic).inc()
         headers = dict(record.headers() or [])
         if headers.get(ACCEPTED_BY) == self._group:
+            known = accepted_key(record.value())
+            if known is not None and known in state.unread_facts:
+                state.unread_facts.discard(known)  # ours, indexed when it was accepted
+                return
             accepted = parse_accepted(record.value(), state.topic)
             if accepted is not None:
                 key = accepted.source[2]
@@ -170,7 +175,7 @@ class Acceptance:
         state.unread_facts.add(key)
         if not state.tracker.add(key, accepted.deliver_at):
             due_now.append((key, accepted))
-        self._metrics.nacks.labels(subscription, "accepted").inc()
+        self._metrics.child(self._metrics.nacks, subscription, "accepted").inc()
 
     def _cancel_nacks(
         self, record: Message, command: MessageCommand, state: PartitionState, due_now: list[tuple[int, AcceptedNack]]

@@ -19,4 +19,4 @@ class Outcomes:
     def send(self, key: bytes | None, outcome: OutcomeRecord) -> None:
         """To the outcomes topic of the control topic the command came on."""
         self._writer.send(outcome.source[0] + OUTCOMES_SUFFIX, key, outcome.encode(), [])
-        self._metrics.commands.labels(outcome.kind or "unknown", outcome.outcome).inc()
+        self._metrics.child(self._metrics.commands, outcome.kind or "unknown", outcome.outcome).inc()

@@ -180,7 +180,7 @@ class Redelivery:
         self._writer.send(
             outbound, message.key(), message.value(), headers, self._writer.target(outbound, command.partition)
         )
-        self._metrics.redeliveries.labels(command.subscription).inc()
+        self._metrics.child(self._metrics.redeliveries, command.subscription).inc()
         self._metrics.child(self._metrics.delivered, command.topic, command.subscription).inc()
         late = max(self._clock.now_ms() - nack.deliver_at, 0) / 1000
         self._metrics.child(self._metrics.lateness, command.topic).observe(late)

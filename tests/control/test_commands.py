@@ -7,7 +7,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sidecar.control.commands import AcceptedNack, NackCommand, check_max_delay, parse_accepted, parse_command
+from sidecar.control.commands import (
+    AcceptedNack,
+    NackCommand,
+    accepted_key,
+    check_max_delay,
+    parse_accepted,
+    parse_command,
+)
 from sidecar.errors import RejectedRecord
 from sidecar.policy.model import EffectiveDelay, Sourced
 
@@ -113,3 +120,23 @@ def test_an_accepted_record_round_trips_and_is_not_a_command() -> None:
     assert parse_accepted(b'{"v":1,"type":"nack"}', "c") is None and parse_accepted(b"\xff", "c") is None
     with pytest.raises(RejectedRecord, match="written by the sidecar"):
         parse_command(accepted.encode())
+
+
+@given(
+    st.text(min_size=1, max_size=20),
+    st.text(min_size=1, max_size=20),
+    st.integers(0, 2**40),
+    st.integers(0, 2**40),
+    st.booleans(),
+)
+def test_an_accepted_record_is_the_json_its_fields_say_whatever_the_names(
+    subscription: str, topic: str, offset: int, deliver_at: int, cancelled: bool
+) -> None:
+    command = NackCommand(subscription, topic, 3, offset, None, deliver_at, 2)
+    accepted = AcceptedNack(command, deliver_at, ("ctl", 1, offset + 1), cancelled)
+    expected = {"v": 1, "type": "accepted", "subscription": subscription, "topic": topic, "partition": 3,
+                "offset": offset, "deliver_at": deliver_at, "redelivery_count": 2, "command_partition": 1,
+                "command_offset": offset + 1}  # fmt: skip
+    assert json.loads(accepted.encode()) == expected | ({"cancelled": True} if cancelled else {})
+    assert parse_accepted(accepted.encode(), "ctl") == accepted
+    assert accepted_key(accepted.encode()) == offset + 1
