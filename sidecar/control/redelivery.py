@@ -5,7 +5,7 @@ partition's delivered watermark covers it once it is redelivered, superseded or 
 """
 
 import logging
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable
 
 from confluent_kafka import Message
@@ -140,11 +140,24 @@ class Redelivery:
         if not jobs:
             return
         wanted = {key: list(by_offset) for key, by_offset in jobs.items()}
+        # Counted and observed once per batch: a burst of nacks redelivers tens of thousands at once.
+        sent: Counter[tuple[str, str]] = Counter()
+        late: dict[str, list[float]] = defaultdict(list)
         for key, offset, message in self._reader.read(wanted):
             for nack, _ in jobs[key][offset]:
-                self._redeliver(nack, message)
+                if self._redeliver(nack, message):
+                    command = nack.command
+                    sent[(command.topic, command.subscription)] += 1
+                    late[command.topic].append(max(self._clock.now_ms() - nack.deliver_at, 0) / 1000)
+        metrics = self._metrics
+        for (topic, subscription), count in sent.items():
+            metrics.child(metrics.redeliveries, subscription).inc(count)
+            metrics.child(metrics.delivered, topic, subscription).inc(count)
+        for topic, values in late.items():
+            metrics.observe_many(metrics.child(metrics.lateness, topic), values)
 
-    def _redeliver(self, nack: AcceptedNack, message: Message | None) -> None:
+    def _redeliver(self, nack: AcceptedNack, message: Message | None) -> bool:
+        """Write one redelivery; False when it was rejected instead (dead-lettered with its command)."""
         command = nack.command
         routes = self._routes().get(command.topic)
         sub = routes.route.subscription(command.subscription) if routes is not None else None
@@ -166,7 +179,7 @@ class Redelivery:
         except RejectedRecord as rejected:
             self._reject(nack, rejected)
             self._metrics.nacks.labels(command.subscription, rejected.code.lower()).inc()
-            return
+            return False
         headers = outbound_headers(
             message.headers(),
             command.topic,
@@ -180,10 +193,7 @@ class Redelivery:
         self._writer.send(
             outbound, message.key(), message.value(), headers, self._writer.target(outbound, command.partition)
         )
-        self._metrics.child(self._metrics.redeliveries, command.subscription).inc()
-        self._metrics.child(self._metrics.delivered, command.topic, command.subscription).inc()
-        late = max(self._clock.now_ms() - nack.deliver_at, 0) / 1000
-        self._metrics.child(self._metrics.lateness, command.topic).observe(late)
+        return True
 
     def _reject(self, nack: AcceptedNack, rejected: RejectedRecord) -> None:
         """The command, unchanged, to the control dead-letter topic (read back: this path is rare)."""
