@@ -83,17 +83,13 @@ class Acceptance:
             self._metrics.child(self._metrics.replayed, state.topic).inc()
         headers = dict(record.headers() or [])
         if headers.get(ACCEPTED_BY) == self._group:
-            known = accepted_key(record.value())
-            if known is not None and known in state.unread_facts:
-                state.unread_facts.discard(known)  # ours, indexed when it was accepted
+            key = accepted_key(record.value())
+            if key is not None and key in state.unread_facts:
+                state.unread_facts.discard(key)  # ours, indexed when it was accepted: not even decoded
                 return
             accepted = parse_accepted(record.value(), state.topic)
             if accepted is not None:
-                key = accepted.source[2]
-                if key in state.unread_facts:
-                    state.unread_facts.discard(key)  # ours, indexed when it was accepted
-                    return
-                self._index(accepted, key, offset < state.replay_until, state, due_now)
+                self._index(accepted, accepted.source[2], offset < state.replay_until, state, due_now)
                 return
         if offset < state.replay_until:
             return  # judged before the restart: accepted records or the dead-letter topic hold the outcome
@@ -160,13 +156,7 @@ class Acceptance:
         # From the command's own timestamp, so the time does not depend on when it was read.
         source = (record.topic(), record.partition(), record.offset())
         accepted = AcceptedNack(command, command.effective_deliver_at(sent_ms), source)
-        self._writer.send(
-            record.topic(),
-            record.key(),
-            accepted.encode(),
-            [(ACCEPTED_BY, self._group)],
-            partition=record.partition(),
-        )
+        self._write_accepted(record, accepted)
         # Indexed now, by the command's own offset, not when the accepted record comes back behind
         # every command written before it: a burst of nacks falls due on time. The accepted record
         # stays the durable word for a restart; read back by this member, it is skipped.
@@ -200,17 +190,16 @@ class Acceptance:
             for sub in pending
         ]
         for marker in markers:
-            self._writer.send(
-                record.topic(),
-                record.key(),
-                marker.encode(),
-                [(ACCEPTED_BY, self._group)],
-                partition=record.partition(),
-            )
+            self._write_accepted(record, marker)
             self._nacks.accept(marker, key)
         if not state.tracker.add(key, at):
             due_now.extend((key, marker) for marker in markers)
         return tuple(pending)
+
+    def _write_accepted(self, command: Message, accepted: AcceptedNack) -> None:
+        """The durable word, in the command's own control partition, keyed like the command."""
+        headers = [(ACCEPTED_BY, self._group)]
+        self._writer.send(command.topic(), command.key(), accepted.encode(), headers, partition=command.partition())
 
     def _check_known_message(self, command: NackCommand, routes: Routes) -> None:
         """UNKNOWN_MESSAGE: the offset is not in the inbound topic, or not yet delivered to anyone."""
