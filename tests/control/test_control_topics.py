@@ -154,3 +154,27 @@ def test_a_control_topic_the_policies_drop_is_read_until_its_nacks_are_out(
     assert not early(records)
     [refused] = kafka_helper.read_to_end(f"{old_control}.dlt")
     assert refused.headers[ERROR_CODE] == b"WRONG_CONTROL_TOPIC"
+
+
+def test_a_control_topic_added_by_a_live_policy_edit_is_served_at_once(
+    kafka: str, kafka_helper: KafkaHelper, topic_factory: TopicFactory, policy_file: PolicyFile, tmp_path: Path
+) -> None:
+    """No restart: the new control topic is created, subscribed and judged, and the default one refuses."""
+    topic, default = topic_factory("livectl"), f"ctl-{uuid.uuid4().hex[:8]}"
+    own = f"{topic}.control"
+    policies = policy_file(f"topics:\n  {topic}:\n    subscriptions: {{billing: {{}}}}\n")
+    producer = Producer({"bootstrap.servers": kafka})
+    with ThreadedSidecar(settings_for(kafka, policies, tmp_path, control_topic=default)) as sidecar:
+        kafka_helper.produce(topic, b"v0")
+        kafka_helper.flush()
+        assert len(kafka_helper.read(f"{topic}.billing", 1)) == 1
+        policies.write_text(f"topics:\n  {topic}:\n    control_topic: {own}\n    subscriptions: {{billing: {{}}}}\n")
+        assert sidecar.wait_for_metric("delay_sidecar_policy_generation", at_least=2) == 2
+        nack(producer, default, topic, 0, 500)
+        nack(producer, own, topic, 0, 500)
+        producer.flush(10)
+        sidecar.wait_for_metric("delay_sidecar_redeliveries_total", subscription="billing")
+        assert [r.headers[ERROR_CODE] for r in kafka_helper.read(f"{default}.dlt", 1)] == [b"WRONG_CONTROL_TOPIC"]
+        time.sleep(1.0)  # anything extra would come now
+    records = kafka_helper.read_to_end(f"{topic}.billing")
+    assert Counter(r.headers.get(REDELIVERY_COUNT, b"0") for r in records) == {b"0": 1, b"1": 1}
