@@ -479,14 +479,18 @@ class Sidecar:
             self._state_topic.forget(state)
 
     def _delivering(self) -> list[PartitionState]:
-        """Partitions that may deliver now: in exactly-once mode, not those still replaying; in any
-        mode, not those whose earlier owner's cancels may still be ahead."""
+        """Partitions that may deliver now: not those still replaying in exactly-once mode, nor control
+        partitions replaying in any mode (a nack read again may be superseded or cancelled further on);
+        in any mode, not those whose earlier owner's cancels may still be ahead."""
         states = self._assignment.states.values()
         draining = self._draining
         return [
             s
             for s in states
-            if not (s.exact and s.replaying) and not s.holding and s.drain_from is None and s.topic not in draining
+            if not ((s.exact or s.control) and s.replaying)
+            and not s.holding
+            and s.drain_from is None
+            and s.topic not in draining
         ]
 
     def _release_holds(self) -> None:

@@ -110,9 +110,9 @@ class Acceptance:
         if pack(accepted.deliver_at, key) <= state.tracker.delivered_through():
             self._nacks.claim(accepted, key)  # redelivered, or superseded, before
             return
-        # Exactly once: nothing is delivered while replaying (see partitions/metadata.py).
-        deliver_now = not (state.exact and replayed)
-        if not state.tracker.add(key, accepted.deliver_at, deliver_now=deliver_now):
+        # Nothing is redelivered while replaying, in either mode: an accepted record read again may be
+        # superseded or cancelled by one further on (see partitions/metadata.py for exactly once).
+        if not state.tracker.add(key, accepted.deliver_at, deliver_now=not replayed):
             due_now.append((key, accepted))
 
     def _judge(self, record: Message, state: PartitionState, due_now: list[tuple[int, AcceptedNack]]) -> None:

@@ -375,3 +375,40 @@ def test_cancels_hold_when_a_member_hands_its_partitions_over(
         got = Counter((int(r.headers[ORIGIN_PARTITION]), int(r.headers[ORIGIN_OFFSET])) for r in records)
         assert all(n == 1 for n in got.values())
         assert set(got) == {(i % partitions, i // partitions) for i in range(count)} - cancelled, sub
+
+
+def test_a_cancelled_nack_already_due_at_a_restart_stays_cancelled(
+    kafka: str, kafka_helper: KafkaHelper, topic_factory: TopicFactory, policy_file: PolicyFile, tmp_path: Path
+) -> None:
+    """At-least-once, no state topic, one record per batch: after kill -9 and a lost state dir the control
+    log is read again, and the nack is due by then. Its accepted record comes back a batch before the
+    cancel's: a control partition delivers nothing until it has read back to its commit."""
+    topic, control = topic_factory("cancelnackdue"), f"ctl-{uuid.uuid4().hex[:8]}"
+    port, group, state = free_port(), f"g-{topic}", tmp_path / "state"
+    args = run_args(kafka, policies(topic, policy_file), state, port, group, "--control-topic", control,
+                    "--state-topic", "none", "--batch-size", "1")  # fmt: skip
+    sidecar = SidecarProcess(args, tmp_path / "log")
+    kafka_helper.produce(topic, b"v0")
+    kafka_helper.flush()
+    producer = Producer({"bootstrap.servers": kafka})
+    base = {"topic": topic, "partition": 0, "offset": 0}
+    try:
+        sidecar.start()
+        assert len(kafka_helper.read(f"{topic}.billing", 1, timeout_s=60)) == 1, sidecar.tail()
+        nack_at = int(time.time() * 1000) + 4_000
+        command(producer, control, {**base, "type": "nack", "subscription": "billing", "deliver_at": nack_at})
+        command(producer, control, {**base, "type": "cancel", "id": "c"})
+        assert producer.flush(10) == 0
+        wait_for(lambda: len(outcomes(kafka_helper, control)) == 1, 60, "the answer")
+        time.sleep(1.0)  # a commit after the answer
+        sidecar.kill()
+        shutil.rmtree(state)
+        wait_for(lambda: time.time() * 1000 > nack_at + 1_000, 30, "the nack's time passed")
+        sidecar.start()
+        wait_for(lambda: scrape(port, "delay_sidecar_assigned_partitions") > 0, 60, "serving again")
+        time.sleep(3.0)  # a redelivery would come now
+        assert sidecar.stop() == 0, sidecar.tail()
+    finally:
+        sidecar.close()
+    assert outcomes(kafka_helper, control)["c"][0]["outcome"] == "cancelled"
+    assert by_offset(kafka_helper.read_to_end(f"{topic}.billing")) == Counter({0: 1}), "redelivered after cancel"
