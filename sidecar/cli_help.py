@@ -36,6 +36,7 @@ METAVARS: dict[str, str] = {
     "control_topic": "TOPIC",
     "state_topic": "TOPIC",
     "control_dead_letter_topic": "TOPIC",
+    "outcomes_topic": "TOPIC",
     "max_delay": "DURATION",
     "fixed_delay": "DURATION",
     "topics": "TOPIC[,TOPIC...]",
