@@ -121,6 +121,9 @@ def test_a_worker_killed_under_load_is_restarted_and_nothing_is_lost(
         running = list(workers(supervisor).values())
         assert supervisor.stop() == 0, supervisor.tail()
         assert all(gone(p) for p in running), "a worker outlived its supervisor's SIGTERM"
+    except AssertionError as e:
+        # Once in six suite runs the workers' group join did not complete in 90 s: keep the evidence.
+        raise AssertionError(f"{e}\n--- supervisor and workers' log ---\n{supervisor.tail()}") from None
     finally:
         supervisor.close()
     exact = guarantee == "exactly-once"
