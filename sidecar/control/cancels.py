@@ -170,18 +170,18 @@ class Request:
     cancelled (they count as cancelled in the outcome, whatever the first delivery did)."""
 
     def encode(self) -> bytes:
-        return _dump(
-            {
-                "nacks": list(self.nacks),
-                "kind": self.kind,
-                "offset": self.offset,
-                "subscription": self.subscription,
-                "id": self.id,
-                "deliver_at": self.deliver_at,
-                "source": list(self.source),
-                "key": self.key.decode("latin-1") if self.key is not None else None,
-            }
-        )
+        data: dict[str, Any] = {
+            "kind": self.kind,
+            "offset": self.offset,
+            "subscription": self.subscription,
+            "id": self.id,
+            "deliver_at": self.deliver_at,
+            "source": list(self.source),
+            "key": self.key.decode("latin-1") if self.key is not None else None,
+        }
+        if self.nacks:  # rare: only a cancel of a nacked message
+            data["nacks"] = list(self.nacks)
+        return _dump(data)
 
     @classmethod
     def decode(cls, raw: bytes | None, default_control: str) -> "Request | None":

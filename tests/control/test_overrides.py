@@ -192,3 +192,13 @@ def test_25_malformed_commands_are_refused_with_invalid_command(body: dict[str, 
         parse_command(raw)
     assert refused.value.code == INVALID_COMMAND
     assert message_kind(raw) == body["type"], "answered on the outcomes topic, not dead-lettered"
+
+
+def test_a_request_round_trips_with_and_without_cancelled_nacks_and_reads_the_older_form() -> None:
+    plain = Request("cancel", 7, None, "c1", None, ("payments.control", 2, 40), b"t/0/7")
+    with_nacks = Request("cancel", 7, "billing", None, None, ("payments.control", 2, 41), None, ("billing",))
+    for request in (plain, with_nacks):
+        assert Request.decode(request.encode(), "default") == request
+    assert b"nacks" not in plain.encode()
+    older = b'{"kind":"cancel","offset":7,"subscription":null,"id":null,"deliver_at":null,"source":[2,40],"key":null}'
+    assert Request.decode(older, "default") == Request("cancel", 7, None, None, None, ("default", 2, 40), None)
