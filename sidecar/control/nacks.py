@@ -39,9 +39,9 @@ class _Changes:
 class LatestNacks:
     def __init__(self, changelog: bool = False) -> None:
         """`changelog`: keep the changes for the state topic (taken at each checkpoint by `take`)."""
-        self._latest: dict[tuple[str, str, int, int], tuple[str, int, int, int, int, int]] = {}
+        self._latest: dict[tuple[str, str, int, int], tuple[str, int, int, int, int, int, bool]] = {}
         """Message -> (control topic, partition, command offset, accepted-record offset, deliver-at,
-        redelivery count of the command) of the nack in force."""
+        redelivery count of the command, cancelled) of the nack in force."""
         self._changes: dict[TopicPartitionKey, _Changes] | None = {} if changelog else None
 
     def accept(self, nack: AcceptedNack, offset: int) -> None:
@@ -108,7 +108,7 @@ class LatestNacks:
         found = {}
         for sub in subscriptions:
             entry = self._latest.get((sub, topic, partition, offset))
-            if entry is not None:
+            if entry is not None and not entry[6]:  # (a cancel's entry stands until it is settled)
                 found[sub] = (entry[4], entry[5] + 1)
         return found
 
@@ -132,6 +132,7 @@ class LatestNacks:
                 offset,
                 nack.deliver_at,
                 nack.command.redelivery_count,
+                nack.cancelled,
             )
             changes = self._of(where) if journal else None
             if changes is not None:

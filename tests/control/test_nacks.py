@@ -101,3 +101,13 @@ def test_control_topics_with_the_same_partition_numbers_are_kept_apart() -> None
     latest.forget_partition(C0)
     assert len(latest) == 1 and latest.take(("payments.control", 0), -1) == ([(8, payments.encode())], [])
     assert not latest.claim(orders, 8) and latest.claim(payments, 8)
+
+
+def test_a_cancelled_acceptance_is_no_pending_nack_even_before_it_is_settled() -> None:
+    latest = LatestNacks()
+    latest.accept(nack(5, (0, 10), deliver_at=9_000), 10)
+    assert latest.pending_for("orders", 0, 5, ["billing", "fraud"]) == {"billing": (9_000, 1)}
+    cancel = AcceptedNack(NackCommand("billing", "orders", 0, 5, None, 6_000, 0), 6_000, ("control", 0, 11), True)
+    latest.accept(cancel, 11)
+    assert latest.pending_for("orders", 0, 5, ["billing"]) == {}
+    assert not latest.claim(nack(5, (0, 10), deliver_at=9_000), 10) and latest.claim(cancel, 11)
