@@ -25,6 +25,7 @@ from sidecar.control.commands import (
     AcceptedNack,
     NackCommand,
     accepted_key,
+    cancelled_acceptances,
     check_max_delay,
     parse_accepted,
     parse_command,
@@ -176,19 +177,13 @@ class Acceptance:
         routes = self._routes().get(command.topic)
         if routes is None:
             return ()
-        subs = [command.subscription] if command.subscription else [s.name for s in routes.route.subscriptions]
+        subs = command.named(s.name for s in routes.route.subscriptions)
         pending = self._nacks.pending_for(command.topic, command.partition, command.offset, subs)
         if not pending:
             return ()
         at = record.timestamp()[1] if record.timestamp()[1] > 0 else self._clock.now_ms()
         key = record.offset()
-        source = (record.topic(), record.partition(), key)
-        markers = [
-            AcceptedNack(
-                NackCommand(sub, command.topic, command.partition, command.offset, None, at, 0), at, source, True
-            )
-            for sub in pending
-        ]
+        markers = cancelled_acceptances(command, pending, at, (record.topic(), record.partition(), key))
         for marker in markers:
             self._write_accepted(record, marker)
             self._nacks.accept(marker, key)

@@ -20,6 +20,7 @@ naming its consumer group, so other groups, the audit and the intake skip it.
 """
 
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -102,6 +103,10 @@ class MessageCommand:
     @property
     def ref(self) -> CommandRef:
         return CommandRef(self.kind, self.topic, self.partition, self.offset, self.id)
+
+    def named(self, subscriptions: Iterable[str]) -> list[str]:
+        """The subscriptions it is for: the one it names, else all of the topic's `subscriptions`."""
+        return [self.subscription] if self.subscription else list(subscriptions)
 
     def new_deliver_at(self, sent_ms: int) -> int:
         """A reschedule's deliver-at: as sent, or the command's timestamp plus delay_ms."""

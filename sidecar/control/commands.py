@@ -6,6 +6,7 @@ subscription and the message exist is for the caller, who knows the policies and
 
 import json
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -128,6 +129,15 @@ class AcceptedNack:
             f'"deliver_at":{self.deliver_at},"redelivery_count":{c.redelivery_count},'
             f'"command_partition":{self.source[1]},"command_offset":{self.source[2]}{cancelled}}}'
         ).encode()
+
+
+def cancelled_acceptances(
+    command: MessageCommand, subscriptions: Iterable[str], at: int, source: ControlPosition
+) -> list[AcceptedNack]:
+    """What a cancel at `source` writes (and its index entry stands for) to take back the message's
+    pending nacks: one cancelled acceptance per subscription, in force from `at`."""
+    message = (command.topic, command.partition, command.offset)
+    return [AcceptedNack(NackCommand(sub, *message, None, at, 0), at, source, True) for sub in subscriptions]
 
 
 _QUOTED: dict[tuple[str, str], str] = {}

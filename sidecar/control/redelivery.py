@@ -17,6 +17,7 @@ from sidecar.control.commands import (
     UNKNOWN_SUBSCRIPTION,
     AcceptedNack,
     NackCommand,
+    cancelled_acceptances,
     parse_accepted,
     parse_command,
 )
@@ -114,16 +115,8 @@ class Redelivery:
         if command.kind != "cancel":
             return None
         routes = self._routes().get(command.topic)
-        subs = [s.name for s in routes.route.subscriptions] if routes is not None else []
-        return [
-            AcceptedNack(
-                NackCommand(sub, command.topic, command.partition, command.offset, None, deliver_at, 0),
-                deliver_at,
-                (*where, offset),
-                True,
-            )
-            for sub in ([command.subscription] if command.subscription else subs)
-        ]
+        names = [s.name for s in routes.route.subscriptions] if routes is not None else []
+        return cancelled_acceptances(command, command.named(names), deliver_at, (*where, offset))
 
     def redeliver(self, accepted: list[tuple[int, AcceptedNack]]) -> None:
         """[(index key, nack)]: the ones still in force go out now."""
