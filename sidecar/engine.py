@@ -339,11 +339,13 @@ class Sidecar:
         self.metrics.policy_generation.set(policies.generation)
         self.metrics.export_topics(list(routes))
         self._controls.update(policies)
-        commits = self._admin.group_offsets(self._group_id) if first else None
-        if commits is not None:
-            self._controls.add(retired(commits, self._admin.existing(), self._controls.read))
         self._admin.ensure(policies, self._controls.with_side_topics())
-        if commits is not None:
+        if first:
+            commits = self._admin.group_offsets(self._group_id)
+            # Control topics no policy names that still hold pending nacks exist already (ensure
+            # counted them): only their dead-letter and outcomes topics may still be missing.
+            if self._controls.add(retired(commits, self._admin.partitions, self._controls.read)):
+                self._admin.ensure(policies, self._controls.with_side_topics())
             self._draining.update(self._removed_while_down(commits, policies))
         for topic in back:
             self._serve_again(topic)
