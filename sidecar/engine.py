@@ -456,15 +456,18 @@ class Sidecar:
             self._roll.adopt((state.topic, state.partition), min(tail, committed))
         return tail
 
-    def _fence_earlier(self, transactional_id: str) -> None:
+    def _fence_earlier(self, transactional_id: str) -> bool:
         """A partition last committed by another producer of this identity: a zombie (the same
-        --instance-id on another host, or an earlier run whose state dir is gone). Fence it once."""
+        --instance-id on another host, or an earlier run whose state dir is gone). Fence it once;
+        True when that happened now."""
         ids = self._ids
         if ids is None or transactional_id == self._writer.transactional_id or transactional_id in self._fenced:
-            return
-        if ids.owns(transactional_id):
-            self._writer.fence(transactional_id)
+            return False
+        fenced = ids.owns(transactional_id)
+        if fenced:
+            self._writer.fence(transactional_id)  # raises when it could not: tried again next time
         self._fenced.add(transactional_id)
+        return fenced
 
     def _on_handoff(self, event: str, moved: int, owned: int) -> None:
         self.metrics.handoffs.labels(event).inc(moved)

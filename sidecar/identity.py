@@ -14,7 +14,8 @@ whatever transaction it left open, so the last stable offset moves on. Fencing a
 to another state dir (the same --instance-id on another host) is done at assignment, from the
 commit metadata (`CommitMetadata.producer`): each producer has its name committed for every
 partition it is assigned, before it writes for them, even for a partition whose rebuild commits
-nothing yet (`PartitionState.claim_point`). On Kafka, fencing by consumer group generation
+nothing yet (`PartitionState.claim_point`). The zombie commits until its fence, so the commits
+are read again after it (`Assignment._commits`). On Kafka, fencing by consumer group generation
 (KIP-447) is what keeps a zombie's offsets out after a rebalance; the ids only need to be unique.
 """
 

@@ -20,6 +20,7 @@ import pytest
 from sidecar.broker.embedded import free_port
 from sidecar.identity import IDS_FILE
 from sidecar.inbound.rebuild import Rebuilder
+from sidecar.outbound.writer import Writer
 from sidecar.partitions.metadata import CommitMetadata
 from sidecar.settings import RunSettings
 from tests.kafka_helpers import (
@@ -137,6 +138,55 @@ def test_a_zombie_is_fenced_and_its_writes_never_become_visible(
     assert "fenced" in woken, woken[-3000:]  # by the producer's epoch or the group's instance id
     assert_once_each(kafka_helper, f"{topic}.a", count)
     assert_once_each(kafka_helper, f"{topic}.o", count)
+
+
+def test_a_zombie_that_commits_between_the_read_of_the_commit_and_its_fence_is_not_delivered_twice(
+    kafka: str,
+    kafka_helper: KafkaHelper,
+    topic_factory: TopicFactory,
+    policy_file: PolicyFile,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """B takes A's partitions (A's instance id, another host): it reads the commit, which names A's
+    producer, and fences that producer. A keeps delivering and committing until the fence, so the
+    commit B read first may be stale by then; starting from it delivers A's last transactions again
+    (found by the chaos test's zombie step: 274 duplicates). Here A's commit is made to move between
+    B's read and B's fence, every time."""
+    topic = topic_factory("race", partitions=2)
+    policies = policy_file(f"topics:\n  {topic}:\n    subscriptions: {{a: {{}}}}\n")
+    group, count, member = f"g-{topic}", 3_000, f"member-{uuid.uuid4().hex[:6]}"
+    (tmp_path / "host-a").mkdir()
+    args = run_args(kafka, policies, tmp_path / "a", free_port(), group, "--instance-id", member, *EXACTLY_ONCE)
+    a = SidecarProcess(args, tmp_path / "a.log", env={"TMPDIR": str(tmp_path / "host-a")})
+    produce_mixed(kafka_helper, topic, count, int(time.time() * 1000) + 2_000, 20_000)
+    real_fence = Writer.fence
+    moved: list[bool] = []
+
+    def fence_after_a_commit(self: Writer, transactional_id: str) -> None:
+        if not moved and a.process is not None and a.process.poll() is None:
+            read = committed(kafka, group, topic, 2)
+            changed = lambda: committed(kafka, group, topic, 2) != read  # noqa: E731
+            deadline = time.monotonic() + 30
+            while not changed() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            moved.append(changed())
+        real_fence(self, transactional_id)
+        a.kill()  # fenced: before its next engine fences B in turn
+
+    monkeypatch.setattr(Writer, "fence", fence_after_a_commit)
+    settings = settings_for(kafka, policies, tmp_path / "b", group_id=group, instance_id=member,
+                            processing_guarantee="exactly-once")  # fmt: skip
+    try:
+        a.start()
+        wait_for(lambda: outbound_end(kafka_helper, f"{topic}.a", 2) > count // 2 + 100, 60, "A delivering")
+        with ThreadedSidecar(settings) as b:
+            wait_for(lambda: outbound_end(kafka_helper, f"{topic}.a", 2) >= count, 90, "every record delivered")
+            wait_for(lambda: b.metric("delay_sidecar_tracked_messages", topic=topic) == 0, 60, "B's last delivery")
+    finally:
+        a.close()
+    assert moved == [True], "A's commit never moved between B's read and its fence: the race was not run"
+    assert_once_each(kafka_helper, f"{topic}.a", count)
 
 
 def test_a_rebuilding_partition_names_its_new_producer_in_the_commit_before_it_writes(

@@ -7,13 +7,15 @@ from dataclasses import replace
 
 from confluent_kafka import Consumer, KafkaException, TopicPartition
 
-from sidecar.errors import BrokerError, SidecarError
+from sidecar.errors import BrokerError, ConfigError, SidecarError
 from sidecar.partitions.metadata import CommitMetadata
 from sidecar.partitions.state import PartitionState, Restore
 from sidecar.policy.routes import IntakeRule
 from sidecar.tracker.base import DelayedDeliveryTracker
 
 logger = logging.getLogger(__name__)
+
+MAX_FENCE_ROUNDS = 5
 
 
 class Assignment:
@@ -35,11 +37,12 @@ class Assignment:
         incremental: bool = False,
         on_handoff: Callable[[str, int, int], None] | None = None,
         restore: Restore | None = None,
-        fence: Callable[[str], None] | None = None,
+        fence: Callable[[str], bool] | None = None,
         load_rules: Callable[[str, str], tuple[tuple[int, IntakeRule], ...] | None] | None = None,
     ) -> None:
         """`fence`: exactly-once mode, called with the transactional.id of each assigned partition's
-        last commit, before the partition is read (a zombie of this identity must not commit)."""
+        last commit, before the partition is read (a zombie of this identity must not commit); True
+        when it fenced that producer now, False when it was fenced before or is not this identity's."""
         self.states: dict[tuple[str, int], PartitionState] = {}
         self._fence = fence
         self._load_rules = load_rules
@@ -65,7 +68,7 @@ class Assignment:
     def on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         starts = []
         assigned: list[PartitionState] = []
-        for tp in consumer.committed(partitions, timeout=30):
+        for tp in self._commits(consumer, partitions):
             key = (tp.topic, tp.partition)
             state = self.states.get(key)
             if state is None:
@@ -77,11 +80,6 @@ class Assignment:
             metadata = CommitMetadata.decode(tp.metadata)
             if metadata.rules_ref is not None:
                 metadata = self._full_rules(state.name, metadata)
-            if self._fence is not None and metadata.producer is not None and self.error is None:
-                try:
-                    self._fence(metadata.producer)
-                except SidecarError as e:  # raised by the engine after poll, not into librdkafka
-                    self.failed, self.error = True, e
             start = state.start(committed, metadata, self._restore)
             if metadata.commands and not state.control:
                 try:
@@ -110,6 +108,30 @@ class Assignment:
             finally:
                 for state in assigned:
                     state.claiming = False
+
+    def _commits(self, consumer: Consumer, partitions: list[TopicPartition]) -> list[TopicPartition]:
+        """The partitions' commits, read again after fencing the producers they name until they name
+        none left to fence. A zombie keeps committing until its fence, so the commit read before it
+        may be stale, and starting from that one delivers the zombie's last transactions twice."""
+        found: list[TopicPartition] = consumer.committed(partitions, timeout=30)
+        if self._fence is None or self.error is not None:
+            return found
+        for _ in range(MAX_FENCE_ROUNDS):
+            named = {CommitMetadata.decode(tp.metadata).producer for tp in found}
+            try:
+                fenced = [producer for producer in sorted(p for p in named if p is not None) if self._fence(producer)]
+            except SidecarError as e:  # raised by the engine after poll, not into librdkafka
+                self.failed, self.error = True, e
+                return found
+            if not fenced:
+                return found
+            found = consumer.committed(partitions, timeout=30)
+        self.failed = True
+        self.error = ConfigError(
+            f"the commits kept naming new producers of this identity through {MAX_FENCE_ROUNDS} fences: another "
+            "live sidecar runs with this --instance-id. Give each sidecar its own --instance-id"
+        )
+        return found
 
     @staticmethod
     def _end_of(consumer: Consumer, tp: TopicPartition) -> int:
