@@ -189,7 +189,10 @@ def test_a_topic_back_in_the_policies_mid_drain_delivers_what_was_not_dead_lette
     path = policy_file(policy(topic))
     pending = 40_000
     with ThreadedSidecar(settings_for(kafka, path, tmp_path)) as sidecar:
-        soon = int(time.time() * 1000) + 5_000  # any time would do: a record delivered before is not pending
+        # Due well after the removal: a record delivered before it is not pending, and with none pending
+        # there is no drain to interrupt. Under the full suite's load, producing and indexing these
+        # took 4.7 s, and with 5 s here they were delivered before the drain began.
+        soon = int(time.time() * 1000) + 20_000
         for i in range(pending):
             kafka_helper.produce(topic, f"v{i}".encode(), headers=[("deliver-at", str(soon))])
         kafka_helper.flush()
