@@ -22,6 +22,7 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, Message,
 from sidecar.broker.admin import TopicAdmin
 from sidecar.checkpoint import checkpoint
 from sidecar.clock import Clock, SystemClock
+from sidecar.collector import Collector
 from sidecar.control.acceptance import Acceptance
 from sidecar.control.forwarding import Forwarding
 from sidecar.control.intake import ControlIntake
@@ -68,6 +69,8 @@ TrackerFactory = Callable[[str, int], DelayedDeliveryTracker]
 # Longest the loop blocks waiting for records: bounds how late a stop request or a policy change
 # is noticed. Due deliveries wake the loop earlier by shortening the wait.
 MAX_WAIT_S = 0.1
+# The wait reported when nothing is due at all (for the garbage collector: time for a full pass).
+IDLE_WAIT_S = 60.0
 # The pending-by-due-time gauges are refreshed at most this often (a pass over the index's segment tables).
 DUE_GAUGES_EVERY_S = 10.0
 STALL_WAIT_S = 0.05
@@ -264,28 +267,32 @@ class Sidecar:
             self._apply(self._policies())
             self.running, self._state = True, ""
             last_checkpoint = time.monotonic()
-            while not self._stop.is_set():
-                self._turned = time.monotonic()
-                policies = self._policies()  # one generation judges this whole batch
-                if policies.generation != self._generation:
-                    self._apply(policies)
-                self._dispatch_due()  # due first: after a restart, what fell due while down goes out first
-                records = consume_batch(self._consumer, self._batch_size, self._wait_s())
-                self._answer_questions()
-                if self._assignment.error is not None:
-                    raise self._assignment.error
-                if self._draining:
-                    self._adopt_drains()  # partitions of removed topics just assigned: before intake
-                for start in range(0, len(records), INTAKE_SLICE):
-                    if start:
-                        self._dispatch_due(read_ahead=False)  # what fell due meanwhile goes out first
-                    self._receiver.take(records[start : start + INTAKE_SLICE])
-                self._drains.turn()  # a slice of dead-lettering for removed topics
-                self._watch_connectivity(records)
-                if time.monotonic() - last_checkpoint >= self._commit_interval_s:
-                    self._checkpoint()
-                    last_checkpoint = time.monotonic()
-                    self._retire_drained()
+            records: list[Message] = []
+            with Collector(self._observe_collection) as collector:
+                while not self._stop.is_set():
+                    self._turned = time.monotonic()
+                    policies = self._policies()  # one generation judges this whole batch
+                    if policies.generation != self._generation:
+                        self._apply(policies)
+                    self._dispatch_due()  # due first: after a restart, what fell due while down goes out first
+                    wait = self._wait_s()
+                    collector.between_turns(wait, idle=not records)
+                    records = consume_batch(self._consumer, self._batch_size, min(wait, MAX_WAIT_S))
+                    self._answer_questions()
+                    if self._assignment.error is not None:
+                        raise self._assignment.error
+                    if self._draining:
+                        self._adopt_drains()  # partitions of removed topics just assigned: before intake
+                    for start in range(0, len(records), INTAKE_SLICE):
+                        if start:
+                            self._dispatch_due(read_ahead=False)  # what fell due meanwhile goes out first
+                        self._receiver.take(records[start : start + INTAKE_SLICE])
+                    self._drains.turn()  # a slice of dead-lettering for removed topics
+                    self._watch_connectivity(records)
+                    if time.monotonic() - last_checkpoint >= self._commit_interval_s:
+                        self._checkpoint()
+                        last_checkpoint = time.monotonic()
+                        self._retire_drained()
             self._checkpoint()
             clean = True
         finally:
@@ -525,19 +532,23 @@ class Sidecar:
         self._writer.poll()
 
     def _wait_s(self) -> float:
-        """How long intake may block: until the dispatcher's next delivery or read-ahead, or the next nack."""
+        """Until the dispatcher's next delivery or read-ahead, or the next nack: how long intake may
+        block (at most MAX_WAIT_S), and whether there is time for a full garbage collection."""
         states = self._delivering()
         times = [t for s in states if s.control and (t := s.tracker.next_delivery_time()) is not None]
         trackers = {(s.topic, s.partition): s.tracker for s in states if not s.control}
         wake = self._dispatcher.next_wake_ms(trackers, self._runs())
         if wake is not None:
             times.append(wake)
-        wait = MAX_WAIT_S if not times else min(max((min(times) - self.clock.now_ms()) / 1000, 0.0), MAX_WAIT_S)
+        wait = IDLE_WAIT_S if not times else max((min(times) - self.clock.now_ms()) / 1000, 0.0)
         if (self._roll is not None and self._roll.busy) or self._drains.busy:
             wait = 0.0  # the roll, and the drains of removed topics, take a slice per turn
         # A tracker whose next segment failed to load reports a due entry it cannot pop yet: wait
         # for its retry rather than spin.
         return max(wait, self._stalled_until - time.monotonic())
+
+    def _observe_collection(self, reason: str, seconds: float) -> None:
+        self.metrics.gc_pauses.labels(reason).observe(seconds)
 
     def _runs(self) -> dict[tuple[str, int], Runs[Message]]:
         return {(s.topic, s.partition): s.runs for s in self._delivering() if s.runs}

@@ -144,6 +144,14 @@ class Metrics:
             buckets=OP_BUCKETS,
             registry=r,
         )
+        self.gc_pauses = Histogram(
+            PREFIX + "gc_full_collection_seconds",
+            "Full passes of Python's garbage collector, by reason (idle: between deliveries; due: the longest "
+            "interval ran out under load); the loop delivers nothing meanwhile",
+            ["reason"],
+            buckets=OP_BUCKETS,
+            registry=r,
+        )
         self.buckets = Gauge(PREFIX + "bucket_count", "Buckets of the delayed index", ["topic"], registry=r)
         self.loaded_indexes = Gauge(
             PREFIX + "bucket_loaded_indexes", "Index entries held in memory", ["topic"], registry=r
