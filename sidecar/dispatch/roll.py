@@ -17,9 +17,8 @@ slice per loop turn, like the read-ahead, so deliveries never wait behind it.
 A partition whose index was restored from the state topic has none of its payloads on its new
 owner, and gets a catch-up pass of its own at once (`adopt`), in two reads:
 
-1. the first read takes the entries due first that the index gives (`peek`, up to MAX_KNOWN in
-   all: each bucket's loaded segment and the stored ones after it), with their deliver-at, and
-   caches their payloads;
+1. the first read takes the entries the index holds in memory (the first segment of each bucket:
+   those due first) with the deliver-at the index gives them, and caches their payloads;
 2. the second reads the buckets through and judges every other pending record again, caching
    those due within the horizon.
 

@@ -112,28 +112,9 @@ def test_peek_shows_loaded_upcoming_entries_without_removing_them(
     ]
     assert tracker.peek(Due(now + 30, 11), now + 40, 2) == [Due(now + 35, 12), Due(now + 40, 6)]
     assert tracker.peek(None, now + 19, 10) == []
-    # Beyond the loaded segment: the stored segments of the window are read too (50 to 100 here).
-    assert tracker.peek(None, now + 100, 20) == sorted(Due(now + d, o) for o, d in enumerate(delays) if d <= 100)
     assert len(tracker) == len(delays)
     clock.advance(1000)
     assert tracker.pop_due(100) == sorted(Due(now + d, o) for o, d in enumerate(delays))
-
-
-def test_peek_reads_the_stored_segments_of_a_burst_and_skips_what_was_popped(
-    clock: ManualClock, storage: FakeSnapshotStorage
-) -> None:
-    """A burst due at one instant fills one window with many segments; only the first is loaded."""
-    tracker = make_tracker(clock, storage, max_buckets=50)
-    at = clock.now_ms() + 100
-    for offset in range(60):
-        tracker.add(offset, at)
-    assert tracker.stats().buckets >= 4
-    assert tracker.peek(None, at, 100) == [Due(at, o) for o in range(60)]
-    assert len(tracker.peek(None, at, 10)) == 10  # no more than asked for
-    clock.advance(100)
-    assert [d.offset for d in tracker.pop_due(25)] == list(range(25))
-    assert tracker.peek(None, at, 100) == [Due(at, o) for o in range(25, 60)]
-    assert tracker.peek(Due(at, 40), at, 100) == [Due(at, o) for o in range(41, 60)]  # from inside a stored segment
 
 
 # -- recovery ----------------------------------------------------------------------------------

@@ -7,7 +7,6 @@ writes those batches itself and hands a new bucket over with `add`.
 
 from __future__ import annotations
 
-import bisect
 import heapq
 import logging
 import time
@@ -84,15 +83,8 @@ class SealedBuckets:
         else:
             heapq.heapreplace(self.heap, (head, bucket.bucket_id))
 
-    def peek(self, low: int, limit: int, found: list[int], most: int) -> None:
-        """Append to `found` the pending keys above `low` and below `limit`: the loaded segments'
-        and, while `found` holds fewer than `most`, those of the segments after them.
-
-        A burst due in one second fills one time window with many segments, only the first of
-        which is loaded: reading the rest here lets the dispatcher read their payloads ahead of
-        time instead of when they fall due. They are read again when popped (a segment read is
-        one RocksDB get of two packed columns). A segment that cannot be read is left out: its
-        entries are read when popped, as the tracker's contract allows."""
+    def peek_loaded(self, low: int, limit: int, found: list[int]) -> None:
+        """Append to `found` the keys of the loaded segments above `low` and below `limit`."""
         for bucket in self.buckets:
             at, offsets = bucket.at, bucket.offsets
             for pos in range(bucket.pos, len(offsets)):
@@ -101,24 +93,6 @@ class SealedBuckets:
                     break
                 if key > low:
                     found.append(key)
-        for bucket in self.buckets:
-            meta, pending = bucket.meta, bucket.bitmap
-            for number in range(bucket.segment + 1, meta.segment_count):
-                if len(found) >= most or meta.min_key(number) >= limit:
-                    break
-                if meta.max_key(number) <= low:
-                    continue
-                try:
-                    segment = self._store.load_segment(bucket.bucket_id, number)
-                except StorageError:
-                    break
-                at, offsets = segment.deliver_at, segment.offsets
-                end = bisect.bisect_left(at, limit >> _SHIFT)
-                for i in range(bisect.bisect_left(at, low >> _SHIFT), end):
-                    o = offsets[i]
-                    key = at[i] << _SHIFT | o
-                    if key > low and o in pending:
-                        found.append(key)
 
     # -- deletes ----------------------------------------------------------------------------
 

@@ -249,10 +249,9 @@ class BucketTracker(DelayedDeliveryTracker):
     def peek(self, after: Due | None, until_ms: int, max_messages: int) -> list[Due]:
         """Entries due by until_ms and after `after`, without popping them.
 
-        Looks at the mutable bucket, each bucket's loaded segment and, up to `max_messages`,
-        the stored segments after it (SealedBuckets.peek). Entries of a segment that cannot be
-        read are left out, as the contract allows (they are read when popped). Nothing changes
-        but the order of the mutable bucket's recent adds.
+        Looks at what is in memory: the mutable bucket and each bucket's loaded segment. Entries
+        of segments not loaded yet are left out, as the contract allows (they are read when
+        popped). Nothing changes but the order of the mutable bucket's recent adds.
         """
         low = after.deliver_at << _SHIFT | after.offset if after is not None else -1
         limit = (until_ms + 1) << _SHIFT
@@ -260,7 +259,7 @@ class BucketTracker(DelayedDeliveryTracker):
         if mutable.unsorted_min_at <= until_ms:
             mutable.merge_unsorted()
         found: list[int] = list(mutable.sorted_keys.irange(low, limit, inclusive=(False, False)))
-        self._sealed.peek(low, limit, found, max_messages)
+        self._sealed.peek_loaded(low, limit, found)
         found.sort()
         return [Due(key >> _SHIFT, key & _MASK) for key in found[:max_messages]]
 
