@@ -118,12 +118,14 @@ class Assignment:
             return found
         for _ in range(MAX_FENCE_ROUNDS):
             named = {CommitMetadata.decode(tp.metadata).producer for tp in found}
+            fenced_now = False
             try:
-                fenced = [producer for producer in sorted(p for p in named if p is not None) if self._fence(producer)]
+                for producer in sorted(p for p in named if p is not None):
+                    fenced_now |= self._fence(producer)
             except SidecarError as e:  # raised by the engine after poll, not into librdkafka
                 self.failed, self.error = True, e
                 return found
-            if not fenced:
+            if not fenced_now:
                 return found
             found = consumer.committed(partitions, timeout=30)
         self.failed = True
