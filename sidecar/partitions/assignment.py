@@ -68,7 +68,7 @@ class Assignment:
     def on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         starts = []
         assigned: list[PartitionState] = []
-        for tp in self._commits(consumer, partitions):
+        for tp, commit in self._commits(consumer, partitions):
             key = (tp.topic, tp.partition)
             state = self.states.get(key)
             if state is None:
@@ -77,9 +77,7 @@ class Assignment:
                 state = PartitionState(tp.topic, tp.partition, tracker, control=control, exact=self._abort is not None)
                 self.states[key] = state
             committed = tp.offset if tp.offset >= 0 else None
-            metadata = CommitMetadata.decode(tp.metadata)
-            if metadata.rules_ref is not None:
-                metadata = self._full_rules(state.name, metadata)
+            metadata = commit if commit.rules_ref is None else self._full_rules(state.name, commit)
             start = state.start(committed, metadata, self._restore)
             if metadata.commands and not state.control:
                 try:
@@ -109,15 +107,18 @@ class Assignment:
                 for state in assigned:
                     state.claiming = False
 
-    def _commits(self, consumer: Consumer, partitions: list[TopicPartition]) -> list[TopicPartition]:
-        """The partitions' commits, read again after fencing the producers they name until they name
-        none left to fence. A zombie keeps committing until its fence, so the commit read before it
-        may be stale, and starting from that one delivers the zombie's last transactions twice."""
-        found: list[TopicPartition] = consumer.committed(partitions, timeout=30)
+    def _commits(
+        self, consumer: Consumer, partitions: list[TopicPartition]
+    ) -> list[tuple[TopicPartition, CommitMetadata]]:
+        """The partitions' commits with their metadata, read again after fencing the producers they
+        name until they name none left to fence. A zombie keeps committing until its fence, so the
+        commit read before it may be stale, and starting from that one delivers the zombie's last
+        transactions twice."""
+        found = _decoded(consumer.committed(partitions, timeout=30))
         if self._fence is None or self.error is not None:
             return found
         for _ in range(MAX_FENCE_ROUNDS):
-            named = {CommitMetadata.decode(tp.metadata).producer for tp in found}
+            named = {metadata.producer for _, metadata in found}
             fenced_now = False
             try:
                 for producer in sorted(p for p in named if p is not None):
@@ -127,7 +128,7 @@ class Assignment:
                 return found
             if not fenced_now:
                 return found
-            found = consumer.committed(partitions, timeout=30)
+            found = _decoded(consumer.committed(partitions, timeout=30))
         self.failed = True
         self.error = ConfigError(
             f"the commits kept naming new producers of this identity through {MAX_FENCE_ROUNDS} fences: another "
@@ -195,6 +196,10 @@ class Assignment:
             if state is not None:
                 self._forget(state)
                 state.tracker.close()
+
+
+def _decoded(commits: list[TopicPartition]) -> list[tuple[TopicPartition, CommitMetadata]]:
+    return [(tp, CommitMetadata.decode(tp.metadata)) for tp in commits]
 
 
 def _names(partitions: list[TopicPartition]) -> str:
