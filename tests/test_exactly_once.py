@@ -177,6 +177,8 @@ def test_a_zombie_that_commits_between_the_read_of_the_commit_and_its_fence_is_n
     monkeypatch.setattr(Writer, "fence", fence_after_a_commit)
     settings = settings_for(kafka, policies, tmp_path / "b", group_id=group, instance_id=member,
                             processing_guarantee="exactly-once")  # fmt: skip
+    create_topics(kafka, [f"{topic}.a"], 2)  # for the live reader to be assigned before the start
+    live = LiveReader(kafka, [f"{topic}.a"], 2)
     try:
         a.start()
         wait_for(lambda: outbound_end(kafka_helper, f"{topic}.a", 2) > count // 2 + 100, 60, "A delivering")
@@ -187,6 +189,7 @@ def test_a_zombie_that_commits_between_the_read_of_the_commit_and_its_fence_is_n
         a.close()
     assert moved == [True], "A's commit never moved between B's read and its fence: the race was not run"
     assert_once_each(kafka_helper, f"{topic}.a", count)
+    assert_records_once_each(live.finish()[f"{topic}.a"], "a (live reader)", count)
 
 
 def test_a_rebuilding_partition_names_its_new_producer_in_the_commit_before_it_writes(
