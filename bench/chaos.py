@@ -526,13 +526,16 @@ def run(plan: Plan, workdir: Path, log: Any = print, spark: SparkSession | None 
         producer.join(600)
         cancels.finish()
         deadline = time.monotonic() + 300 + plan.records / 1_000
-        while not visible(bootstrap, plan.records, nacks, cancels):
-            if time.monotonic() > deadline:
-                outcome.notes.append("not every record became visible before the deadline")
-                break
-            time.sleep(2)
+        # The nacker goes on nacking what it sees: stopped once every record is visible, the nacks
+        # are final, and the second wait covers the redeliveries of the last ones (due 1 to 5 s on).
+        for wait in ("records", "redeliveries"):
+            while not visible(bootstrap, plan.records, nacks, cancels):
+                if time.monotonic() > deadline:
+                    outcome.notes.append(f"not every record became visible before the deadline ({wait})")
+                    break
+                time.sleep(2)
+            nacks.stop()
         time.sleep(plan.commit_interval_ms / 1000 * 4)  # extras, if any, would come now
-        nacks.stop()
         cancels.stop()
         if nacks.error is not None:
             outcome.notes.append(f"nacker failed: {nacks.error!r}")
