@@ -27,6 +27,7 @@ from sidecar.control.commands import (
     accepted_key,
     cancelled_acceptances,
     check_max_delay,
+    moved_acceptances,
     parse_accepted,
     parse_command,
 )
@@ -130,7 +131,7 @@ class Acceptance:
                 self._metrics.nacks.labels("", rejected.code.lower()).inc()
             return
         if isinstance(parsed, MessageCommand):
-            self._forwarding.take(record, parsed, lambda r, c: self._cancel_nacks(r, c, state, due_now))
+            self._forwarding.take(record, parsed, lambda r, c, at: self._take_nacks(r, c, at, state, due_now))
             return
         command = parsed
         try:
@@ -168,12 +169,17 @@ class Acceptance:
             due_now.append((key, accepted))
         self._metrics.child(self._metrics.nacks, subscription, "accepted").inc()
 
-    def _cancel_nacks(
-        self, record: Message, command: MessageCommand, state: PartitionState, due_now: list[tuple[int, AcceptedNack]]
+    def _take_nacks(
+        self,
+        record: Message,
+        command: MessageCommand,
+        deliver_at: int | None,
+        state: PartitionState,
+        due_now: list[tuple[int, AcceptedNack]],
     ) -> tuple[str, ...]:
-        """A cancel takes back the message's pending nack redeliveries: a cancelled acceptance per
-        subscription, written and indexed like a nack at the cancel's offset, supersedes each one
-        (latest wins) and redelivers nothing. Returns the subscriptions it applied to."""
+        """A cancel takes back the message's pending nack redeliveries, a reschedule moves them to
+        `deliver_at`: an acceptance per subscription, written and indexed like a nack at the
+        command's offset, supersedes each one (latest wins). Returns the subscriptions it applied to."""
         routes = self._routes().get(command.topic)
         if routes is None:
             return ()
@@ -181,13 +187,17 @@ class Acceptance:
         pending = self._nacks.pending_for(command.topic, command.partition, command.offset, subs)
         if not pending:
             return ()
-        at = record.timestamp()[1] if record.timestamp()[1] > 0 else self._clock.now_ms()
         key = record.offset()
-        markers = cancelled_acceptances(command, pending, at, (record.topic(), record.partition(), key))
+        source = (record.topic(), record.partition(), key)
+        if deliver_at is None:  # a cancel, in force from its own timestamp
+            deliver_at = record.timestamp()[1] if record.timestamp()[1] > 0 else self._clock.now_ms()
+            markers = cancelled_acceptances(command, pending, deliver_at, source)
+        else:
+            markers = moved_acceptances(command, pending, deliver_at, source)
         for marker in markers:
             self._write_accepted(record, marker)
             self._nacks.accept(marker, key)
-        if not state.tracker.add(key, at):
+        if not state.tracker.add(key, deliver_at):
             due_now.extend((key, marker) for marker in markers)
         return tuple(pending)
 

@@ -171,8 +171,8 @@ class Request:
     key: bytes | None
     """The command's key, which its outcome carries too."""
     nacks: tuple[str, ...] = ()
-    """A cancel: the subscriptions whose pending nack redelivery the control partition's owner
-    cancelled (they count as cancelled in the outcome, whatever the first delivery did)."""
+    """The subscriptions whose pending nack redelivery the control partition's owner cancelled or
+    moved (they count as cancelled or rescheduled in the outcome, whatever the first delivery did)."""
 
     def encode(self) -> bytes:
         data: dict[str, Any] = {
@@ -184,7 +184,7 @@ class Request:
             "source": list(self.source),
             "key": self.key.decode("latin-1") if self.key is not None else None,
         }
-        if self.nacks:  # rare: only a cancel of a nacked message
+        if self.nacks:  # rare: only a cancel or reschedule of a nacked message
             data["nacks"] = list(self.nacks)
         return _dump(data)
 
@@ -291,8 +291,8 @@ class OutcomeRecord:
     code: str | None = None
     message: str | None = None
     nacks: tuple[str, ...] = ()
-    """cancelled: the subscriptions whose pending nack redelivery it took back (their first delivery
-    had gone out already)."""
+    """cancelled / rescheduled: the subscriptions whose pending nack redelivery it took back or
+    moved (their first delivery had gone out already)."""
 
     def encode(self) -> bytes:
         data: dict[str, Any] = {

@@ -140,6 +140,19 @@ def cancelled_acceptances(
     return [AcceptedNack(NackCommand(sub, *message, None, at, 0), at, source, True) for sub in subscriptions]
 
 
+def moved_acceptances(
+    command: MessageCommand, pending: dict[str, tuple[int, int]], at: int, source: ControlPosition
+) -> list[AcceptedNack]:
+    """What a reschedule at `source` writes to move the message's pending nacks to `at`: one
+    acceptance per subscription (`pending`: sub -> (deliver-at, redelivery count it will carry)),
+    carrying the redelivery count of the nack it supersedes."""
+    message = (command.topic, command.partition, command.offset)
+    return [
+        AcceptedNack(NackCommand(sub, *message, None, at, carries - 1), at, source)
+        for sub, (_, carries) in pending.items()
+    ]
+
+
 _QUOTED: dict[tuple[str, str], str] = {}
 _MAX_QUOTED = 10_000
 

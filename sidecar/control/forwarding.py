@@ -40,8 +40,9 @@ from sidecar.policy.routes import Routes
 
 logger = logging.getLogger(__name__)
 
-CancelNacks = Callable[[Message, MessageCommand], tuple[str, ...]]
-"""Cancel a message's pending nacks (at the control partition's owner); the subscriptions they were for."""
+TakeNacks = Callable[[Message, MessageCommand, int | None], tuple[str, ...]]
+"""Cancel a message's pending nacks, or move them to a reschedule's new deliver-at (at the control
+partition's owner); the subscriptions they were for."""
 
 
 class Forwarding:
@@ -64,11 +65,12 @@ class Forwarding:
         self._clock = clock
         self._ends: dict[TopicPartitionKey, int] = {}
 
-    def take(self, record: Message, command: MessageCommand, cancel_nacks: CancelNacks) -> None:
+    def take(self, record: Message, command: MessageCommand, take_nacks: TakeNacks) -> None:
         """Check one command: refuse it here, or forward it to the message's partition.
 
-        A cancel first takes back the message's pending nack redeliveries, which this member holds:
-        commands for one message share its key, so its nacks are in this control partition."""
+        A cancel first takes back the message's pending nack redeliveries, and a reschedule moves
+        them, as this member holds them: commands for one message share its key, so its nacks are in
+        this control partition."""
         sent_ms = record.timestamp()[1]
         if sent_ms <= 0:
             sent_ms = self._clock.now_ms()
@@ -82,7 +84,7 @@ class Forwarding:
             self.refuse(record, command.ref, UNKNOWN_MESSAGE_OUTCOME, None, "the partition has no such offset")
             return
         source = (record.topic(), record.partition(), record.offset())
-        nacks = cancel_nacks(record, command) if command.kind == "cancel" else ()
+        nacks = take_nacks(record, command, deliver_at)
         request = Request(
             command.kind, command.offset, command.subscription, command.id, deliver_at, source, record.key(), nacks
         )

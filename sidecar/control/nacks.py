@@ -14,26 +14,32 @@ An entry is written when its accepted record is read and tombstoned when it stop
   checkpoint), so a restore never revives a superseded nack;
 - once redelivered (or dropped at due time), only after a commit whose delivered watermark covers
   it: a restore takes the committed watermark, and must still find every nack it does not cover.
+
+An entry is named by its index offset *and* its subscription: a cancel or a reschedule indexes one
+acceptance per subscription at its own offset, and each lives or dies on its own.
 """
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from sidecar.control.commands import AcceptedNack
+from sidecar.control.commands import AcceptedNack, NackCommand
 from sidecar.partitions import TopicPartitionKey
 from sidecar.tracker.base import pack
+
+Entry = tuple[int, str]
+"""A changelog entry's name: (index offset, subscription)."""
 
 
 @dataclass
 class _Changes:
     """What the state topic has not been told yet about one control partition's nacks."""
 
-    upserts: dict[int, AcceptedNack] = field(default_factory=dict)
-    """Accepted-record offset -> the nack, pending."""
-    dead: set[int] = field(default_factory=set)
-    """Accepted-record offsets whose entries must go (superseded, or settled and covered)."""
-    settled: list[tuple[int, int]] = field(default_factory=list)
-    """(packed deliver-at and offset, offset) of settled nacks, waiting for a commit to cover them."""
+    upserts: dict[Entry, AcceptedNack] = field(default_factory=dict)
+    """Entry -> the nack, pending."""
+    dead: set[Entry] = field(default_factory=set)
+    """Entries that must go (superseded, or settled and covered)."""
+    settled: list[tuple[int, Entry]] = field(default_factory=list)
+    """(packed deliver-at and offset, entry) of settled nacks, waiting for a commit to cover them."""
 
 
 class LatestNacks:
@@ -61,15 +67,15 @@ class LatestNacks:
         """True when this due nack is still the latest for its message; it is then settled."""
         changes = self._of(nack.source[:2])
         if changes is not None:
-            changes.settled.append((pack(nack.deliver_at, offset), offset))
+            changes.settled.append((pack(nack.deliver_at, offset), (offset, nack.command.subscription)))
         current = self._latest.get(nack.command.message_key)
         if current is None or current[:3] != nack.source:
             return False
         del self._latest[nack.command.message_key]
         return True
 
-    def take(self, partition: TopicPartitionKey, covered: int) -> tuple[list[tuple[int, bytes]], list[int]]:
-        """(entries to write as (offset, accepted record), offsets to tombstone) for a control partition.
+    def take(self, partition: TopicPartitionKey, covered: int) -> tuple[list[tuple[Entry, bytes]], list[Entry]]:
+        """(entries to write with their accepted record, entries to tombstone) for a control partition.
 
         `covered`: the delivered watermark that the commit going with these records (exactly
         once), or the last commit before them (at least once), makes durable.
@@ -78,22 +84,22 @@ class LatestNacks:
         if changes is None:
             return [], []
         waiting = []
-        for key, offset in changes.settled:
+        for key, entry in changes.settled:
             if key <= covered:
-                changes.dead.add(offset)
-                changes.upserts.pop(offset, None)
+                changes.dead.add(entry)
+                changes.upserts.pop(entry, None)
             else:
-                waiting.append((key, offset))
-        upserts = sorted((offset, nack.encode()) for offset, nack in changes.upserts.items())
+                waiting.append((key, entry))
+        upserts = sorted((entry, nack.encode()) for entry, nack in changes.upserts.items())
         dead = sorted(changes.dead)
         changes.upserts, changes.dead, changes.settled = {}, set(), waiting
         return upserts, dead
 
-    def drop_later(self, partition: TopicPartitionKey, offsets: list[int]) -> None:
+    def drop_later(self, partition: TopicPartitionKey, entries: list[Entry]) -> None:
         """Tombstone these entries at the next checkpoint (found covered at a restore)."""
         changes = self._of(partition)
         if changes is not None:
-            changes.dead.update(offsets)
+            changes.dead.update(entries)
 
     def forget_partition(self, partition: TopicPartitionKey) -> None:
         """A control partition went to another sidecar: its commands are not ours to settle."""
@@ -112,6 +118,19 @@ class LatestNacks:
                 found[sub] = (entry[4], entry[5] + 1)
         return found
 
+    def in_force_from(
+        self, source: tuple[str, int, int], topic: str, partition: int, offset: int, subscriptions: Iterable[str]
+    ) -> list[AcceptedNack]:
+        """The acceptances the command at `source` made for the message that are still in force (a
+        reschedule's index entry stands for these: its record holds no redelivery count)."""
+        found = []
+        for sub in subscriptions:
+            entry = self._latest.get((sub, topic, partition, offset))
+            if entry is not None and entry[:3] == source:
+                command = NackCommand(sub, topic, partition, offset, None, entry[4], entry[5])
+                found.append(AcceptedNack(command, entry[4], source, entry[6]))
+        return found
+
     def __len__(self) -> int:
         return len(self._latest)
 
@@ -119,10 +138,11 @@ class LatestNacks:
         topic, partition, command_offset = nack.source
         where = (topic, partition)
         message = nack.command.message_key
+        sub = message[0]
         current = self._latest.get(message)
         if current is not None and current[:3] == nack.source:
             if current[3] != offset and journal:
-                self._dead(where, offset)  # the same acceptance written twice: this copy never counts
+                self._dead(where, (offset, sub))  # the same acceptance written twice: this copy never counts
             return
         if current is None or current[:2] != where or current[2] < command_offset:
             self._latest[message] = (
@@ -136,17 +156,17 @@ class LatestNacks:
             )
             changes = self._of(where) if journal else None
             if changes is not None:
-                changes.upserts[offset] = nack
+                changes.upserts[(offset, sub)] = nack
             if current is not None:
-                self._dead(current[:2], current[3])
+                self._dead(current[:2], (current[3], sub))
         elif journal:
-            self._dead(where, offset)  # an earlier command, read after a later one: superseded already
+            self._dead(where, (offset, sub))  # an earlier command, read after a later one: superseded already
 
-    def _dead(self, partition: TopicPartitionKey, offset: int) -> None:
+    def _dead(self, partition: TopicPartitionKey, entry: Entry) -> None:
         changes = self._of(partition)
         if changes is not None:
-            changes.upserts.pop(offset, None)
-            changes.dead.add(offset)
+            changes.upserts.pop(entry, None)
+            changes.dead.add(entry)
 
     def _of(self, partition: TopicPartitionKey) -> _Changes | None:
         return None if self._changes is None else self._changes.setdefault(partition, _Changes())

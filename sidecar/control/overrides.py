@@ -51,16 +51,18 @@ class Decision:
     message: str | None = None
 
 
-def with_cancelled_nacks(decision: Decision, nacks: tuple[str, ...]) -> Decision:
-    """A cancel whose control partition's owner took back pending nack redeliveries for `nacks`:
-    those subscriptions are cancelled, whatever the first delivery did (it went out: it was nacked)."""
+def with_taken_nacks(decision: Decision, kind: str, nacks: tuple[str, ...]) -> Decision:
+    """A cancel (reschedule) whose control partition's owner took back (moved) pending nack
+    redeliveries for `nacks`: those subscriptions are cancelled (rescheduled), whatever the first
+    delivery did (it went out: it was nacked)."""
     if not nacks:
         return decision
-    if decision.outcome not in (CANCELLED, TOO_LATE):
-        return Decision(CANCELLED, nacks)
+    outcome = CANCELLED if kind == "cancel" else RESCHEDULED
+    if decision.outcome not in (outcome, TOO_LATE):
+        return Decision(outcome, nacks)
     subscriptions = (*decision.subscriptions, *(s for s in nacks if s not in decision.subscriptions))
     too_late = tuple(s for s in decision.too_late if s not in nacks)
-    return replace(decision, outcome=CANCELLED, subscriptions=subscriptions, too_late=too_late)
+    return replace(decision, outcome=outcome, subscriptions=subscriptions, too_late=too_late)
 
 
 Indexed = Callable[[int], bool]

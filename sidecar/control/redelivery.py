@@ -100,7 +100,8 @@ class Redelivery:
         """The nacks an index entry stands for: its command (indexed by the command's offset since
         acceptance does so), or, for entries indexed before that, its accepted record. A cancel's
         entry stands for the cancelled acceptances it wrote, one per subscription that had a nack
-        pending; for the others `LatestNacks.claim` finds nothing in force."""
+        pending (for the others `LatestNacks.claim` finds nothing in force); a reschedule's for the
+        nacks it moved."""
         if record is None:
             return None
         accepted = parse_accepted(record.value(), where[0])
@@ -112,11 +113,12 @@ class Redelivery:
             return None
         if isinstance(command, NackCommand):
             return [AcceptedNack(command, deliver_at, (*where, offset))]
-        if command.kind != "cancel":
-            return None
         routes = self._routes().get(command.topic)
-        names = [s.name for s in routes.route.subscriptions] if routes is not None else []
-        return cancelled_acceptances(command, command.named(names), deliver_at, (*where, offset))
+        names = command.named(s.name for s in routes.route.subscriptions) if routes is not None else []
+        if command.kind == "cancel":
+            return cancelled_acceptances(command, names, deliver_at, (*where, offset))
+        # A reschedule's entry: the nacks it moved and that no later command superseded.
+        return self._nacks.in_force_from((*where, offset), command.topic, command.partition, command.offset, names)
 
     def redeliver(self, accepted: list[tuple[int, AcceptedNack]]) -> None:
         """[(index key, nack)]: the ones still in force go out now."""

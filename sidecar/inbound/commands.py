@@ -20,6 +20,7 @@ from sidecar.control.cancels import (
     FACT,
     REJECTED,
     REQUEST,
+    RESCHEDULED,
     TOO_LATE,
     UNKNOWN_MESSAGE_OUTCOME,
     Fact,
@@ -28,7 +29,7 @@ from sidecar.control.cancels import (
     is_marked,
 )
 from sidecar.control.outcomes import Outcomes
-from sidecar.control.overrides import Decision, with_cancelled_nacks
+from sidecar.control.overrides import Decision, with_taken_nacks
 from sidecar.dispatch.reader import LogReader
 from sidecar.inbound.batch import IntakeBatch
 from sidecar.outbound.delivery import Delivery
@@ -106,8 +107,8 @@ class CommandStep:
         offset = record.offset()
         rule = state.rules.at(request.offset) or batch.rule(state.topic, routes, self._retention_ms.get(state.topic))
         tracker = state.tracker
-        decision = with_cancelled_nacks(
-            state.overrides.decide(offset, request, rule.delayed, tracker.contains), request.nacks
+        decision = with_taken_nacks(
+            state.overrides.decide(offset, request, rule.delayed, tracker.contains), request.kind, request.nacks
         )
         fact = decision.fact
         if fact is not None:
@@ -140,11 +141,11 @@ class CommandStep:
                 request.source,
                 decision.subscriptions,
                 decision.too_late,
-                request.deliver_at if decision.fact is not None else None,
+                request.deliver_at if decision.fact is not None or decision.outcome == RESCHEDULED else None,
                 delivered_at,
                 decision.code,
                 decision.message,
-                request.nacks if decision.outcome == CANCELLED else (),
+                request.nacks if decision.outcome in (CANCELLED, RESCHEDULED) else (),
             ),
         )
 

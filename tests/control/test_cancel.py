@@ -272,6 +272,84 @@ def test_a_cancel_takes_back_pending_nack_redeliveries_across_kill_9_and_a_lost_
             assert not early(records)
 
 
+@pytest.mark.parametrize(("mode", "state_topic"), [("at-least-once", "none"), ("exactly-once", "")])
+def test_a_reschedule_moves_pending_nack_redeliveries_across_kill_9_and_a_lost_state_dir(
+    mode: str, state_topic: str, kafka: str, kafka_helper: KafkaHelper, topic_factory: TopicFactory,
+    policy_file: PolicyFile, tmp_path: Path,
+) -> None:  # fmt: skip
+    """A nacked message is rescheduled: its pending redeliveries move, earlier or later, for every
+    subscription at once or for one, and keep their redelivery count. A kill -9 and a lost state dir
+    do not put them back (the state topic's entries, or without one the control log read again)."""
+    topic, control = topic_factory("reschednack"), f"ctl-{uuid.uuid4().hex[:8]}"
+    port, group, state = free_port(), f"g-{topic}", tmp_path / "state"
+    extra = ["--control-topic", control, "--processing-guarantee", mode]
+    args = run_args(kafka, policies(topic, policy_file), state, port, group, *extra,
+                    *(["--state-topic", state_topic] if state_topic else []))  # fmt: skip
+    sidecar = SidecarProcess(args, tmp_path / "log")
+    for i in range(4):
+        kafka_helper.produce(topic, f"v{i}".encode())
+    kafka_helper.flush()
+    producer = Producer({"bootstrap.servers": kafka})
+    base = {"topic": topic, "partition": 0}
+    committed = mode == "exactly-once"
+    try:
+        sidecar.start()
+        for sub in ("billing", "fraud"):
+            assert len(kafka_helper.read(f"{topic}.{sub}", 4, timeout_s=60)) == 4, sidecar.tail()
+        now = int(time.time() * 1000)
+        soon, far = now + 15_000, now + 600_000
+        nacks = [
+            ("billing", 0, far),
+            ("fraud", 0, far),
+            ("billing", 1, far),
+            ("billing", 2, soon),
+            ("billing", 3, soon),
+        ]
+        for sub, offset, at in nacks:
+            command(producer, control, {**base, "type": "nack", "subscription": sub, "offset": offset,
+                                        "deliver_at": at, "redelivery_count": 1})  # fmt: skip
+        reschedule = {**base, "type": "reschedule"}
+        command(producer, control, {**reschedule, "offset": 0, "deliver_at": soon, "id": "all"})
+        command(producer, control, {**reschedule, "offset": 1, "subscription": "billing", "deliver_at": soon,
+                                    "id": "one"})  # fmt: skip
+        command(producer, control, {**reschedule, "offset": 3, "subscription": "billing", "deliver_at": far,
+                                    "id": "later"})  # fmt: skip
+        command(producer, control, {**reschedule, "offset": 2, "subscription": "fraud", "deliver_at": soon,
+                                    "id": "none"})  # fmt: skip
+        assert producer.flush(10) == 0
+        wait_for(lambda: len(outcomes(kafka_helper, control, committed_only=committed)) == 4, 60, "4 answers")
+        time.sleep(1.0)  # a commit after the answers
+        sidecar.kill()
+        shutil.rmtree(state)
+        sidecar.start()
+        wait_for(lambda: time.time() * 1000 > soon, 60, "the new time passed")
+        wait_for(lambda: len(kafka_helper.read_to_end(f"{topic}.billing", committed_only=committed)) >= 7, 60,
+                 "offsets 0, 1 and 2 redelivered to billing")  # fmt: skip
+        wait_for(lambda: len(kafka_helper.read_to_end(f"{topic}.fraud", committed_only=committed)) >= 5, 60,
+                 "offset 0 redelivered to fraud")  # fmt: skip
+        time.sleep(2.0)  # anything extra would come now
+        assert sidecar.stop() == 0, sidecar.tail()
+    finally:
+        sidecar.close()
+    answers = outcomes(kafka_helper, control, committed_only=committed)
+    got = {k: [(a["outcome"], sorted(a.get("subscriptions") or []), a.get("deliver_at")) for a in v]
+           for k, v in answers.items()}  # fmt: skip
+    assert got["all"][0] == ("rescheduled", ["billing", "fraud"], soon)
+    assert got["one"][0] == ("rescheduled", ["billing"], soon)
+    assert got["later"][0] == ("rescheduled", ["billing"], far)
+    assert got["none"][0][0] == "too-late"
+    assert sorted(answers["all"][0]["nacks"]) == ["billing", "fraud"] and "nacks" not in answers["none"][0]
+    if committed:
+        assert all(len(v) == 1 for v in got.values()), got
+    for sub, again in (("billing", {0: 1, 1: 1, 2: 1}), ("fraud", {0: 1})):
+        records = kafka_helper.read_to_end(f"{topic}.{sub}", committed_only=committed)
+        nacked = [r for r in records if r.headers.get(REDELIVERY_COUNT, b"0") != b"0"]
+        assert by_offset([r for r in records if r not in nacked]) == Counter(range(4)), sub
+        assert by_offset(nacked) == Counter(again), (sub, by_offset(nacked))
+        assert {(r.headers[REDELIVERY_COUNT], int(r.headers[DELIVER_AT])) for r in nacked} == {(b"2", soon)}, sub
+        assert not early(records)
+
+
 def test_the_client_cancels_and_learns_whether_it_was_in_time(
     kafka: str, kafka_helper: KafkaHelper, topic_factory: TopicFactory, policy_file: PolicyFile, tmp_path: Path
 ) -> None:

@@ -54,10 +54,10 @@ def test_the_changelog_writes_a_pending_nack_and_tombstones_it_once_a_commit_cov
     first = nack(5, (0, 10))
     nacks.accept(first, 11)
     nacks.accept(first, 11)  # read again (a replay): nothing new
-    assert nacks.take(C0, -1) == ([(11, first.encode())], [])
+    assert nacks.take(C0, -1) == ([((11, "billing"), first.encode())], [])
     assert nacks.claim(first, 11)
     assert nacks.take(C0, pack(first.deliver_at, 11) - 1) == ([], [])  # not covered by the commit yet
-    assert nacks.take(C0, pack(first.deliver_at, 11)) == ([], [11])
+    assert nacks.take(C0, pack(first.deliver_at, 11)) == ([], [(11, "billing")])
     assert nacks.take(C0, pack(first.deliver_at, 11)) == ([], [])
 
 
@@ -67,10 +67,10 @@ def test_a_superseded_nack_is_tombstoned_at_once_after_the_one_that_replaces_it(
     nacks.accept(older, 11)
     nacks.take(C0, -1)
     nacks.accept(newer, 21)
-    assert nacks.take(C0, -1) == ([(21, newer.encode())], [11])
+    assert nacks.take(C0, -1) == ([((21, "billing"), newer.encode())], [(11, "billing")])
     # An older command read after a later one (accepted late) is never written.
     nacks.accept(nack(5, (0, 15)), 22)
-    assert nacks.take(C0, -1) == ([], [22])
+    assert nacks.take(C0, -1) == ([], [(22, "billing")])
 
 
 def test_an_acceptance_written_twice_keeps_only_its_first_copy() -> None:
@@ -78,7 +78,7 @@ def test_an_acceptance_written_twice_keeps_only_its_first_copy() -> None:
     accepted = nack(5, (0, 10))
     nacks.accept(accepted, 11)
     nacks.accept(accepted, 12)
-    assert nacks.take(C0, -1) == ([(11, accepted.encode())], [12])
+    assert nacks.take(C0, -1) == ([((11, "billing"), accepted.encode())], [(12, "billing")])
 
 
 def test_a_restored_nack_is_not_written_again_but_can_be_superseded() -> None:
@@ -89,7 +89,7 @@ def test_a_restored_nack_is_not_written_again_but_can_be_superseded() -> None:
     assert nacks.take(C0, -1) == ([], [])
     newer = nack(5, (0, 30))
     nacks.accept(newer, 31)
-    assert nacks.take(C0, -1) == ([(31, newer.encode())], [11])
+    assert nacks.take(C0, -1) == ([((31, "billing"), newer.encode())], [(11, "billing")])
     assert not nacks.claim(restored, 11) and nacks.claim(newer, 31)
 
 
@@ -99,7 +99,7 @@ def test_control_topics_with_the_same_partition_numbers_are_kept_apart() -> None
     latest.accept(payments, 8)
     latest.accept(orders, 8)
     latest.forget_partition(C0)
-    assert len(latest) == 1 and latest.take(("payments.control", 0), -1) == ([(8, payments.encode())], [])
+    assert len(latest) == 1 and latest.take(("payments.control", 0), -1) == ([((8, "billing"), payments.encode())], [])
     assert not latest.claim(orders, 8) and latest.claim(payments, 8)
 
 
@@ -111,3 +111,25 @@ def test_a_cancelled_acceptance_is_no_pending_nack_even_before_it_is_settled() -
     latest.accept(cancel, 11)
     assert latest.pending_for("orders", 0, 5, ["billing"]) == {}
     assert not latest.claim(nack(5, (0, 10), deliver_at=9_000), 10) and latest.claim(cancel, 11)
+
+
+def test_a_reschedule_moving_two_subscriptions_nacks_keeps_an_entry_for_each() -> None:
+    """One index offset, two acceptances: each is written, superseded and found on its own."""
+    latest = LatestNacks(changelog=True)
+    latest.accept(nack(5, (0, 10)), 10)
+    latest.accept(nack(5, (0, 11), sub="fraud"), 11)
+    latest.take(C0, -1)
+    moved = [nack(5, (0, 20), deliver_at=9_000), nack(5, (0, 20), sub="fraud", deliver_at=9_000)]
+    for accepted in moved:
+        latest.accept(accepted, 20)
+    upserts, dead = latest.take(C0, -1)
+    assert [entry for entry, _ in upserts] == [(20, "billing"), (20, "fraud")]
+    assert dead == [(10, "billing"), (11, "fraud")]
+    latest.accept(nack(5, (0, 30)), 30)  # billing nacked again: only billing's moved nack goes
+    assert latest.take(C0, -1) == ([((30, "billing"), nack(5, (0, 30)).encode())], [(20, "billing")])
+    [found] = latest.in_force_from(("control", 0, 20), "orders", 0, 5, ["billing", "fraud"])
+    assert (found.command.message_key, found.deliver_at, found.source) == (
+        moved[1].command.message_key,
+        9_000,
+        moved[1].source,
+    )

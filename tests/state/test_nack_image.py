@@ -170,3 +170,14 @@ def test_an_unreadable_nack_entry_is_an_image_error() -> None:
     image = image_of(PARTITION, [(f"{PARTITION}/nack/x".encode(), b"{}")])
     with pytest.raises(ImageError, match="names no offset"):
         image.nacks(-1)
+
+
+def test_two_subscriptions_nacks_at_one_offset_are_both_restored_and_old_keys_still_read() -> None:
+    billing, fraud = (AcceptedNack(NackCommand(s, "t", 0, 1, None, 5_000, 0), 5_000, (*CONTROL, 9)) for s in "bf")
+    records, _ = nack_records(PARTITION, [((9, "b"), billing.encode()), ((9, "f"), fraud.encode())], [])
+    old = (f"{PARTITION}/nack/4".encode(), AcceptedNack(billing.command, 10, (*CONTROL, 4)).encode())
+    image = image_of(PARTITION, [*records, old])
+    pending, covered = image.nacks(pack(10, 4))
+    assert pending == [(9, billing), (9, fraud)]
+    assert covered == [(4, "")]  # named by its offset alone: its tombstone is the key it was written at
+    assert nack_records(PARTITION, [], covered) == ([], [(old[0], None)])
