@@ -1,5 +1,6 @@
 """Wiring: a cluster from a launcher, the policies, the trackers, the loop and the status endpoint."""
 
+import functools
 import logging
 import signal
 import threading
@@ -21,7 +22,7 @@ from sidecar.http import StatusServer
 from sidecar.identity import InstanceLock, TransactionalIds
 from sidecar.kafka_io import LIBRDKAFKA
 from sidecar.metrics import Metrics
-from sidecar.partitions.owner import client_id, find_owner
+from sidecar.partitions.owner import client_id, find_owner, nacks_body, with_members_nacks
 from sidecar.policy import PolicySet
 from sidecar.policy.commands import effective_policy_json
 from sidecar.policy.reload import PolicyWatcher, ReloadResult
@@ -233,7 +234,7 @@ class SidecarApp:
                     self.metrics.registry,
                     health=self._health,
                     policy=lambda topic: effective_policy(policies.current, topic),
-                    message=lambda topic, partition, offset: self._where_is(client_config, topic, partition, offset),
+                    message=functools.partial(self._where_is, client_config),
                 )
                 self.status.start()
                 stack.callback(self.status.stop)
@@ -242,9 +243,10 @@ class SidecarApp:
                 self._leave(bootstrap, instance_id)
 
     def _where_is(
-        self, client_config: dict[str, Any], topic: str, partition: int, offset: int
+        self, client_config: dict[str, Any], topic: str, partition: int, offset: int, scope: str | None
     ) -> tuple[int, dict[str, Any]]:
-        """GET /messages/{topic}/{partition}/{offset}: the owner answers; another member names the owner."""
+        """GET /messages/{topic}/{partition}/{offset}: the owner answers, with the nacks the other
+        members hold; another member names the owner. `scope=member`: this member's nacks only."""
         sidecar = self.sidecar
         if sidecar is None or not sidecar.running:
             return 503, {"error": "not serving yet; ask again shortly"}
@@ -254,11 +256,13 @@ class SidecarApp:
             return 503, {"error": "the sidecar is busy; ask again shortly"}
         except SidecarError as e:
             return 503, {"error": str(e)}
-        if found is not None:
-            return 200, found
-        owner = find_owner(client_config, self.settings.group_id, topic, partition)
-        body = {"topic": topic, "partition": partition, "offset": offset, "state": "not-owner", "owner": owner}
-        return 200, body
+        about = {"topic": topic, "partition": partition, "offset": offset}
+        if scope == "member":
+            return 200, {**about, "nacks": nacks_body(found)}
+        group = self.settings.group_id
+        if found.answer is not None:
+            return 200, with_members_nacks(client_config, group, found, topic, partition, offset)
+        return 200, {**about, "state": "not-owner", "owner": find_owner(client_config, group, topic, partition)}
 
     def _leave(self, bootstrap: str, instance_id: str) -> None:
         """After the last checkpoint is committed: hand this member's partitions to the others now."""

@@ -52,7 +52,7 @@ from sidecar.outbound.records import HeaderForm
 from sidecar.outbound.writer import Writer
 from sidecar.partitions.assignment import Assignment
 from sidecar.partitions.gauges import publish_due_gauges, publish_index_gauges
-from sidecar.partitions.lookup import locate
+from sidecar.partitions.lookup import Whereabouts, locate
 from sidecar.partitions.metadata import CommitMetadata
 from sidecar.partitions.state import PartitionState
 from sidecar.policy import PolicySet
@@ -127,7 +127,7 @@ class Sidecar:
         self._subscribed: frozenset[str] = frozenset()
         self._stalled_until = 0.0
         self._due_gauges_at = 0.0
-        self._questions: SimpleQueue[tuple[str, int, int, Future[dict[str, Any] | None]]] = SimpleQueue()
+        self._questions: SimpleQueue[tuple[str, int, int, Future[Whereabouts]]] = SimpleQueue()
         librdkafka = LIBRDKAFKA
         self._connectivity = Connectivity()
         self._outages_seen = 0
@@ -231,10 +231,9 @@ class Sidecar:
     def stop(self) -> None:
         self._stop.set()
 
-    def where_is(self, topic: str, partition: int, offset: int, timeout_s: float = 10.0) -> dict[str, Any] | None:
-        """GET /messages/...: asked from the HTTP thread, answered by the loop between two turns.
-        None: this member does not own the partition (or does not serve the topic)."""
-        question: Future[dict[str, Any] | None] = Future()
+    def where_is(self, topic: str, partition: int, offset: int, timeout_s: float = 10.0) -> Whereabouts:
+        """GET /messages/...: asked from the HTTP thread, answered by the loop between two turns."""
+        question: Future[Whereabouts] = Future()
         self._questions.put((topic, partition, offset, question))
         return question.result(timeout_s)
 
@@ -244,13 +243,14 @@ class Sidecar:
             state = self._assignment.states.get((topic, partition))
             routes = self._routes.get(topic)
             try:
-                if state is None or state.control or routes is None:
-                    question.set_result(None)
-                else:
+                # A nack lies with its control partition's owner, which need not own the message.
+                subs = [s.name for s in routes.route.subscriptions] if routes is not None else []
+                nacks = self._nacks.pending_for(topic, partition, offset, subs)
+                answer = None
+                if state is not None and not state.control and routes is not None:
                     retention = self._admin.retention_ms.get(topic)
-                    subs = [s.name for s in routes.route.subscriptions]
-                    nacks = self._nacks.pending_for(topic, partition, offset, subs)
-                    question.set_result(locate(state, routes, retention, offset, self._reader.read_one, nacks))
+                    answer = locate(state, routes, retention, offset, self._reader.read_one, nacks)
+                question.set_result(Whereabouts(answer, nacks, self._consumer.memberid() or ""))
             except Exception as e:  # the asker gets the error; the loop goes on
                 question.set_exception(e)
 

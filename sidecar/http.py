@@ -6,7 +6,7 @@ import threading
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
-from urllib.parse import unquote
+from urllib.parse import parse_qs, unquote
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
@@ -14,7 +14,8 @@ logger = logging.getLogger(__name__)
 
 HealthProbe = Callable[[], tuple[bool, list[str], dict[str, Any]]]
 PolicyLookup = Callable[[str], dict[str, Any] | None]
-MessageLookup = Callable[[str, int, int], tuple[int, dict[str, Any]]]
+MessageLookup = Callable[[str, int, int, str | None], tuple[int, dict[str, Any]]]
+"""(topic, partition, offset, the `scope` asked for) -> (HTTP status, JSON body)."""
 """(topic, partition, offset) -> (HTTP status, JSON body)."""
 
 
@@ -74,7 +75,9 @@ class StatusServer:
             if len(parts) != 3 or not parts[0] or not parts[1].isdigit() or not parts[2].isdigit():
                 self._json(request, 404, {"error": "ask /messages/{topic}/{partition}/{offset}"})
             else:
-                status, body = self._message(parts[0], int(parts[1]), int(parts[2]))
+                query = parse_qs(request.path.split("?", 1)[1]) if "?" in request.path else {}
+                scope = query.get("scope", [None])[0]
+                status, body = self._message(parts[0], int(parts[1]), int(parts[2]), scope)
                 self._json(request, status, body)
         else:
             self._json(request, 404, {"error": "try /metrics, /healthz, /policies/{topic} or /messages/{id}"})

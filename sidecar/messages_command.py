@@ -7,9 +7,6 @@ section 7), printed for a person or as JSON.
 
 import json
 import sys
-import urllib.error
-import urllib.parse
-import urllib.request
 from datetime import UTC, datetime
 from typing import Any
 
@@ -17,7 +14,7 @@ from pydantic import BaseModel, Field
 from pydantic_settings import CliApp, CliPositionalArg, CliSubCommand, CliToggleFlag
 
 from sidecar.errors import ConfigError, SidecarError
-from sidecar.partitions.owner import find_owner
+from sidecar.partitions.owner import ask, find_owner
 from sidecar.settings import KafkaSettings
 
 EXIT_ERROR = 2
@@ -28,18 +25,6 @@ def parse_message_id(text: str) -> tuple[str, int, int]:
     if len(parts) != 3 or not parts[0] or not parts[1].isdigit() or not parts[2].isdigit():
         raise ConfigError(f"{text!r} is not a message id; give TOPIC/PARTITION/OFFSET, as in orders/3/1042")
     return parts[0], int(parts[1]), int(parts[2])
-
-
-def ask(host: str, port: int, topic: str, partition: int, offset: int) -> dict[str, Any]:
-    url = f"http://{host}:{port}/messages/{urllib.parse.quote(topic)}/{partition}/{offset}"
-    try:
-        with urllib.request.urlopen(url, timeout=15) as response:
-            body: dict[str, Any] = json.loads(response.read())
-            return body
-    except urllib.error.HTTPError as e:
-        raise SidecarError(f"{url} answered {e.code}: {e.read().decode(errors='replace')}") from None
-    except OSError as e:
-        raise SidecarError(f"cannot reach {url} ({e}); is the owner's --metrics-host reachable from here?") from None
 
 
 def _when(ms: int | None) -> str:

@@ -12,6 +12,7 @@ from typing import Any
 from confluent_kafka import Producer
 
 from sidecar.broker.embedded import free_port
+from sidecar.partitions.owner import find_owner
 from tests.control.test_cancel import command, outcomes, policies
 from tests.kafka_helpers import KafkaHelper, PolicyFile, SidecarProcess, TopicFactory, run_args, scrape, wait_for
 
@@ -82,3 +83,59 @@ def test_the_owner_says_where_each_message_is(
         assert sidecar.stop() == 0, sidecar.tail()
     finally:
         sidecar.close()
+
+
+def test_the_owner_shows_a_nack_that_another_member_holds(
+    kafka: str, kafka_helper: KafkaHelper, topic_factory: TopicFactory, policy_file: PolicyFile, tmp_path: Path
+) -> None:
+    """A nack lies with the owner of the control partition it came on. The message's owner asks the
+    other members, so its answer shows the nack; the other member names the owner."""
+    topic, control = topic_factory("lookupnack", partitions=2), topic_factory("ctl", partitions=2)
+    group, ports = f"g-{topic}", [free_port(), free_port()]
+    rules = policies(topic, policy_file)
+    members = []
+    for i, port in enumerate(ports):
+        args = run_args(kafka, rules, tmp_path / f"state{i}", port, group, "--control-topic", control)
+        members.append(SidecarProcess(args, tmp_path / f"log{i}"))
+    for partition in (0, 1):
+        kafka_helper.produce(topic, b"now", partition=partition)
+    kafka_helper.flush()
+    client = {"bootstrap.servers": kafka}
+    try:
+        for member in members:
+            member.start()
+
+        def owners() -> dict[tuple[str, int], dict[str, Any]]:
+            found = {(t, p): find_owner(client, group, t, p) for t in (topic, control) for p in (0, 1)}
+            return {where: owner for where, owner in found.items() if owner is not None}
+
+        wait_for(lambda: len(owned := owners()) == 4 and len({o["member_id"] for o in owned.values()}) == 2, 90,
+                 "both members own partitions")  # fmt: skip
+        owned = owners()
+        # A message on a partition one member owns, nacked on a control partition the other owns.
+        partition, other = next(
+            (p, c) for p in (0, 1) for c in (0, 1) if owned[(topic, p)]["member_id"] != owned[(control, c)]["member_id"]
+        )
+        asked, elsewhere = owned[(topic, partition)]["metrics_port"], owned[(control, other)]["metrics_port"]
+        assert sorted([asked, elsewhere]) == sorted(ports)
+        assert len(kafka_helper.read(f"{topic}.billing", 2, timeout_s=60)) == 2
+        nack_at = int(time.time() * 1000) + 600_000
+        body = {"v": 1, "type": "nack", "topic": topic, "partition": partition, "offset": 0, "subscription": "billing",
+                "deliver_at": nack_at}  # fmt: skip
+        message = f"{topic}/{partition}/0"
+        producer = Producer(client)
+        producer.produce(control, json.dumps(body).encode(), key=f"{topic}/{partition}/0".encode(), partition=other)
+        assert producer.flush(10) == 0
+        wait_for(lambda: bool(lookup(elsewhere, f"{message}?scope=member")["nacks"]), 60, "the nack accepted")
+        answer = lookup(asked, f"{message}")
+        assert answer["subscriptions"]["billing"] == {"state": "pending", "deliver_at": nack_at, "nack": True,
+                                                      "redelivery_count": 1}  # fmt: skip
+        assert answer["state"] == "mixed" and "unreachable" not in answer
+        assert lookup(asked, f"{message}?scope=member")["nacks"] == {}, "held by the other member, not the owner"
+        named = lookup(elsewhere, f"{message}")
+        assert (named["state"], named["owner"]["metrics_port"]) == ("not-owner", asked)
+        for member in members:
+            assert member.stop() == 0, member.tail()
+    finally:
+        for member in members:
+            member.close()

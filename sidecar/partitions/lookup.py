@@ -7,7 +7,7 @@ judged again with the rule it was taken in with, as a rebuild would.
 """
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 from confluent_kafka import Message
 
@@ -18,6 +18,19 @@ from sidecar.policy.routes import Routes
 from sidecar.tracker.base import pack
 
 ReadOne = Callable[[str, int, int], Message | None]
+Nacks = Mapping[str, tuple[int, int]]
+"""A message's nacks pending at one member, by subscription: (deliver-at, redelivery count it will carry)."""
+
+
+class Whereabouts(NamedTuple):
+    """What one member knows of a message."""
+
+    answer: dict[str, Any] | None
+    """The owner's answer (`locate`); None at a member that does not own the message's partition."""
+    nacks: Nacks
+    """Its nacks pending here: this member owns the control partitions they came on."""
+    member_id: str
+    """This member's id in the consumer group, to tell itself apart from the others."""
 
 
 def locate(
@@ -26,12 +39,11 @@ def locate(
     retention_ms: int | None,
     offset: int,
     read: ReadOne,
-    nacks: Mapping[str, tuple[int, int]] | None = None,
+    nacks: Nacks | None = None,
 ) -> dict[str, Any]:
     """The message's fate per subscription: pending, delivered, cancelled or dead-lettered.
 
-    `nacks`: the message's nacks pending at this member, by subscription (deliver-at, redelivery
-    count): the subscription then waits for that redelivery, whatever its first delivery did."""
+    `nacks`: the message's nacks pending at this member (`with_nacks`)."""
     answer: dict[str, Any] = {"topic": state.topic, "partition": state.partition, "offset": offset}
     if state.next_offset is None or offset >= state.next_offset:
         return {**answer, "state": "unknown", "reason": "not read from the partition yet"}
@@ -56,12 +68,21 @@ def locate(
             subscriptions[name] = {"state": "delivered", "deliver_at": publish_ms}
     else:
         subscriptions.update(_delayed(state, rule.delayed, offset, fate.deliver_at))
-    for name, (at, count) in (nacks or {}).items():
+    return with_nacks({**answer, "state": "", "publish_ms": publish_ms, "subscriptions": subscriptions}, nacks or {})
+
+
+def with_nacks(answer: dict[str, Any], nacks: Nacks) -> dict[str, Any]:
+    """The owner's answer with a member's pending nacks: the subscription waits for that redelivery,
+    whatever its first delivery did. Sets the overall state from the subscriptions'."""
+    subscriptions = answer.get("subscriptions")
+    if subscriptions is None:  # unknown or dead-lettered: nothing to wait for
+        return answer
+    for name, (at, count) in nacks.items():
         if name in subscriptions:
             subscriptions[name] = {"state": "pending", "deliver_at": at, "nack": True, "redelivery_count": count}
     states = {s["state"] for s in subscriptions.values()}
-    overall = states.pop() if len(states) == 1 else "mixed"
-    return {**answer, "state": overall, "publish_ms": publish_ms, "subscriptions": subscriptions}
+    answer["state"] = states.pop() if len(states) == 1 else "mixed"
+    return answer
 
 
 def _delayed(state: PartitionState, owed: tuple[str, ...], offset: int, deliver_at: int) -> dict[str, dict[str, Any]]:
