@@ -163,7 +163,8 @@ class Acceptance:
         # every command written before it: a burst of nacks falls due on time. The accepted record
         # stays the durable word for a restart; read back by this member, it is skipped.
         key = record.offset()
-        self._nacks.accept(accepted, key)
+        if self._nacks.accept(accepted, key):
+            self._metrics.child(self._metrics.nacks, subscription, "superseded").inc()
         state.unread_facts.add(key)
         if not state.tracker.add(key, accepted.deliver_at):
             due_now.append((key, accepted))
@@ -196,7 +197,8 @@ class Acceptance:
             markers = moved_acceptances(command, pending, deliver_at, source)
         for marker in markers:
             self._write_accepted(record, marker)
-            self._nacks.accept(marker, key)
+            if self._nacks.accept(marker, key):
+                self._metrics.child(self._metrics.nacks, marker.command.subscription, "superseded").inc()
         if not state.tracker.add(key, deliver_at):
             due_now.extend((key, marker) for marker in markers)
         return tuple(pending)

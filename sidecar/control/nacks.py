@@ -46,18 +46,22 @@ class LatestNacks:
     def __init__(self, changelog: bool = False) -> None:
         """`changelog`: keep the changes for the state topic (taken at each checkpoint by `take`)."""
         self._latest: dict[tuple[str, str, int, int], tuple[str, int, int, int, int, int, bool]] = {}
-        """Message -> (control topic, partition, command offset, accepted-record offset, deliver-at,
+        """Message -> (control topic, partition, command offset, index offset, deliver-at,
         redelivery count of the command, cancelled) of the nack in force."""
+        self._at: dict[tuple[str, int, int], list[tuple[str, str, int, int]]] = {}
+        """(control topic, partition, index offset) -> the messages whose nack in force is indexed
+        there: what a due index entry stands for, without reading the control log back."""
         self._changes: dict[TopicPartitionKey, _Changes] | None = {} if changelog else None
 
-    def accept(self, nack: AcceptedNack, offset: int) -> None:
-        """An accepted record read at `offset`: in force for its message unless a later command is.
+    def accept(self, nack: AcceptedNack, offset: int) -> bool:
+        """An acceptance indexed at `offset`: in force for its message unless a later command is.
+        True when it superseded a pending nack (not a cancelled one).
 
         Commands for one message share its key, hence one control partition, so their offsets
         give their order (when a topic moves to another control topic, the one read last wins).
         An acceptance written twice (a crash before the commit) or read again changes nothing.
         """
-        self._take(nack, offset, journal=True)
+        return self._take(nack, offset, journal=True)
 
     def restore(self, nack: AcceptedNack, offset: int) -> None:
         """A pending nack loaded from the state topic, which holds it already."""
@@ -68,11 +72,24 @@ class LatestNacks:
         changes = self._of(nack.source[:2])
         if changes is not None:
             changes.settled.append((pack(nack.deliver_at, offset), (offset, nack.command.subscription)))
-        current = self._latest.get(nack.command.message_key)
+        message = nack.command.message_key
+        current = self._latest.get(message)
         if current is None or current[:3] != nack.source:
             return False
-        del self._latest[nack.command.message_key]
+        del self._latest[message]
+        self._unindex(current, message)
         return True
+
+    def due(self, topic: str, partition: int, offset: int) -> list[AcceptedNack]:
+        """The acceptances in force that the index entry at `offset` of a control partition stands for
+        (none when later commands superseded them all)."""
+        found = []
+        for message in self._at.get((topic, partition, offset), ()):
+            entry = self._latest[message]
+            sub, nacked_topic, nacked_partition, nacked_offset = message
+            command = NackCommand(sub, nacked_topic, nacked_partition, nacked_offset, None, entry[4], entry[5])
+            found.append(AcceptedNack(command, entry[4], entry[:3], entry[6]))
+        return found
 
     def take(self, partition: TopicPartitionKey, covered: int) -> tuple[list[tuple[Entry, bytes]], list[Entry]]:
         """(entries to write with their accepted record, entries to tombstone) for a control partition.
@@ -104,6 +121,7 @@ class LatestNacks:
     def forget_partition(self, partition: TopicPartitionKey) -> None:
         """A control partition went to another sidecar: its commands are not ours to settle."""
         self._latest = {k: v for k, v in self._latest.items() if v[:2] != partition}
+        self._at = {k: v for k, v in self._at.items() if k[:2] != partition}
         if self._changes is not None:
             self._changes.pop(partition, None)
 
@@ -118,23 +136,10 @@ class LatestNacks:
                 found[sub] = (entry[4], entry[5] + 1)
         return found
 
-    def in_force_from(
-        self, source: tuple[str, int, int], topic: str, partition: int, offset: int, subscriptions: Iterable[str]
-    ) -> list[AcceptedNack]:
-        """The acceptances the command at `source` made for the message that are still in force (a
-        reschedule's index entry stands for these: its record holds no redelivery count)."""
-        found = []
-        for sub in subscriptions:
-            entry = self._latest.get((sub, topic, partition, offset))
-            if entry is not None and entry[:3] == source:
-                command = NackCommand(sub, topic, partition, offset, None, entry[4], entry[5])
-                found.append(AcceptedNack(command, entry[4], source, entry[6]))
-        return found
-
     def __len__(self) -> int:
         return len(self._latest)
 
-    def _take(self, nack: AcceptedNack, offset: int, journal: bool) -> None:
+    def _take(self, nack: AcceptedNack, offset: int, journal: bool) -> bool:
         topic, partition, command_offset = nack.source
         where = (topic, partition)
         message = nack.command.message_key
@@ -143,8 +148,9 @@ class LatestNacks:
         if current is not None and current[:3] == nack.source:
             if current[3] != offset and journal:
                 self._dead(where, (offset, sub))  # the same acceptance written twice: this copy never counts
-            return
+            return False
         if current is None or current[:2] != where or current[2] < command_offset:
+            self._at.setdefault((topic, partition, offset), []).append(message)
             self._latest[message] = (
                 topic,
                 partition,
@@ -157,10 +163,21 @@ class LatestNacks:
             changes = self._of(where) if journal else None
             if changes is not None:
                 changes.upserts[(offset, sub)] = nack
-            if current is not None:
-                self._dead(current[:2], (current[3], sub))
-        elif journal:
+            if current is None:
+                return False
+            self._unindex(current, message)
+            self._dead(current[:2], (current[3], sub))
+            return not current[6]
+        if journal:
             self._dead(where, (offset, sub))  # an earlier command, read after a later one: superseded already
+        return False
+
+    def _unindex(self, entry: tuple[str, int, int, int, int, int, bool], message: tuple[str, str, int, int]) -> None:
+        where = (entry[0], entry[1], entry[3])
+        messages = self._at[where]
+        messages.remove(message)
+        if not messages:
+            del self._at[where]
 
     def _dead(self, partition: TopicPartitionKey, entry: Entry) -> None:
         changes = self._of(partition)

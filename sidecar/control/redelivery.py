@@ -1,4 +1,4 @@
-"""Due nacks out: the accepted record read back, then the nacked message, to one subscription.
+"""Due nacks out: the nacked message read back, to one subscription.
 
 A nack leaves its tracker in (deliver-at, offset) order like any delivery, so the control
 partition's delivered watermark covers it once it is redelivered, superseded or rejected.
@@ -16,10 +16,6 @@ from sidecar.control.commands import (
     UNKNOWN_MESSAGE,
     UNKNOWN_SUBSCRIPTION,
     AcceptedNack,
-    NackCommand,
-    cancelled_acceptances,
-    parse_accepted,
-    parse_command,
 )
 from sidecar.control.nacks import LatestNacks
 from sidecar.dispatch.reader import LogReader
@@ -66,72 +62,36 @@ class Redelivery:
         self._clock = clock
 
     def dispatch_due(self, controls: list[PartitionState]) -> bool:
-        """Redeliver due nacks; False when a tracker reported a due entry it could not pop."""
-        popped: dict[TopicPartitionKey, dict[int, int]] = {}
+        """Redeliver due nacks; False when a tracker reported a due entry it could not pop.
+
+        What an entry stands for is in `LatestNacks`, which holds every nack in force: the control
+        log is not read back (an entry that stands for nothing in force was superseded)."""
+        found: list[tuple[int, AcceptedNack]] = []
         stalled = False
         for state in controls:
             if state.tracker.has_message_available():
                 due = state.tracker.pop_due(MAX_NACK_DISPATCH)
-                if due:
-                    popped[(state.topic, state.partition)] = {d.offset: d.deliver_at for d in due}
-                else:
+                if not due:
                     stalled = True
-        if popped:
-            wanted = {key: list(offsets) for key, offsets in popped.items()}
-            found: list[tuple[int, AcceptedNack]] = []
-            for key, offset, record in self._reader.read(wanted):
-                accepted = self._nacks_at(record, key, offset, popped[key][offset])
-                if accepted is None:
-                    logger.error(
-                        "due nack missing from the control log topic=%s partition=%d offset=%d; raise the "
-                        "control topic's retention.ms above the longest nack delay",
-                        key[0],
-                        key[1],
-                        offset,
-                    )
-                    continue
-                found += [(offset, nack) for nack in accepted]
+                for entry in due:
+                    found += [
+                        (entry.offset, nack) for nack in self._nacks.due(state.topic, state.partition, entry.offset)
+                    ]
+        if found:
             self.redeliver(found)
         return not stalled
-
-    def _nacks_at(
-        self, record: Message | None, where: TopicPartitionKey, offset: int, deliver_at: int
-    ) -> list[AcceptedNack] | None:
-        """The nacks an index entry stands for: its command (indexed by the command's offset since
-        acceptance does so), or, for entries indexed before that, its accepted record. A cancel's
-        entry stands for the cancelled acceptances it wrote, one per subscription that had a nack
-        pending (for the others `LatestNacks.claim` finds nothing in force); a reschedule's for the
-        nacks it moved."""
-        if record is None:
-            return None
-        accepted = parse_accepted(record.value(), where[0])
-        if accepted is not None:
-            return [accepted]
-        try:
-            command = parse_command(record.value())
-        except RejectedRecord:
-            return None
-        if isinstance(command, NackCommand):
-            return [AcceptedNack(command, deliver_at, (*where, offset))]
-        routes = self._routes().get(command.topic)
-        names = command.named(s.name for s in routes.route.subscriptions) if routes is not None else []
-        if command.kind == "cancel":
-            return cancelled_acceptances(command, names, deliver_at, (*where, offset))
-        # A reschedule's entry: the nacks it moved and that no later command superseded.
-        return self._nacks.in_force_from((*where, offset), command.topic, command.partition, command.offset, names)
 
     def redeliver(self, accepted: list[tuple[int, AcceptedNack]]) -> None:
         """[(index key, nack)]: the ones still in force go out now."""
         jobs: Jobs = defaultdict(lambda: defaultdict(list))
         for offset, nack in accepted:
             command = nack.command
-            if self._nacks.claim(nack, offset):
-                if nack.cancelled:  # the pending nack it superseded is taken back: nothing goes out
-                    self._metrics.nacks.labels(command.subscription, "cancelled").inc()
-                else:
-                    jobs[(command.topic, command.partition)][command.offset].append((nack, offset))
-            elif not nack.cancelled:
-                self._metrics.nacks.labels(command.subscription, "superseded").inc()
+            if not self._nacks.claim(nack, offset):
+                continue  # superseded (counted when it was)
+            if nack.cancelled:  # the pending nack it superseded is taken back: nothing goes out
+                self._metrics.nacks.labels(command.subscription, "cancelled").inc()
+            else:
+                jobs[(command.topic, command.partition)][command.offset].append((nack, offset))
         if not jobs:
             return
         wanted = {key: list(by_offset) for key, by_offset in jobs.items()}

@@ -1,6 +1,7 @@
 """Cancel and reschedule against a real broker: every command answered once, nothing cancelled
 delivered, nothing rescheduled early, counted per record."""
 
+import functools
 import json
 import shutil
 import time
@@ -208,20 +209,21 @@ def test_cancels_and_reschedules_hold_across_kill_9_and_a_lost_state_dir(
 
 
 @pytest.mark.parametrize(("mode", "state_topic"), [("at-least-once", "none"), ("exactly-once", "")])
-def test_a_cancel_takes_back_pending_nack_redeliveries_across_kill_9_and_a_lost_state_dir(
+def test_cancels_and_reschedules_take_back_or_move_pending_nack_redeliveries_across_kill_9_and_a_lost_state_dir(
     mode: str, state_topic: str, kafka: str, kafka_helper: KafkaHelper, topic_factory: TopicFactory,
     policy_file: PolicyFile, tmp_path: Path,
 ) -> None:  # fmt: skip
-    """A nacked message is cancelled: its pending redeliveries are taken back, the outcome says
-    `cancelled` for those subscriptions, and neither a kill -9 nor a lost state dir brings them back
-    (from the state topic, or without one from the control log read again)."""
+    """Nacked messages are cancelled or rescheduled: their pending redeliveries are taken back, or
+    moved earlier or later, for every subscription at once or for one, and a moved one keeps its
+    redelivery count. The outcome says which subscriptions. Neither a kill -9 nor a lost state dir
+    undoes it (the state topic's entries, or without one the control log read again)."""
     topic, control = topic_factory("cancelnack"), f"ctl-{uuid.uuid4().hex[:8]}"
     port, group, state = free_port(), f"g-{topic}", tmp_path / "state"
     extra = ["--control-topic", control, "--processing-guarantee", mode]
     args = run_args(kafka, policies(topic, policy_file), state, port, group, *extra,
                     *(["--state-topic", state_topic] if state_topic else []))  # fmt: skip
     sidecar = SidecarProcess(args, tmp_path / "log")
-    for i in range(4):
+    for i in range(8):
         kafka_helper.produce(topic, f"v{i}".encode())
     kafka_helper.flush()
     producer = Producer({"bootstrap.servers": kafka})
@@ -232,101 +234,38 @@ def test_a_cancel_takes_back_pending_nack_redeliveries_across_kill_9_and_a_lost_
     try:
         sidecar.start()
         for sub in ("billing", "fraud"):
-            assert len(kafka_helper.read(f"{topic}.{sub}", 4, timeout_s=60)) == 4, sidecar.tail()
-        nack_at = int(time.time() * 1000) + 12_000
-        for sub, offset in [("billing", 0), ("billing", 1), ("billing", 2), ("billing", 3), ("fraud", 0)]:
-            command(producer, control, {**base, "type": "nack", "subscription": sub, "offset": offset,
-                                        "deliver_at": nack_at})  # fmt: skip
-        command(producer, control, {**base, "type": "cancel", "offset": 0, "id": "all"})
-        command(producer, control, {**base, "type": "cancel", "offset": 1, "subscription": "billing", "id": "one"})
-        command(producer, control, {**base, "type": "cancel", "offset": 2, "subscription": "fraud", "id": "none"})
-        assert producer.flush(10) == 0
-        wait_for(lambda: len(outcomes(kafka_helper, control, committed_only=committed)) == 3, 60, "3 answers")
-        time.sleep(1.0)  # a commit after the answers
-        sidecar.kill()
-        shutil.rmtree(state)
-        sidecar.start()
-        wait_for(lambda: time.time() * 1000 > nack_at + 2_000, 60, "the nacks' time passed")
-        wait_for(lambda: len(kafka_helper.read_to_end(f"{topic}.billing", committed_only=committed)) >= 6, 60,
-                 "offsets 2 and 3 redelivered")  # fmt: skip
-        time.sleep(2.0)  # anything extra would come now
-        assert sidecar.stop() == 0, sidecar.tail()
-    finally:
-        sidecar.close()
-    answers = outcomes(kafka_helper, control, committed_only=committed)
-    got = {k: [(a["outcome"], sorted(a.get("subscriptions") or [])) for a in v] for k, v in answers.items()}
-    assert got["all"][0] == ("cancelled", ["billing", "fraud"])
-    assert got["one"][0] == ("cancelled", ["billing"])
-    assert got["none"][0] == ("too-late", [])
-    assert sorted(answers["all"][0]["nacks"]) == ["billing", "fraud"] and "nacks" not in answers["none"][0]
-    if committed:
-        assert all(len(v) == 1 for v in got.values()), got
-    kept = live.finish() if live is not None else {}
-    for sub, again in (("billing", {2: 1, 3: 1}), ("fraud", {})):
-        fresh = kafka_helper.read_to_end(f"{topic}.{sub}", committed_only=committed)
-        for records in (fresh, *([kept[f"{topic}.{sub}"]] if live is not None else [])):
-            nacked = [r.headers.get(REDELIVERY_COUNT, b"0") != b"0" for r in records]
-            first = Counter(int(r.headers[ORIGIN_OFFSET]) for r, n in zip(records, nacked, strict=True) if not n)
-            redelivered = Counter(int(r.headers[ORIGIN_OFFSET]) for r, n in zip(records, nacked, strict=True) if n)
-            assert first == Counter(range(4)) and redelivered == Counter(again), (sub, first, redelivered)
-            assert not early(records)
-
-
-@pytest.mark.parametrize(("mode", "state_topic"), [("at-least-once", "none"), ("exactly-once", "")])
-def test_a_reschedule_moves_pending_nack_redeliveries_across_kill_9_and_a_lost_state_dir(
-    mode: str, state_topic: str, kafka: str, kafka_helper: KafkaHelper, topic_factory: TopicFactory,
-    policy_file: PolicyFile, tmp_path: Path,
-) -> None:  # fmt: skip
-    """A nacked message is rescheduled: its pending redeliveries move, earlier or later, for every
-    subscription at once or for one, and keep their redelivery count. A kill -9 and a lost state dir
-    do not put them back (the state topic's entries, or without one the control log read again)."""
-    topic, control = topic_factory("reschednack"), f"ctl-{uuid.uuid4().hex[:8]}"
-    port, group, state = free_port(), f"g-{topic}", tmp_path / "state"
-    extra = ["--control-topic", control, "--processing-guarantee", mode]
-    args = run_args(kafka, policies(topic, policy_file), state, port, group, *extra,
-                    *(["--state-topic", state_topic] if state_topic else []))  # fmt: skip
-    sidecar = SidecarProcess(args, tmp_path / "log")
-    for i in range(4):
-        kafka_helper.produce(topic, f"v{i}".encode())
-    kafka_helper.flush()
-    producer = Producer({"bootstrap.servers": kafka})
-    base = {"topic": topic, "partition": 0}
-    committed = mode == "exactly-once"
-    try:
-        sidecar.start()
-        for sub in ("billing", "fraud"):
-            assert len(kafka_helper.read(f"{topic}.{sub}", 4, timeout_s=60)) == 4, sidecar.tail()
+            assert len(kafka_helper.read(f"{topic}.{sub}", 8, timeout_s=60)) == 8, sidecar.tail()
         now = int(time.time() * 1000)
-        soon, far = now + 15_000, now + 600_000
-        nacks = [
-            ("billing", 0, far),
-            ("fraud", 0, far),
-            ("billing", 1, far),
-            ("billing", 2, soon),
-            ("billing", 3, soon),
-        ]
+        soon, far = now + 12_000, now + 600_000
+        # 0 to 3 are cancelled (or not), 4 to 7 rescheduled (or not).
+        nacks = [("billing", 0, soon), ("billing", 1, soon), ("billing", 2, soon), ("billing", 3, soon),
+                 ("fraud", 0, soon), ("billing", 4, far), ("fraud", 4, far), ("billing", 5, far),
+                 ("billing", 6, soon), ("billing", 7, soon)]  # fmt: skip
         for sub, offset, at in nacks:
             command(producer, control, {**base, "type": "nack", "subscription": sub, "offset": offset,
                                         "deliver_at": at, "redelivery_count": 1})  # fmt: skip
-        reschedule = {**base, "type": "reschedule"}
-        command(producer, control, {**reschedule, "offset": 0, "deliver_at": soon, "id": "all"})
-        command(producer, control, {**reschedule, "offset": 1, "subscription": "billing", "deliver_at": soon,
-                                    "id": "one"})  # fmt: skip
-        command(producer, control, {**reschedule, "offset": 3, "subscription": "billing", "deliver_at": far,
-                                    "id": "later"})  # fmt: skip
-        command(producer, control, {**reschedule, "offset": 2, "subscription": "fraud", "deliver_at": soon,
-                                    "id": "none"})  # fmt: skip
+        cancel, move = {**base, "type": "cancel"}, {**base, "type": "reschedule"}
+        bodies = [
+            {**cancel, "offset": 0, "id": "all"},
+            {**cancel, "offset": 1, "subscription": "billing", "id": "one"},
+            {**cancel, "offset": 2, "subscription": "fraud", "id": "none"},
+            {**move, "offset": 4, "deliver_at": soon, "id": "move all"},
+            {**move, "offset": 5, "subscription": "billing", "deliver_at": soon, "id": "move one"},
+            {**move, "offset": 7, "subscription": "billing", "deliver_at": far, "id": "move later"},
+            {**move, "offset": 6, "subscription": "fraud", "deliver_at": soon, "id": "move none"},
+        ]
+        for body in bodies:
+            command(producer, control, body)
         assert producer.flush(10) == 0
-        wait_for(lambda: len(outcomes(kafka_helper, control, committed_only=committed)) == 4, 60, "4 answers")
+        wait_for(lambda: len(outcomes(kafka_helper, control, committed_only=committed)) == 7, 60, "7 answers")
         time.sleep(1.0)  # a commit after the answers
         sidecar.kill()
         shutil.rmtree(state)
         sidecar.start()
-        wait_for(lambda: time.time() * 1000 > soon, 60, "the new time passed")
-        wait_for(lambda: len(kafka_helper.read_to_end(f"{topic}.billing", committed_only=committed)) >= 7, 60,
-                 "offsets 0, 1 and 2 redelivered to billing")  # fmt: skip
-        wait_for(lambda: len(kafka_helper.read_to_end(f"{topic}.fraud", committed_only=committed)) >= 5, 60,
-                 "offset 0 redelivered to fraud")  # fmt: skip
+        wait_for(lambda: time.time() * 1000 > soon, 60, "the nacks' time passed")
+        for sub, count in (("billing", 8 + 5), ("fraud", 8 + 1)):
+            arrived = functools.partial(kafka_helper.read_to_end, f"{topic}.{sub}", committed_only=committed)
+            wait_for(lambda: len(arrived()) >= count, 60, f"the redeliveries to {sub}")  # noqa: B023
         time.sleep(2.0)  # anything extra would come now
         assert sidecar.stop() == 0, sidecar.tail()
     finally:
@@ -334,20 +273,27 @@ def test_a_reschedule_moves_pending_nack_redeliveries_across_kill_9_and_a_lost_s
     answers = outcomes(kafka_helper, control, committed_only=committed)
     got = {k: [(a["outcome"], sorted(a.get("subscriptions") or []), a.get("deliver_at")) for a in v]
            for k, v in answers.items()}  # fmt: skip
-    assert got["all"][0] == ("rescheduled", ["billing", "fraud"], soon)
-    assert got["one"][0] == ("rescheduled", ["billing"], soon)
-    assert got["later"][0] == ("rescheduled", ["billing"], far)
+    assert got["all"][0] == ("cancelled", ["billing", "fraud"], None)
+    assert got["one"][0] == ("cancelled", ["billing"], None)
     assert got["none"][0][0] == "too-late"
-    assert sorted(answers["all"][0]["nacks"]) == ["billing", "fraud"] and "nacks" not in answers["none"][0]
+    assert got["move all"][0] == ("rescheduled", ["billing", "fraud"], soon)
+    assert got["move one"][0] == ("rescheduled", ["billing"], soon)
+    assert got["move later"][0] == ("rescheduled", ["billing"], far)
+    assert got["move none"][0][0] == "too-late"
+    for key in ("all", "move all"):
+        assert sorted(answers[key][0]["nacks"]) == ["billing", "fraud"]
+    assert "nacks" not in answers["none"][0] and "nacks" not in answers["move none"][0]
     if committed:
         assert all(len(v) == 1 for v in got.values()), got
-    for sub, again in (("billing", {0: 1, 1: 1, 2: 1}), ("fraud", {0: 1})):
-        records = kafka_helper.read_to_end(f"{topic}.{sub}", committed_only=committed)
-        nacked = [r for r in records if r.headers.get(REDELIVERY_COUNT, b"0") != b"0"]
-        assert by_offset([r for r in records if r not in nacked]) == Counter(range(4)), sub
-        assert by_offset(nacked) == Counter(again), (sub, by_offset(nacked))
-        assert {(r.headers[REDELIVERY_COUNT], int(r.headers[DELIVER_AT])) for r in nacked} == {(b"2", soon)}, sub
-        assert not early(records)
+    kept = live.finish() if live is not None else {}
+    for sub, again in (("billing", {2: 1, 3: 1, 4: 1, 5: 1, 6: 1}), ("fraud", {4: 1})):
+        fresh = kafka_helper.read_to_end(f"{topic}.{sub}", committed_only=committed)
+        for records in (fresh, *([kept[f"{topic}.{sub}"]] if live is not None else [])):
+            nacked = [r for r in records if r.headers.get(REDELIVERY_COUNT, b"0") != b"0"]
+            assert by_offset([r for r in records if r not in nacked]) == Counter(range(8)), sub
+            assert by_offset(nacked) == Counter(again), (sub, by_offset(nacked))
+            assert {(r.headers[REDELIVERY_COUNT], int(r.headers[DELIVER_AT])) for r in nacked} == {(b"2", soon)}
+            assert not early(records)
 
 
 def test_the_client_cancels_and_learns_whether_it_was_in_time(

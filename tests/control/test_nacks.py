@@ -127,9 +127,26 @@ def test_a_reschedule_moving_two_subscriptions_nacks_keeps_an_entry_for_each() -
     assert dead == [(10, "billing"), (11, "fraud")]
     latest.accept(nack(5, (0, 30)), 30)  # billing nacked again: only billing's moved nack goes
     assert latest.take(C0, -1) == ([((30, "billing"), nack(5, (0, 30)).encode())], [(20, "billing")])
-    [found] = latest.in_force_from(("control", 0, 20), "orders", 0, 5, ["billing", "fraud"])
+    [found] = latest.due("control", 0, 20)
     assert (found.command.message_key, found.deliver_at, found.source) == (
         moved[1].command.message_key,
         9_000,
         moved[1].source,
     )
+
+
+def test_a_due_index_entry_stands_for_the_nacks_in_force_there_and_no_others() -> None:
+    """What Redelivery redelivers for an entry it pops: nothing once superseded or settled."""
+    latest = LatestNacks()
+    assert not latest.accept(nack(5, (0, 10)), 10)
+    assert latest.accept(nack(5, (0, 11)), 11), "supersedes a pending nack"
+    assert not latest.accept(nack(6, (0, 12)), 12)
+    assert latest.due("control", 0, 10) == []
+    [due] = latest.due("control", 0, 11)
+    assert (due.command.offset, due.source, due.deliver_at) == (5, ("control", 0, 11), 5_000)
+    assert latest.claim(due, 11) and latest.due("control", 0, 11) == []
+    cancel = AcceptedNack(NackCommand("billing", "orders", 0, 6, None, 6_000, 0), 6_000, ("control", 0, 13), True)
+    assert latest.accept(cancel, 13)
+    assert not latest.accept(nack(6, (0, 14)), 14), "a cancelled acceptance is no pending nack"
+    latest.forget_partition(C0)
+    assert latest.due("control", 0, 14) == [] and len(latest) == 0
