@@ -652,8 +652,10 @@ def zombie(first: Sidecar, second: Sidecar) -> bool:
     while time.monotonic() < deadline and "engine failed" not in first.log.read_text(errors="replace")[before:]:
         time.sleep(0.1)
     first.kill()  # before its next engine fences the successor in turn
-    # The producer's or the group's word for it, in the sidecar's or librdkafka's lines.
-    return "fenced" in first.log.read_text(errors="replace")[before:]
+    # Its engine stopped, and the producer's or the group's word for why, in the sidecar's or
+    # librdkafka's lines. Not "fenced" alone: a new engine logs the producers it fences itself.
+    woken = first.log.read_text(errors="replace")[before:]
+    return "engine failed" in woken and "fenced" in woken
 
 
 def table(outcome: Outcome, command: str) -> str:
@@ -729,10 +731,14 @@ def main(argv: list[str] | None = None) -> int:
                 cancel_fraction=args.cancel_fraction,
                 spark_audit=args.spark_audit)  # fmt: skip
     workdir = Path(tempfile.mkdtemp(prefix="bench-chaos-"))
+    outcome: Outcome | None = None
     try:
         outcome = run(plan, workdir, log=lambda line: print(line, file=sys.stderr, flush=True))
     finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+        if outcome is not None and outcome.passed:
+            shutil.rmtree(workdir, ignore_errors=True)
+        else:  # the sidecars' logs and state dirs are the evidence
+            print(f"kept {workdir} (the sidecars' logs and state dirs, the broker's data)", file=sys.stderr)
     print(table(outcome, command))
     if args.json:
         spark = asdict(outcome.spark) if outcome.spark is not None else None
