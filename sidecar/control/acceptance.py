@@ -158,15 +158,19 @@ class Acceptance:
         # From the command's own timestamp, so the time does not depend on when it was read.
         source = (record.topic(), record.partition(), record.offset())
         accepted = AcceptedNack(command, command.effective_deliver_at(sent_ms), source)
-        self._write_accepted(record, accepted)
         # Indexed now, by the command's own offset, not when the accepted record comes back behind
-        # every command written before it: a burst of nacks falls due on time. The accepted record
-        # stays the durable word for a restart; read back by this member, it is skipped.
+        # every command written before it: a burst of nacks falls due on time.
         key = record.offset()
         if self._nacks.accept(accepted, key):
             self._metrics.child(self._metrics.nacks, subscription, "superseded").inc()
-        state.unread_facts.add(key)
-        if not state.tracker.add(key, accepted.deliver_at):
+        if state.tracker.add(key, accepted.deliver_at):
+            # The accepted record is the durable word for a restart; read back by this member, it is skipped.
+            self._write_accepted(record, accepted)
+            state.unread_facts.add(key)
+        else:
+            # Due already (a backlog): redelivered in this slice, before any checkpoint commits the
+            # command's offset, so it needs no accepted record. A crash before that commit judges
+            # the command again (its offset is not below the committed one).
             due_now.append((key, accepted))
         self._metrics.child(self._metrics.nacks, subscription, "accepted").inc()
 

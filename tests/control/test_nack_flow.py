@@ -4,8 +4,10 @@ import json
 import shutil
 import time
 import uuid
+from collections import Counter
 from pathlib import Path
 
+import pytest
 from confluent_kafka import Producer
 
 from sidecar.broker.embedded import free_port
@@ -13,6 +15,7 @@ from sidecar.client import Nacker
 from sidecar.outbound.records import DELIVER_AT, ERROR_CODE, ORIGIN_OFFSET, ORIGIN_PARTITION, REDELIVERY_COUNT
 from tests.kafka_helpers import (
     KafkaHelper,
+    LiveReader,
     PolicyFile,
     Received,
     SidecarProcess,
@@ -20,6 +23,7 @@ from tests.kafka_helpers import (
     TopicFactory,
     committed,
     early,
+    run_args,
     scrape,
     settings_for,
     wait_for,
@@ -233,3 +237,68 @@ def test_nacks_already_due_when_read_are_redelivered_not_dropped(
         ]
         assert len({r.headers[ORIGIN_OFFSET] for r in again}) == 300
         assert sidecar.metric("delay_sidecar_redeliveries_total", subscription="billing") == 300
+
+
+@pytest.mark.parametrize("mode", ["at-least-once", "exactly-once"])
+def test_a_nack_due_when_judged_is_redelivered_without_an_accepted_record_and_survives_a_kill_before_the_commit(
+    mode: str, kafka: str, kafka_helper: KafkaHelper, topic_factory: TopicFactory, policy_file: PolicyFile,
+    tmp_path: Path,
+) -> None:  # fmt: skip
+    """A nack already due when it is judged goes out in the same slice, before any checkpoint can
+    commit its command's offset, so it writes no accepted record. Killed before that commit (and the
+    state dir lost), the next run judges the command again: redelivered at least once, and exactly
+    once in exactly-once mode, read from offset 0 and by a consumer that kept reading."""
+    topic, control = topic_factory("duenack"), f"ctl-{uuid.uuid4().hex[:8]}"
+    port, group, state = free_port(), f"g-{topic}", tmp_path / "state"
+    args = run_args(kafka, setup(topic, policy_file), state, port, group, "--control-topic", control,
+                    "--processing-guarantee", mode)  # fmt: skip
+    committed = mode == "exactly-once"
+    for i in range(50):
+        kafka_helper.produce(topic, f"v{i}".encode())
+    kafka_helper.flush()
+    first = SidecarProcess(args, tmp_path / "log1")
+    try:
+        first.start()
+        wait_for(lambda: len(kafka_helper.read_to_end(f"{topic}.billing", committed_only=committed)) == 50, 60,
+                 "the first deliveries")  # fmt: skip
+        assert first.stop() == 0, first.tail()
+    finally:
+        first.close()
+    live = LiveReader(kafka, [f"{topic}.billing"], 1) if committed else None
+    # No checkpoint for ten minutes: the kill comes before the commit of the nacks' offsets.
+    slow = SidecarProcess([*args, "--commit-interval-ms", "600000"], tmp_path / "log2")
+    again = SidecarProcess(args, tmp_path / "log3")
+    try:
+        slow.start()
+        wait_for(lambda: scrape(port, "delay_sidecar_assigned_partitions") > 0, 60, "serving")
+        long_ago = int(time.time() * 1000) - 10_000
+        for offset in range(50):
+            command = {"v": 1, "type": "nack", "subscription": "billing", "topic": topic, "partition": 0,
+                       "offset": offset, "delay_ms": 1000}  # fmt: skip
+            kafka_helper.produce(control, json.dumps(command).encode(), timestamp=long_ago)
+        kafka_helper.flush()
+
+        def written() -> int:  # read_uncommitted: the transaction of exactly-once stays open
+            return sum(r.headers[REDELIVERY_COUNT] == b"1" for r in kafka_helper.read_to_end(f"{topic}.billing"))
+
+        wait_for(lambda: written() == 50, 60, "the redeliveries written")
+        types = [json.loads(r.value or b"{}").get("type") for r in kafka_helper.read_to_end(control)]
+        assert types == ["nack"] * 50, "no accepted record for a nack that was due when judged"
+        slow.kill()
+        shutil.rmtree(state)
+        again.start()
+        wait_for(lambda: scrape(port, "delay_sidecar_redeliveries_total", subscription="billing") >= 50, 60,
+                 "judged and redelivered again")  # fmt: skip
+        time.sleep(1.0)  # a checkpoint after them
+        assert again.stop() == 0, again.tail()
+    finally:
+        slow.close()
+        again.close()
+    kept = live.finish() if live is not None else {}
+    fresh = kafka_helper.read_to_end(f"{topic}.billing", committed_only=committed)
+    for records in (fresh, *([kept[f"{topic}.billing"]] if live is not None else [])):
+        redelivered = Counter(int(r.headers[ORIGIN_OFFSET]) for r in records if r.headers[REDELIVERY_COUNT] == b"1")
+        assert set(redelivered) == set(range(50)), redelivered
+        if committed:
+            assert redelivered == Counter(range(50)), redelivered
+        assert not early(records)
