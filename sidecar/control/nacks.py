@@ -14,6 +14,7 @@ An entry is written when its accepted record is read and tombstoned when it stop
   checkpoint), so a restore never revives a superseded nack;
 - once redelivered (or dropped at due time), only after a commit whose delivered watermark covers
   it: a restore takes the committed watermark, and must still find every nack it does not cover.
+  One settled before any checkpoint wrote it is never written at all (a burst's nacks mostly are).
 
 An entry is named by its index offset *and* its subscription: a cancel or a reschedule indexes one
 acceptance per subscription at its own offset, and each lives or dies on its own.
@@ -102,9 +103,12 @@ class LatestNacks:
             return [], []
         waiting = []
         for key, entry in changes.settled:
+            if changes.upserts.pop(entry, None) is not None:
+                # Settled before it was ever written: nothing to take back. The commit after this
+                # checkpoint covers it; a crash before that commit reads or judges it again.
+                continue
             if key <= covered:
                 changes.dead.add(entry)
-                changes.upserts.pop(entry, None)
             else:
                 waiting.append((key, entry))
         upserts = sorted((entry, nack.encode()) for entry, nack in changes.upserts.items())

@@ -150,3 +150,16 @@ def test_a_due_index_entry_stands_for_the_nacks_in_force_there_and_no_others() -
     assert not latest.accept(nack(6, (0, 14)), 14), "a cancelled acceptance is no pending nack"
     latest.forget_partition(C0)
     assert latest.due("control", 0, 14) == [] and len(latest) == 0
+
+
+def test_a_nack_settled_before_any_checkpoint_wrote_it_is_never_written() -> None:
+    """Neither its entry nor a tombstone: the state topic never held it. One written before it was
+    settled is still tombstoned once a commit covers it."""
+    nacks = LatestNacks(changelog=True)
+    quick, slow = nack(5, (0, 10)), nack(6, (0, 11))
+    nacks.accept(quick, 10)
+    nacks.accept(slow, 11)
+    assert nacks.claim(quick, 10)
+    assert nacks.take(C0, -1) == ([((11, "billing"), slow.encode())], [])
+    assert nacks.claim(slow, 11)
+    assert nacks.take(C0, pack(10**12, 0)) == ([], [(11, "billing")])
