@@ -107,7 +107,12 @@ class Acceptance:
     ) -> None:
         """An accepted record an earlier member or run wrote: indexed by its command's offset (`key`),
         unless its key is at or below the delivered watermark, which means it went out (or was
-        superseded) before. Entries leave the index in key order, so that is exact."""
+        superseded) before. Entries leave the index in key order, so that is exact.
+
+        One in force already needs nothing: restored from the state topic, or its command judged
+        again in this run (after a crash before the commit), which may be redelivering it now."""
+        if self._nacks.holds(accepted):
+            return
         self._nacks.accept(accepted, key)
         if pack(accepted.deliver_at, key) <= state.tracker.delivered_through():
             self._nacks.claim(accepted, key)  # redelivered, or superseded, before

@@ -81,6 +81,11 @@ class LatestNacks:
         self._unindex(current, message)
         return True
 
+    def holds(self, nack: AcceptedNack) -> bool:
+        """This very acceptance is the one in force for its message."""
+        current = self._latest.get(nack.command.message_key)
+        return current is not None and current[:3] == nack.source
+
     def due(self, topic: str, partition: int, offset: int) -> list[AcceptedNack]:
         """The acceptances in force that the index entry at `offset` of a control partition stands for
         (none when later commands superseded them all)."""

@@ -302,3 +302,55 @@ def test_a_nack_due_when_judged_is_redelivered_without_an_accepted_record_and_su
         if committed:
             assert redelivered == Counter(range(50)), redelivered
         assert not early(records)
+
+
+def test_a_command_judged_again_after_a_crash_is_redelivered_when_its_old_accepted_record_comes_back(
+    kafka: str, kafka_helper: KafkaHelper, topic_factory: TopicFactory, policy_file: PolicyFile, tmp_path: Path
+) -> None:
+    """At least once: a run accepts nacks (not due yet, so it writes their accepted records) and is
+    killed before it commits their offsets. The next run judges the commands again when they are
+    due already, and then reads the old accepted records in the same batch. Those must not settle
+    the nacks that the new judgement is about to redeliver."""
+    topic, control = topic_factory("rejudged"), f"ctl-{uuid.uuid4().hex[:8]}"
+    port, group, state = free_port(), f"g-{topic}", tmp_path / "state"
+    args = run_args(kafka, setup(topic, policy_file), state, port, group, "--control-topic", control,
+                    "--state-topic", "none")  # fmt: skip
+    for i in range(20):
+        kafka_helper.produce(topic, f"v{i}".encode())
+    kafka_helper.flush()
+    first = SidecarProcess(args, tmp_path / "log1")
+    try:
+        first.start()
+        wait_for(lambda: len(kafka_helper.read_to_end(f"{topic}.billing")) == 20, 60, "the first deliveries")
+        assert first.stop() == 0, first.tail()
+    finally:
+        first.close()
+    slow = SidecarProcess([*args, "--commit-interval-ms", "600000"], tmp_path / "log2")
+    again = SidecarProcess(args, tmp_path / "log3")
+    try:
+        slow.start()
+        wait_for(lambda: scrape(port, "delay_sidecar_assigned_partitions") > 0, 60, "serving")
+        deliver_at = int(time.time() * 1000) + 4_000
+        for offset in range(20):
+            command = {"v": 1, "type": "nack", "subscription": "billing", "topic": topic, "partition": 0,
+                       "offset": offset, "deliver_at": deliver_at}  # fmt: skip
+            kafka_helper.produce(control, json.dumps(command).encode())
+        kafka_helper.flush()
+
+        def accepted() -> int:
+            return sum(b'"accepted"' in (r.value or b"") for r in kafka_helper.read_to_end(control))
+
+        wait_for(lambda: accepted() == 20, 30, "the accepted records written")
+        slow.kill()  # before the nacks are due, and before any commit of their offsets
+        wait_for(lambda: time.time() * 1000 > deliver_at + 500, 30, "the nacks due")
+        again.start()
+        wait_for(lambda: scrape(port, "delay_sidecar_assigned_partitions") > 0, 60, "serving again")
+        time.sleep(3.0)  # the redeliveries come now
+        assert again.stop() == 0, again.tail()
+    finally:
+        slow.close()
+        again.close()
+    records = kafka_helper.read_to_end(f"{topic}.billing")
+    redelivered = Counter(int(r.headers[ORIGIN_OFFSET]) for r in records if r.headers[REDELIVERY_COUNT] == b"1")
+    assert set(redelivered) == set(range(20)), f"not redelivered: {sorted(set(range(20)) - set(redelivered))}"
+    assert not early(records)
