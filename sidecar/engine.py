@@ -177,6 +177,7 @@ class Sidecar:
             restore=self._restore,
             fence=self._fence_earlier if transactional_ids is not None else None,
             load_rules=self._state_topic.load_rules if self._state_topic is not None else None,
+            end_of=self._admin.end_offset,
         )
         self._ids = transactional_ids
         self._fenced = set(writer.fenced)

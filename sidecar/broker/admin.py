@@ -9,8 +9,8 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from confluent_kafka import ConsumerGroupTopicPartitions
-from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic
+from confluent_kafka import ConsumerGroupTopicPartitions, IsolationLevel, KafkaException, TopicPartition
+from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic, OffsetSpec
 
 from sidecar.errors import BrokerError
 from sidecar.kafka_io import LIBRDKAFKA
@@ -85,6 +85,21 @@ class TopicAdmin:
                 "are up and that the sidecar may DESCRIBE its group"
             ) from e
         return {(tp.topic, tp.partition): (tp.offset, tp.metadata) for tp in listed.topic_partitions or []}
+
+    def end_offset(self, topic: str, partition: int) -> int:
+        """The partition's high watermark, open transactions included (read_uncommitted): a
+        read_committed consumer's own end is the last stable offset, which a transaction still
+        committing leaves below its records."""
+        tp = TopicPartition(topic, partition)
+        try:
+            futures = self._admin.list_offsets(
+                {tp: OffsetSpec.latest()},
+                isolation_level=IsolationLevel.READ_UNCOMMITTED,
+                request_timeout=ADMIN_TIMEOUT_S,
+            )
+            return int(futures[tp].result(timeout=ADMIN_TIMEOUT_S + 5).offset)
+        except (KafkaException, TimeoutError) as e:
+            raise BrokerError(f"cannot read the end of {topic}/{partition} ({e}); is the broker up?") from e
 
     def reachable(self) -> bool:
         """True when a broker answers a metadata request within a second."""

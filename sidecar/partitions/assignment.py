@@ -39,11 +39,14 @@ class Assignment:
         restore: Restore | None = None,
         fence: Callable[[str], bool] | None = None,
         load_rules: Callable[[str, str], tuple[tuple[int, IntakeRule], ...] | None] | None = None,
+        end_of: Callable[[str, int], int] | None = None,
     ) -> None:
         """`fence`: exactly-once mode, called with the transactional.id of each assigned partition's
         last commit, before the partition is read (a zombie of this identity must not commit); True
         when it fenced that producer now, False when it was fenced before or is not this identity's."""
         self.states: dict[tuple[str, int], PartitionState] = {}
+        self._end_of_log = end_of
+        """A partition's end with open transactions included (TopicAdmin.end_offset)."""
         self._fence = fence
         self._load_rules = load_rules
         """The whole rule history a commit's `rules_ref` names, from the state topic (None: not found)."""
@@ -82,6 +85,9 @@ class Assignment:
             if metadata.commands and not state.control:
                 try:
                     state.hold_until = self._end_of(consumer, tp)
+                    logger.info(
+                        "partition held until its facts are read partition=%s until=%d", state.name, state.hold_until
+                    )
                 except SidecarError as e:  # raised by the engine after poll, not into librdkafka
                     self.failed, self.error = True, e
             assigned.append(state)
@@ -136,9 +142,13 @@ class Assignment:
         )
         return found
 
-    @staticmethod
-    def _end_of(consumer: Consumer, tp: TopicPartition) -> int:
-        """The partition's end now: every fact an earlier owner wrote lies below it."""
+    def _end_of(self, consumer: Consumer, tp: TopicPartition) -> int:
+        """The partition's end now: every fact an earlier owner wrote lies below it. Read uncommitted:
+        the consumer's own end (read_committed) is the last stable offset, below the facts of a
+        transaction that an earlier owner's commit is still closing (a cancelled record was then
+        delivered; docs/reliability.md)."""
+        if self._end_of_log is not None:
+            return self._end_of_log(tp.topic, tp.partition)
         try:
             _, high = consumer.get_watermark_offsets(TopicPartition(tp.topic, tp.partition), timeout=30, cached=False)
         except KafkaException as e:

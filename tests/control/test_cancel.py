@@ -441,3 +441,45 @@ def test_a_cancelled_nack_already_due_at_a_restart_stays_cancelled(
         sidecar.close()
     assert outcomes(kafka_helper, control)["c"][0]["outcome"] == "cancelled"
     assert by_offset(kafka_helper.read_to_end(f"{topic}.billing")) == Counter({0: 1}), "redelivered after cancel"
+
+
+def test_a_partition_with_facts_pending_holds_until_a_transaction_still_closing_is_read(
+    kafka: str, kafka_helper: KafkaHelper, topic_factory: TopicFactory, policy_file: PolicyFile, tmp_path: Path
+) -> None:
+    """Exactly once: a new owner holds a partition whose commit says facts may lie past it until
+    it has read to the partition's end. That end includes a transaction that is still open (an
+    earlier owner's commit still closing, with facts in it): the last stable offset, a
+    read_committed consumer's own end, lies below it. A chaos run delivered 10 cancelled records
+    when the hold ended there."""
+    topic, control = topic_factory("holdtxn"), f"ctl-{uuid.uuid4().hex[:8]}"
+    port, group, state = free_port(), f"g-{topic}", tmp_path / "state"
+    args = run_args(kafka, policies(topic, policy_file), state, port, group, "--control-topic", control,
+                    "--processing-guarantee", "exactly-once")  # fmt: skip
+    later = int(time.time() * 1000) + 600_000
+    for i in range(2):
+        kafka_helper.produce(topic, f"v{i}".encode(), headers=[("deliver-at", str(later))])
+    kafka_helper.flush()
+    first, second = SidecarProcess(args, tmp_path / "log1"), SidecarProcess(args, tmp_path / "log2")
+    txn = Producer({"bootstrap.servers": kafka, "transactional.id": f"t-{topic}"})
+    try:
+        first.start()
+        wait_for(lambda: scrape(port, "delay_sidecar_tracked_messages", topic=topic) == 2, 60, "indexed")
+        producer = Producer({"bootstrap.servers": kafka})
+        command(producer, control, {"topic": topic, "partition": 0, "type": "cancel", "offset": 0, "id": "c"})
+        assert producer.flush(10) == 0
+        wait_for(lambda: len(outcomes(kafka_helper, control, committed_only=True)) == 1, 60, "the answer")
+        assert first.stop() == 0, first.tail()  # its commit says: facts pending (a cancel in force)
+        txn.init_transactions(10)
+        txn.begin_transaction()
+        txn.produce(topic, b"in an open transaction", partition=0)
+        txn.flush(10)
+        second.start()
+        wait_for(lambda: "partitions assigned" in second.log.read_text(), 60, "assigned")
+        time.sleep(3.0)  # would it deliver now?
+        assert "partition delivering again" not in second.log.read_text(), "released below the open transaction"
+        txn.commit_transaction(10)
+        wait_for(lambda: "partition delivering again" in second.log.read_text(), 60, "released once read")
+        assert second.stop() == 0, second.tail()
+    finally:
+        first.close()
+        second.close()
