@@ -49,7 +49,7 @@ from sidecar.kafka_io import LIBRDKAFKA, Connectivity, consume_batch, consumer_c
 from sidecar.metrics import Metrics
 from sidecar.outbound.delivery import Delivery
 from sidecar.outbound.records import HeaderForm
-from sidecar.outbound.writer import Writer
+from sidecar.outbound.writer import TRANSACTION_TIMEOUT_MS, Writer
 from sidecar.partitions.assignment import Assignment
 from sidecar.partitions.gauges import publish_due_gauges, publish_index_gauges
 from sidecar.partitions.lookup import Whereabouts, locate
@@ -71,6 +71,9 @@ TrackerFactory = Callable[[str, int], DelayedDeliveryTracker]
 MAX_WAIT_S = 0.1
 # The wait reported when nothing is due at all (for the garbage collector: time for a full pass).
 IDLE_WAIT_S = 60.0
+HOLD_LIMIT_S = TRANSACTION_TIMEOUT_MS / 1000 + 15
+"""A held partition whose reader has read all it can for this long waits for no transaction: the
+broker aborts one open longer than the transaction timeout (noida-db, which does not, never ends it)."""
 # The pending-by-due-time gauges are refreshed at most this often (a pass over the index's segment tables).
 DUE_GAUGES_EVERY_S = 10.0
 STALL_WAIT_S = 0.05
@@ -516,10 +519,30 @@ class Sidecar:
             positions = self._consumer.position([TopicPartition(s.topic, s.partition) for s in held])
         except KafkaException:
             return  # asked again next turn
+        now = time.monotonic()
         for state, tp in zip(held, positions, strict=True):
-            if state.hold_until is not None and tp.offset >= state.hold_until and state.rebuild is None:
+            if state.hold_until is None or state.rebuild is not None:
+                continue
+            if tp.offset >= state.hold_until:
                 logger.info("partition delivering again, every earlier fact read partition=%s", state.name)
                 state.hold_until = None
+            elif now - state.held_since > HOLD_LIMIT_S and tp.offset >= self._stable_end(tp):
+                logger.warning(
+                    "partition delivering again past a transaction open longer than the transaction timeout "
+                    "partition=%s position=%d held_until=%d",
+                    state.name,
+                    tp.offset,
+                    state.hold_until,
+                )
+                state.hold_until = None
+
+    def _stable_end(self, tp: TopicPartition) -> int:
+        """The last stable offset, asked of the broker by the read_committed consumer (-1: no answer)."""
+        try:
+            _, high = self._consumer.get_watermark_offsets(tp, timeout=2, cached=False)
+        except KafkaException:
+            return -1
+        return int(high) if high is not None and high >= 0 else -1
 
     def _dispatch_due(self, read_ahead: bool = True) -> None:
         self._release_holds()

@@ -2,6 +2,7 @@
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -84,7 +85,7 @@ class Assignment:
             start = state.start(committed, metadata, self._restore)
             if metadata.commands and not state.control:
                 try:
-                    state.hold_until = self._end_of(consumer, tp)
+                    state.hold_until, state.held_since = self._end_of(consumer, tp), time.monotonic()
                     logger.info(
                         "partition held until its facts are read partition=%s until=%d", state.name, state.hold_until
                     )

@@ -94,6 +94,8 @@ class PartitionState:
     """Deliveries that cancels and reschedules took back (control/overrides.py)."""
     unread_facts: set[int] = field(default_factory=set)
     """Request offsets whose facts this member wrote and has not read back yet."""
+    held_since: float = 0.0
+    """When the hold began (time.monotonic)."""
     hold_until: int | None = None
     """Deliver nothing from this partition before reading up to here: facts written by an earlier
     owner may lie past the commit, and a cancel in them must be in force before anything goes out."""

@@ -443,6 +443,38 @@ def test_a_cancelled_nack_already_due_at_a_restart_stays_cancelled(
     assert by_offset(kafka_helper.read_to_end(f"{topic}.billing")) == Counter({0: 1}), "redelivered after cancel"
 
 
+def leave_facts_pending(kafka: str, kafka_helper: KafkaHelper, args: list[str], log: Path, topic: str,
+                        control: str, port: int) -> None:  # fmt: skip
+    """Two records on partition 0 due in 10 s, the first cancelled, then a clean stop: the commit says
+    facts are pending (a cancel in force), so the next owner holds the partition."""
+    soon = int(time.time() * 1000) + 10_000
+    for i in range(2):
+        kafka_helper.produce(topic, f"v{i}".encode(), headers=[("deliver-at", str(soon))])
+    kafka_helper.flush()
+    first = SidecarProcess(args, log)
+    try:
+        first.start()
+        wait_for(lambda: scrape(port, "delay_sidecar_tracked_messages", topic=topic) == 2, 60, "indexed")
+        producer = Producer({"bootstrap.servers": kafka})
+        command(producer, control, {"topic": topic, "partition": 0, "type": "cancel", "offset": 0, "id": "c"})
+        assert producer.flush(10) == 0
+        wait_for(lambda: len(outcomes(kafka_helper, control, committed_only=True)) == 1, 60, "the answer")
+        assert first.stop() == 0, first.tail()
+    finally:
+        first.close()
+    assert not kafka_helper.read_to_end(f"{topic}.billing", committed_only=True), "delivered before its time"
+
+
+def open_transaction(kafka: str, topic: str) -> Producer:
+    """A transaction left open on partition 0 (offset 2), as an earlier owner's commit still closing leaves it."""
+    txn = Producer({"bootstrap.servers": kafka, "transactional.id": f"t-{topic}"})
+    txn.init_transactions(10)
+    txn.begin_transaction()
+    txn.produce(topic, b"in an open transaction", partition=0)
+    txn.flush(10)
+    return txn
+
+
 def test_a_partition_with_facts_pending_holds_until_a_transaction_still_closing_is_read(
     kafka: str, kafka_helper: KafkaHelper, topic_factory: TopicFactory, policy_file: PolicyFile, tmp_path: Path
 ) -> None:
@@ -455,31 +487,46 @@ def test_a_partition_with_facts_pending_holds_until_a_transaction_still_closing_
     port, group, state = free_port(), f"g-{topic}", tmp_path / "state"
     args = run_args(kafka, policies(topic, policy_file), state, port, group, "--control-topic", control,
                     "--processing-guarantee", "exactly-once")  # fmt: skip
-    later = int(time.time() * 1000) + 600_000
-    for i in range(2):
-        kafka_helper.produce(topic, f"v{i}".encode(), headers=[("deliver-at", str(later))])
-    kafka_helper.flush()
-    first, second = SidecarProcess(args, tmp_path / "log1"), SidecarProcess(args, tmp_path / "log2")
-    txn = Producer({"bootstrap.servers": kafka, "transactional.id": f"t-{topic}"})
+    leave_facts_pending(kafka, kafka_helper, args, tmp_path / "log1", topic, control, port)
+    txn = open_transaction(kafka, topic)
+    second = SidecarProcess(args, tmp_path / "log2")
     try:
-        first.start()
-        wait_for(lambda: scrape(port, "delay_sidecar_tracked_messages", topic=topic) == 2, 60, "indexed")
-        producer = Producer({"bootstrap.servers": kafka})
-        command(producer, control, {"topic": topic, "partition": 0, "type": "cancel", "offset": 0, "id": "c"})
-        assert producer.flush(10) == 0
-        wait_for(lambda: len(outcomes(kafka_helper, control, committed_only=True)) == 1, 60, "the answer")
-        assert first.stop() == 0, first.tail()  # its commit says: facts pending (a cancel in force)
-        txn.init_transactions(10)
-        txn.begin_transaction()
-        txn.produce(topic, b"in an open transaction", partition=0)
-        txn.flush(10)
         second.start()
         wait_for(lambda: "partitions assigned" in second.log.read_text(), 60, "assigned")
         time.sleep(3.0)  # would it deliver now?
         assert "partition delivering again" not in second.log.read_text(), "released below the open transaction"
         txn.commit_transaction(10)
         wait_for(lambda: "partition delivering again" in second.log.read_text(), 60, "released once read")
+        delivered = lambda: by_offset(kafka_helper.read_to_end(f"{topic}.billing", committed_only=True))  # noqa: E731
+        # Record 1, and the transaction's record once committed (after the request and fact records).
+        wait_for(lambda: sum(delivered().values()) == 2, 60, "all but the cancelled record")
+        assert delivered()[0] == 0 and delivered()[1] == 1, delivered()
         assert second.stop() == 0, second.tail()
     finally:
-        first.close()
         second.close()
+
+
+def test_a_transaction_open_past_the_transaction_timeout_holds_a_partition_no_longer(
+    kafka: str, kafka_helper: KafkaHelper, topic_factory: TopicFactory, policy_file: PolicyFile, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """Kafka aborts a transaction open past its timeout; noida-db never does. Once the hold has lasted
+    that long and the reader has read all it can, the partition delivers again (the limit is cut
+    to 3 s here), and the cancel read before the open transaction still holds."""
+    monkeypatch.setattr("sidecar.engine.HOLD_LIMIT_S", 3.0)
+    topic, control = topic_factory("holdlimit"), f"ctl-{uuid.uuid4().hex[:8]}"
+    port, group, state = free_port(), f"g-{topic}", tmp_path / "state"
+    args = run_args(kafka, policies(topic, policy_file), state, port, group, "--control-topic", control,
+                    "--processing-guarantee", "exactly-once")  # fmt: skip
+    leave_facts_pending(kafka, kafka_helper, args, tmp_path / "log1", topic, control, port)
+    txn = open_transaction(kafka, topic)
+    settings = settings_for(kafka, policies(topic, policy_file), state, group_id=group, control_topic=control,
+                            processing_guarantee="exactly-once")  # fmt: skip
+    try:
+        with ThreadedSidecar(settings):
+            delivered = lambda: by_offset(kafka_helper.read_to_end(f"{topic}.billing", committed_only=True))  # noqa: E731
+            wait_for(lambda: delivered() == Counter({1: 1}), 60, "delivered past the open transaction")
+            time.sleep(1.0)  # a cancelled record would come now
+            assert delivered() == Counter({1: 1})
+    finally:
+        txn.abort_transaction(10)
