@@ -175,12 +175,12 @@ class Sidecar:
             self._checkpoint,
             self._forget,
             writer.abort if exactly_once else None,
+            end_of=self._admin.end_offset,
             incremental=assignment_strategy == "cooperative-sticky",
             on_handoff=self._on_handoff,
             restore=self._restore,
             fence=self._fence_earlier if transactional_ids is not None else None,
             load_rules=self._state_topic.load_rules if self._state_topic is not None else None,
-            end_of=self._admin.end_offset,
         )
         self._ids = transactional_ids
         self._fenced = set(writer.fenced)

@@ -6,7 +6,7 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 
-from confluent_kafka import Consumer, KafkaException, TopicPartition
+from confluent_kafka import Consumer, TopicPartition
 
 from sidecar.errors import BrokerError, ConfigError, SidecarError
 from sidecar.partitions.metadata import CommitMetadata
@@ -35,19 +35,23 @@ class Assignment:
         checkpoint: Callable[[], None],
         forget: Callable[[PartitionState], None],
         abort: Callable[[], None] | None = None,
+        *,
+        end_of: Callable[[str, int], int],
         incremental: bool = False,
         on_handoff: Callable[[str, int, int], None] | None = None,
         restore: Restore | None = None,
         fence: Callable[[str], bool] | None = None,
         load_rules: Callable[[str, str], tuple[tuple[int, IntakeRule], ...] | None] | None = None,
-        end_of: Callable[[str, int], int] | None = None,
     ) -> None:
         """`fence`: exactly-once mode, called with the transactional.id of each assigned partition's
         last commit, before the partition is read (a zombie of this identity must not commit); True
         when it fenced that producer now, False when it was fenced before or is not this identity's."""
         self.states: dict[tuple[str, int], PartitionState] = {}
-        self._end_of_log = end_of
-        """A partition's end with open transactions included (TopicAdmin.end_offset)."""
+        self._end_of = end_of
+        """A partition's end now, open transactions included (TopicAdmin.end_offset): every fact an
+        earlier owner wrote lies below it. A read_committed consumer's own end, the last stable offset,
+        lies below the facts of a transaction that an earlier owner's commit is still closing (a
+        cancelled record was then delivered; docs/reliability.md)."""
         self._fence = fence
         self._load_rules = load_rules
         """The whole rule history a commit's `rules_ref` names, from the state topic (None: not found)."""
@@ -85,7 +89,7 @@ class Assignment:
             start = state.start(committed, metadata, self._restore)
             if metadata.commands and not state.control:
                 try:
-                    state.hold_until, state.held_since = self._end_of(consumer, tp), time.monotonic()
+                    state.hold_until, state.held_since = self._end_of(tp.topic, tp.partition), time.monotonic()
                     logger.info(
                         "partition held until its facts are read partition=%s until=%d", state.name, state.hold_until
                     )
@@ -142,21 +146,6 @@ class Assignment:
             "live sidecar runs with this --instance-id. Give each sidecar its own --instance-id"
         )
         return found
-
-    def _end_of(self, consumer: Consumer, tp: TopicPartition) -> int:
-        """The partition's end now: every fact an earlier owner wrote lies below it. Read uncommitted:
-        the consumer's own end (read_committed) is the last stable offset, below the facts of a
-        transaction that an earlier owner's commit is still closing (a cancelled record was then
-        delivered; docs/reliability.md)."""
-        if self._end_of_log is not None:
-            return self._end_of_log(tp.topic, tp.partition)
-        try:
-            _, high = consumer.get_watermark_offsets(TopicPartition(tp.topic, tp.partition), timeout=30, cached=False)
-        except KafkaException as e:
-            raise BrokerError(
-                f"cannot read the end of {tp.topic}/{tp.partition} ({e.args[0]}); is the broker up?"
-            ) from e
-        return int(high)
 
     def _full_rules(self, name: str, metadata: CommitMetadata) -> CommitMetadata:
         ref = metadata.rules_ref
