@@ -166,8 +166,7 @@ class Acceptance:
         # Indexed now, by the command's own offset, not when the accepted record comes back behind
         # every command written before it: a burst of nacks falls due on time.
         key = record.offset()
-        if self._nacks.accept(accepted, key):
-            self._metrics.child(self._metrics.nacks, subscription, "superseded").inc()
+        self._accept(accepted, key)
         if state.tracker.add(key, accepted.deliver_at):
             # The accepted record is the durable word for a restart; read back by this member, it is skipped.
             self._write_accepted(record, accepted)
@@ -206,11 +205,15 @@ class Acceptance:
             markers = moved_acceptances(command, pending, deliver_at, source)
         for marker in markers:
             self._write_accepted(record, marker)
-            if self._nacks.accept(marker, key):
-                self._metrics.child(self._metrics.nacks, marker.command.subscription, "superseded").inc()
+            self._accept(marker, key)
         if not state.tracker.add(key, deliver_at):
             due_now.extend((key, marker) for marker in markers)
         return tuple(pending)
+
+    def _accept(self, accepted: AcceptedNack, key: int) -> None:
+        """Put a judged acceptance in force; the pending nack it supersedes, if any, is counted now."""
+        if self._nacks.accept(accepted, key):
+            self._metrics.child(self._metrics.nacks, accepted.command.subscription, "superseded").inc()
 
     def _write_accepted(self, command: Message, accepted: AcceptedNack) -> None:
         """The durable word, in the command's own control partition, keyed like the command."""
