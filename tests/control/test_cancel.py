@@ -7,6 +7,7 @@ import shutil
 import time
 import uuid
 from collections import Counter
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -443,15 +444,41 @@ def test_a_cancelled_nack_already_due_at_a_restart_stays_cancelled(
     assert by_offset(kafka_helper.read_to_end(f"{topic}.billing")) == Counter({0: 1}), "redelivered after cancel"
 
 
-def leave_facts_pending(kafka: str, kafka_helper: KafkaHelper, args: list[str], log: Path, topic: str,
-                        control: str, port: int) -> None:  # fmt: skip
-    """Two records on partition 0 due in 10 s, the first cancelled, then a clean stop: the commit says
-    facts are pending (a cancel in force), so the next owner holds the partition."""
+@dataclass
+class Held:
+    """An exactly-once partition whose commit says facts are pending, with a transaction left open
+    on it (offset 6, after the cancel's request and fact records), as an earlier owner's commit
+    still closing leaves it."""
+
+    topic: str
+    control: str
+    port: int
+    group: str
+    state: Path
+    args: list[str]
+    policies: Path
+    txn: Producer
+
+    def billing(self, kafka_helper: KafkaHelper) -> Counter[int]:
+        return by_offset(kafka_helper.read_to_end(f"{self.topic}.billing", committed_only=True))
+
+
+def held_behind_an_open_transaction(
+    prefix: str, kafka: str, kafka_helper: KafkaHelper, topic_factory: TopicFactory, policy_file: PolicyFile,
+    tmp_path: Path,
+) -> Held:  # fmt: skip
+    """Two records on partition 0 due in 10 s, the first cancelled, then a clean stop (so the next
+    owner holds the partition), then the open transaction."""
+    topic, control = topic_factory(prefix), f"ctl-{uuid.uuid4().hex[:8]}"
+    port, group, state = free_port(), f"g-{topic}", tmp_path / "state"
+    rules = policies(topic, policy_file)
+    args = run_args(kafka, rules, state, port, group, "--control-topic", control,
+                    "--processing-guarantee", "exactly-once")  # fmt: skip
     soon = int(time.time() * 1000) + 10_000
     for i in range(2):
         kafka_helper.produce(topic, f"v{i}".encode(), headers=[("deliver-at", str(soon))])
     kafka_helper.flush()
-    first = SidecarProcess(args, log)
+    first = SidecarProcess(args, tmp_path / "log1")
     try:
         first.start()
         wait_for(lambda: scrape(port, "delay_sidecar_tracked_messages", topic=topic) == 2, 60, "indexed")
@@ -463,16 +490,12 @@ def leave_facts_pending(kafka: str, kafka_helper: KafkaHelper, args: list[str], 
     finally:
         first.close()
     assert not kafka_helper.read_to_end(f"{topic}.billing", committed_only=True), "delivered before its time"
-
-
-def open_transaction(kafka: str, topic: str) -> Producer:
-    """A transaction left open on partition 0 (offset 2), as an earlier owner's commit still closing leaves it."""
     txn = Producer({"bootstrap.servers": kafka, "transactional.id": f"t-{topic}"})
     txn.init_transactions(10)
     txn.begin_transaction()
     txn.produce(topic, b"in an open transaction", partition=0)
     txn.flush(10)
-    return txn
+    return Held(topic, control, port, group, state, args, rules, txn)
 
 
 def test_a_partition_with_facts_pending_holds_until_a_transaction_still_closing_is_read(
@@ -483,24 +506,19 @@ def test_a_partition_with_facts_pending_holds_until_a_transaction_still_closing_
     earlier owner's commit still closing, with facts in it): the last stable offset, a
     read_committed consumer's own end, lies below it. A chaos run delivered 10 cancelled records
     when the hold ended there."""
-    topic, control = topic_factory("holdtxn"), f"ctl-{uuid.uuid4().hex[:8]}"
-    port, group, state = free_port(), f"g-{topic}", tmp_path / "state"
-    args = run_args(kafka, policies(topic, policy_file), state, port, group, "--control-topic", control,
-                    "--processing-guarantee", "exactly-once")  # fmt: skip
-    leave_facts_pending(kafka, kafka_helper, args, tmp_path / "log1", topic, control, port)
-    txn = open_transaction(kafka, topic)
-    second = SidecarProcess(args, tmp_path / "log2")
+    held = held_behind_an_open_transaction("holdtxn", kafka, kafka_helper, topic_factory, policy_file, tmp_path)
+    second = SidecarProcess(held.args, tmp_path / "log2")
     try:
         second.start()
         wait_for(lambda: "partitions assigned" in second.log.read_text(), 60, "assigned")
         time.sleep(3.0)  # would it deliver now?
         assert "partition delivering again" not in second.log.read_text(), "released below the open transaction"
-        txn.commit_transaction(10)
+        held.txn.commit_transaction(10)
         wait_for(lambda: "partition delivering again" in second.log.read_text(), 60, "released once read")
-        delivered = lambda: by_offset(kafka_helper.read_to_end(f"{topic}.billing", committed_only=True))  # noqa: E731
-        # Record 1, and the transaction's record once committed (after the request and fact records).
-        wait_for(lambda: sum(delivered().values()) == 2, 60, "all but the cancelled record")
-        assert delivered()[0] == 0 and delivered()[1] == 1, delivered()
+        # Record 1, and the transaction's record once committed.
+        wait_for(lambda: sum(held.billing(kafka_helper).values()) == 2, 60, "all but the cancelled record")
+        delivered = held.billing(kafka_helper)
+        assert delivered[0] == 0 and delivered[1] == 1, delivered
         assert second.stop() == 0, second.tail()
     finally:
         second.close()
@@ -514,19 +532,13 @@ def test_a_transaction_open_past_the_transaction_timeout_holds_a_partition_no_lo
     that long and the reader has read all it can, the partition delivers again (the limit is cut
     to 3 s here), and the cancel read before the open transaction still holds."""
     monkeypatch.setattr("sidecar.engine.HOLD_LIMIT_S", 3.0)
-    topic, control = topic_factory("holdlimit"), f"ctl-{uuid.uuid4().hex[:8]}"
-    port, group, state = free_port(), f"g-{topic}", tmp_path / "state"
-    args = run_args(kafka, policies(topic, policy_file), state, port, group, "--control-topic", control,
-                    "--processing-guarantee", "exactly-once")  # fmt: skip
-    leave_facts_pending(kafka, kafka_helper, args, tmp_path / "log1", topic, control, port)
-    txn = open_transaction(kafka, topic)
-    settings = settings_for(kafka, policies(topic, policy_file), state, group_id=group, control_topic=control,
+    held = held_behind_an_open_transaction("holdlimit", kafka, kafka_helper, topic_factory, policy_file, tmp_path)
+    settings = settings_for(kafka, held.policies, held.state, group_id=held.group, control_topic=held.control,
                             processing_guarantee="exactly-once")  # fmt: skip
     try:
         with ThreadedSidecar(settings):
-            delivered = lambda: by_offset(kafka_helper.read_to_end(f"{topic}.billing", committed_only=True))  # noqa: E731
-            wait_for(lambda: delivered() == Counter({1: 1}), 60, "delivered past the open transaction")
+            wait_for(lambda: held.billing(kafka_helper) == Counter({1: 1}), 60, "delivered past the open transaction")
             time.sleep(1.0)  # a cancelled record would come now
-            assert delivered() == Counter({1: 1})
+            assert held.billing(kafka_helper) == Counter({1: 1})
     finally:
-        txn.abort_transaction(10)
+        held.txn.abort_transaction(10)

@@ -239,6 +239,32 @@ def test_nacks_already_due_when_read_are_redelivered_not_dropped(
         assert sidecar.metric("delay_sidecar_redeliveries_total", subscription="billing") == 300
 
 
+def deliver_first(
+    kafka_helper: KafkaHelper, args: list[str], log: Path, topic: str, count: int, committed: bool = False
+) -> None:
+    """`count` records produced and delivered to `billing` by a sidecar that then stops cleanly."""
+    for i in range(count):
+        kafka_helper.produce(topic, f"v{i}".encode())
+    kafka_helper.flush()
+    first = SidecarProcess(args, log)
+    try:
+        first.start()
+        wait_for(lambda: len(kafka_helper.read_to_end(f"{topic}.billing", committed_only=committed)) == count, 60,
+                 "the first deliveries")  # fmt: skip
+        assert first.stop() == 0, first.tail()
+    finally:
+        first.close()
+
+
+def nack_all(kafka_helper: KafkaHelper, control: str, topic: str, count: int, timestamp: int = 0, **when: int) -> None:
+    """A nack of each of offsets 0 to count - 1 for `billing`, with `when` (delay_ms or deliver_at)."""
+    for offset in range(count):
+        command = {"v": 1, "type": "nack", "subscription": "billing", "topic": topic, "partition": 0,
+                   "offset": offset, **when}  # fmt: skip
+        kafka_helper.produce(control, json.dumps(command).encode(), timestamp=timestamp)
+    kafka_helper.flush()
+
+
 @pytest.mark.parametrize("mode", ["at-least-once", "exactly-once"])
 def test_a_nack_due_when_judged_is_redelivered_without_an_accepted_record_and_survives_a_kill_before_the_commit(
     mode: str, kafka: str, kafka_helper: KafkaHelper, topic_factory: TopicFactory, policy_file: PolicyFile,
@@ -253,17 +279,7 @@ def test_a_nack_due_when_judged_is_redelivered_without_an_accepted_record_and_su
     args = run_args(kafka, setup(topic, policy_file), state, port, group, "--control-topic", control,
                     "--processing-guarantee", mode)  # fmt: skip
     committed = mode == "exactly-once"
-    for i in range(50):
-        kafka_helper.produce(topic, f"v{i}".encode())
-    kafka_helper.flush()
-    first = SidecarProcess(args, tmp_path / "log1")
-    try:
-        first.start()
-        wait_for(lambda: len(kafka_helper.read_to_end(f"{topic}.billing", committed_only=committed)) == 50, 60,
-                 "the first deliveries")  # fmt: skip
-        assert first.stop() == 0, first.tail()
-    finally:
-        first.close()
+    deliver_first(kafka_helper, args, tmp_path / "log1", topic, 50, committed)
     live = LiveReader(kafka, [f"{topic}.billing"], 1) if committed else None
     # No checkpoint for ten minutes: the kill comes before the commit of the nacks' offsets.
     slow = SidecarProcess([*args, "--commit-interval-ms", "600000"], tmp_path / "log2")
@@ -271,12 +287,7 @@ def test_a_nack_due_when_judged_is_redelivered_without_an_accepted_record_and_su
     try:
         slow.start()
         wait_for(lambda: scrape(port, "delay_sidecar_assigned_partitions") > 0, 60, "serving")
-        long_ago = int(time.time() * 1000) - 10_000
-        for offset in range(50):
-            command = {"v": 1, "type": "nack", "subscription": "billing", "topic": topic, "partition": 0,
-                       "offset": offset, "delay_ms": 1000}  # fmt: skip
-            kafka_helper.produce(control, json.dumps(command).encode(), timestamp=long_ago)
-        kafka_helper.flush()
+        nack_all(kafka_helper, control, topic, 50, timestamp=int(time.time() * 1000) - 10_000, delay_ms=1000)
 
         def written() -> int:  # read_uncommitted: the transaction of exactly-once stays open
             return sum(r.headers[REDELIVERY_COUNT] == b"1" for r in kafka_helper.read_to_end(f"{topic}.billing"))
@@ -315,27 +326,14 @@ def test_a_command_judged_again_after_a_crash_is_redelivered_when_its_old_accept
     port, group, state = free_port(), f"g-{topic}", tmp_path / "state"
     args = run_args(kafka, setup(topic, policy_file), state, port, group, "--control-topic", control,
                     "--state-topic", "none")  # fmt: skip
-    for i in range(20):
-        kafka_helper.produce(topic, f"v{i}".encode())
-    kafka_helper.flush()
-    first = SidecarProcess(args, tmp_path / "log1")
-    try:
-        first.start()
-        wait_for(lambda: len(kafka_helper.read_to_end(f"{topic}.billing")) == 20, 60, "the first deliveries")
-        assert first.stop() == 0, first.tail()
-    finally:
-        first.close()
+    deliver_first(kafka_helper, args, tmp_path / "log1", topic, 20)
     slow = SidecarProcess([*args, "--commit-interval-ms", "600000"], tmp_path / "log2")
     again = SidecarProcess(args, tmp_path / "log3")
     try:
         slow.start()
         wait_for(lambda: scrape(port, "delay_sidecar_assigned_partitions") > 0, 60, "serving")
         deliver_at = int(time.time() * 1000) + 4_000
-        for offset in range(20):
-            command = {"v": 1, "type": "nack", "subscription": "billing", "topic": topic, "partition": 0,
-                       "offset": offset, "deliver_at": deliver_at}  # fmt: skip
-            kafka_helper.produce(control, json.dumps(command).encode())
-        kafka_helper.flush()
+        nack_all(kafka_helper, control, topic, 20, deliver_at=deliver_at)
 
         def accepted() -> int:
             return sum(b'"accepted"' in (r.value or b"") for r in kafka_helper.read_to_end(control))
