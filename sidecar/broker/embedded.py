@@ -88,14 +88,25 @@ def port_in_use(host: str, port: int) -> bool:
 
 
 def _running_noida(pid: int) -> bool:
-    """A live (not zombie) noida-db process; the pid check guards against a stale control file."""
+    """A noida-db with a thread still alive; the name check guards against a stale control file.
+
+    Threads are looked at one by one: while a process exits, its leader thread can show as a zombie
+    (with an empty command line) while the other threads still hold its files, the listener among them.
+    """
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        threads = list(Path(f"/proc/{pid}/task").iterdir())
     except OSError:
         return False
-    state = stat.rsplit(")", 1)[-1].split()[0]
-    return state not in ("Z", "X") and b"noida-db" in cmdline
+    for thread in threads:
+        try:
+            stat = (thread / "stat").read_text()
+            cmdline = (thread / "cmdline").read_bytes()
+        except OSError:
+            continue
+        state = stat.rsplit(")", 1)[-1].split()[0]
+        if state not in ("Z", "X") and b"noida-db" in cmdline:
+            return True
+    return False
 
 
 def previous_broker(data_dir: Path) -> int | None:

@@ -19,7 +19,7 @@ from confluent_kafka import Consumer, Producer, TopicPartition
 
 from sidecar.broker import embedded
 from sidecar.broker.base import wait_for_metadata
-from sidecar.broker.embedded import EmbeddedBroker, free_port, noida_binary
+from sidecar.broker.embedded import EmbeddedBroker, free_port, noida_binary, owns_listener
 from sidecar.broker.lifeline import die_with_parent
 from sidecar.errors import BrokerError
 from tests.kafka_helpers import ROOT
@@ -161,6 +161,46 @@ def test_a_restart_after_kill_9_runs_on_its_own_broker_with_the_data(
         finally:
             consumer.close()
         assert (low, high) == (0, 100)
+
+
+# A broker caught mid-exit: its leader thread is gone (a zombie with no command line) while another
+# thread still holds the listener, as a multi-threaded noida-db looks for a moment after SIGTERM.
+EXITING_BROKER = """
+import ctypes, os, socket, sys, threading, time
+listener = socket.socket()
+listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+listener.bind(("127.0.0.1", int(sys.argv[1])))
+listener.listen()
+def finish():
+    time.sleep(float(sys.argv[2]))
+    listener.close()
+    os._exit(0)
+threading.Thread(target=finish).start()
+ctypes.CDLL(None).pthread_exit(None)
+"""
+
+
+def leader_state(pid: int) -> str:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0]
+
+
+def test_a_broker_whose_leader_thread_already_exited_is_waited_for_not_taken_for_a_stranger(tmp_path: Path) -> None:
+    """The red CI of stop 28: the restart saw the old broker as a zombie still holding the port."""
+    port = free_port()
+    data_dir = tmp_path / "broker"
+    data_dir.mkdir()
+    exiting = subprocess.Popen([sys.executable, "-c", EXITING_BROKER, str(port), "3", "noida-db"])
+    try:
+        (data_dir / embedded.CONTROL_FILE).write_text(f'{{"pid": {exiting.pid}}}')
+        wait_until(lambda: listening(port) and leader_state(exiting.pid) == "Z", "the fake broker is mid-exit")
+        assert embedded.previous_broker(data_dir) == exiting.pid
+        broker = EmbeddedBroker(data_dir, port=port)
+        with broker:
+            assert exiting.poll() is not None, "the launcher must wait for the exiting broker"
+            assert broker.pid is not None and owns_listener(broker.pid, port)
+    finally:
+        exiting.kill()
+        exiting.wait(DEADLINE_S)
 
 
 @pytest.fixture
