@@ -73,6 +73,8 @@ LOOK_AHEAD_EVERY_MS = 100
 TRAIL_POLL_MS = 20
 # Due time looked at per read-ahead step (see _start_read_ahead).
 PEEK_STEP_MS = 1_000
+# Records read back from the log handed on at a time (the read-ahead checks its time slice between pieces).
+LOG_PIECE = 500
 # An offset above any real one: the horizon Due(T, SEEN_ALL) says every entry due by T was seen.
 SEEN_ALL = (1 << 63) - 1
 # Later than any deliver-at (year 9999).
@@ -117,9 +119,12 @@ class Dispatcher:
         self._deliver = deliver
         self._clock = clock
         self.read_ahead_ms = read_ahead_ms
-        self._cache: dict[tuple[TopicPartitionKey, int], Message | None] = {}
+        self._cache: dict[TopicPartitionKey, dict[int, Message | None]] = {}
+        """Payloads in memory, per partition by offset."""
+        self._held = 0
+        """About how many payloads `_cache` holds: counted again every turn, and added to by keep_payload."""
         self._horizon: dict[TopicPartitionKey, Due] = {}
-        self._read: Generator[tuple[TopicPartitionKey, int, Message | None]] | None = None
+        self._read: Generator[tuple[TopicPartitionKey, dict[int, Message | None]]] | None = None
         self._next_look_ms = 0
         self._stalled_until_ms = 0
 
@@ -133,8 +138,12 @@ class Dispatcher:
 
         False when the memory is full: the caller may put it in the payload cache instead.
         """
-        if len(self._cache) < MAX_CACHED:
-            self._cache[(partition, offset)] = record
+        if self._held < MAX_CACHED:
+            held = self._cache.get(partition)
+            if held is None:
+                held = self._cache[partition] = {}
+            held[offset] = record
+            self._held += 1
             return True
         return False
 
@@ -165,7 +174,17 @@ class Dispatcher:
         self._deferred.discard(partition)
         if self._trail is not None:
             self._trail.forget(partition)
-        self._cache = {key: record for key, record in self._cache.items() if key[0] != partition}
+        self._cache.pop(partition, None)
+        self._count_held()
+
+    def _count_held(self) -> None:
+        self._held = sum(len(held) for held in self._cache.values())
+
+    def _held_for(self, partition: TopicPartitionKey) -> dict[int, Message | None]:
+        held = self._cache.get(partition)
+        if held is None:
+            held = self._cache[partition] = {}
+        return held
 
     # ----------------------------------------------------------------- one turn of the loop
 
@@ -179,6 +198,7 @@ class Dispatcher:
 
         `runs`: the partitions with pending runs (tracker/runs.py), read back by the trail reader."""
         runs = runs or {}
+        self._count_held()
         if self._trail is not None and (runs or self._trail.reading):
             self._trail.fill(runs, self._clock.now_ms())
         self._deliver_due(trackers, runs)
@@ -218,7 +238,8 @@ class Dispatcher:
                 self._stalled_until_ms = self._clock.now_ms() + STALL_WAIT_MS
                 continue
             popped[partition] = due
-            absent = [d for d in due if (partition, d.offset) not in cache]
+            held = cache.get(partition)
+            absent = [d for d in due if d[1] not in held] if held else due
             if absent:
                 missing[partition] = absent
         if missing:
@@ -226,10 +247,13 @@ class Dispatcher:
             # the rest of their cache slots comes along for the next turns.
             after = {partition: popped[partition][-1] for partition in missing}
             self._window_along(trackers, after, missing)
-            for partition, offset, record in self._fetch(self._due_reader, missing, after):
-                cache[(partition, offset)] = record
+            for partition, found in self._fetch(self._due_reader, missing, after):
+                self._held_for(partition).update(found)
+                self._held += len(found)
         for partition, due in popped.items():
-            self._deliver(partition, [(at, offset, cache.pop((partition, offset))) for at, offset in due])
+            held = self._held_for(partition)
+            self._deliver(partition, [(at, offset, held.pop(offset)) for at, offset in due])
+            self._held -= len(due)
 
     def _window_along(
         self,
@@ -247,14 +271,15 @@ class Dispatcher:
         if self._catch_up is None or self.read_ahead_ms <= 0:
             return
         until = self._clock.now_ms() + self.read_ahead_ms
-        room = MAX_CACHED - len(self._cache)
+        room = MAX_CACHED - self._held
         for partition, last in after.items():
             if room <= 0:
                 return
             if not self._catch_up.catching_up(partition):
                 continue
             upcoming = trackers[partition].peek(last, until, room)
-            ahead = [d for d in upcoming if (partition, d.offset) not in self._cache]
+            held = self._cache.get(partition, {})
+            ahead = [d for d in upcoming if d[1] not in held]
             missing[partition] = missing[partition] + ahead  # still in deliver-at order: all after `last`
             room -= len(ahead)
 
@@ -264,7 +289,7 @@ class Dispatcher:
         """Index entries and run members that are due, merged in key order: the delivered watermark
         stays exact. A member's record comes with it (into the cache, where delivery looks)."""
         assert self._trail is not None
-        members, cache = self._trail.members(partition), self._cache
+        members, held = self._trail.members(partition), self._held_for(partition)
         now = self._clock.now_ms()
         out: list[Due] = []
         taken = 0
@@ -284,7 +309,7 @@ class Dispatcher:
                 if deliver_at > now or (deliver_at << KEY_SHIFT | offset) >= limit:
                     break
                 members.popleft()
-                cache[(partition, offset)] = member[2]
+                held[offset] = member[2]
                 out.append(Due(deliver_at, offset))
                 member[3].delivered(offset, deliver_at)
                 last = member
@@ -294,6 +319,7 @@ class Dispatcher:
                 break
             runs.drop_done()
             tracker.note_delivered(pack(last[0], last[1]))
+        self._held += taken
         if taken and self._metrics is not None:
             self._metrics.child(self._metrics.payload_reads, partition[0], "run").inc(taken)
         return out
@@ -303,8 +329,9 @@ class Dispatcher:
         reader: LogReader,
         wanted: dict[TopicPartitionKey, list[Due]],
         after: dict[TopicPartitionKey, Due] | None = None,
-    ) -> Generator[tuple[TopicPartitionKey, int, Message | None]]:
-        """Payloads from the payload cache (one scan in key order), then the rest read back from the log.
+    ) -> Generator[tuple[TopicPartitionKey, dict[int, Message | None]]]:
+        """Payloads from the payload cache (one scan in key order), then the rest read back from the
+        log, as (partition, {offset: record}) pieces.
 
         With `after`, the cache may also yield payloads not asked for that fall due after it
         (see PayloadCache.read), as long as memory has room for them.
@@ -316,20 +343,26 @@ class Dispatcher:
         copies = self._copies_read_from_originals(wanted)
         try:
             if self._payloads is not None:
-                room = MAX_CACHED - len(self._cache) if after else 0
+                room = MAX_CACHED - self._held if after else 0
                 lookup = self._payloads.read(wanted, after, room, self._cache)
-                for partition, offset, record in lookup:
-                    for as_offset in copies.get((partition, offset), (offset,)):
-                        yield partition, as_offset, record
+                for partition, found in lookup.chunks():
+                    yield partition, _as_copies(partition, found, copies) if copies else found
                 cached = lookup.hits
                 rest = lookup.missing()
             else:
                 rest = {partition: [d.offset for d in dues] for partition, dues in wanted.items()}
+            piece: dict[int, Message | None] = {}
+            piece_of: TopicPartitionKey | None = None
             for partition, offset, record in reader.read(rest):
+                if partition != piece_of or len(piece) >= LOG_PIECE:
+                    if piece_of is not None:
+                        yield piece_of, _as_copies(piece_of, piece, copies) if copies else piece
+                    piece, piece_of = {}, partition
                 if record is not None:
                     logged[partition[0]] = logged.get(partition[0], 0) + 1
-                for as_offset in copies.get((partition, offset), (offset,)):
-                    yield partition, as_offset, record
+                piece[offset] = record
+            if piece_of is not None:
+                yield piece_of, _as_copies(piece_of, piece, copies) if copies else piece
         finally:
             if self._metrics is not None:
                 reads = self._metrics.payload_reads
@@ -382,7 +415,7 @@ class Dispatcher:
         """
         now = self._clock.now_ms()
         until = now + self.read_ahead_ms
-        room = MAX_CACHED - len(self._cache)
+        room = MAX_CACHED - self._held
         wanted: dict[TopicPartitionKey, list[Due]] = {}
         more = False
         catch_up = self._catch_up
@@ -402,7 +435,8 @@ class Dispatcher:
             else:  # everything due by `step` is seen, even where nothing is due
                 self._horizon[partition] = Due(step, SEEN_ALL)
             more = more or self._horizon[partition].deliver_at < until
-            absent = [d for d in upcoming if (partition, d.offset) not in self._cache]
+            held = self._cache.get(partition, {})
+            absent = [d for d in upcoming if d[1] not in held]
             if absent:
                 wanted[partition] = absent
                 room -= len(absent)
@@ -418,9 +452,10 @@ class Dispatcher:
         assert self._read is not None
         deadline = time.monotonic() + READ_SLICE_S
         try:
-            for partition, offset, record in self._read:
+            for partition, found in self._read:
                 if partition in self._horizon:  # still ours
-                    self._cache[(partition, offset)] = record
+                    self._held_for(partition).update(found)
+                    self._held += len(found)
                 if time.monotonic() >= deadline:
                     return
         except ReadInterrupted:
@@ -433,3 +468,16 @@ class Dispatcher:
         if self._read is not None:
             self._read.close()  # counts what it read
         self._read = None
+
+
+def _as_copies(
+    partition: TopicPartitionKey,
+    found: dict[int, Message | None],
+    copies: dict[tuple[TopicPartitionKey, int], list[int]],
+) -> dict[int, Message | None]:
+    """Records read for reschedule copies, under the copies' offsets (and the original's, if asked for)."""
+    out: dict[int, Message | None] = {}
+    for offset, record in found.items():
+        for as_offset in copies.get((partition, offset), (offset,)):
+            out[as_offset] = record
+    return out

@@ -29,7 +29,7 @@ import marshal
 import shutil
 import struct
 import time
-from collections.abc import Container, Iterator
+from collections.abc import Container, Iterator, Mapping
 from pathlib import Path
 
 import rocksdict
@@ -199,11 +199,13 @@ class CacheBatch:
 
 
 class CacheRead:
-    """One lookup of many payloads: iterate for the hits, in key order, then ask for the misses.
+    """One lookup of many payloads: iterate for the hits, then ask for the misses.
 
     The wanted entries are taken in chunks of whole slots, about CHUNK entries each, earliest
     deliver-at first across all partitions: a read-ahead pass of a whole window never blocks the
-    loop for longer than a chunk, and the payloads due first are found first.
+    loop for longer than a chunk, and the payloads due first are found first. A chunk's hits come
+    as one dictionary per partition, offset to record: a burst reads hundreds of thousands, and a
+    generator step per payload through the dispatcher's layers cost more than the read.
     """
 
     def __init__(
@@ -212,54 +214,64 @@ class CacheRead:
         wanted: dict[TopicPartitionKey, list[Due]],
         after: dict[TopicPartitionKey, Due] | None = None,
         room: int = 0,
-        known: Container[tuple[TopicPartitionKey, int]] = (),
+        known: Mapping[TopicPartitionKey, Container[int]] | None = None,
     ) -> None:
         self._cache = cache
         self._all = wanted
         self._after = after or {}
         self._room = room
-        self._known = known
+        self._known = known or {}
         self._missing: dict[TopicPartitionKey, list[int]] = {}
         self._partitions = {partition_infix(*p): p for p in wanted}
         self.hits: dict[str, int] = {}
         """Payloads found, per topic."""
 
-    def __iter__(self) -> Iterator[tuple[TopicPartitionKey, int, Message]]:
+    def chunks(self) -> Iterator[tuple[TopicPartitionKey, dict[int, Message]]]:
+        """(partition, {offset: record}) per partition and chunk, in chunk order."""
         for chunk in _chunks(self._all, CHUNK):
-            yield from self._read_chunk(chunk)
+            yield from self._read_chunk(chunk).items()
 
-    def _read_chunk(
-        self, chunk: dict[TopicPartitionKey, list[Due]]
-    ) -> Iterator[tuple[TopicPartitionKey, int, Message]]:
-        wanted: dict[tuple[TopicPartitionKey, int], int] = {}
+    def __iter__(self) -> Iterator[tuple[TopicPartitionKey, int, Message]]:
+        for partition, found in self.chunks():
+            for offset, record in found.items():
+                yield partition, offset, record
+
+    def _read_chunk(self, chunk: dict[TopicPartitionKey, list[Due]]) -> dict[TopicPartitionKey, dict[int, Message]]:
+        wanted: dict[TopicPartitionKey, dict[int, int]] = {}
         slots: set[int] = set()
-        for partition, dues in chunk.items():
-            for deliver_at, offset in dues:
-                if 0 <= deliver_at < MAX_DELIVER_AT:
-                    wanted[(partition, offset)] = deliver_at
-                    slots.add(deliver_at // SLOT_MS)
-                else:
-                    self._missing.setdefault(partition, []).append(offset)
-        if wanted and not self._cache.closed:
+        for partition, asked in chunk.items():
+            dues = asked
+            if dues[0][0] < 0 or dues[-1][0] >= MAX_DELIVER_AT:  # in deliver-at order: only ends can be out of range
+                self._missing.setdefault(partition, []).extend(o for d, o in dues if not 0 <= d < MAX_DELIVER_AT)
+                dues = [d for d in dues if 0 <= d[0] < MAX_DELIVER_AT]
+            wanted[partition] = {offset: deliver_at for deliver_at, offset in dues}
+            slots.update({deliver_at // SLOT_MS for deliver_at, _ in dues})
+        found: dict[TopicPartitionKey, dict[int, Message]] = {}
+        if slots and not self._cache.closed:
             try:
-                yield from self._scan(wanted, sorted(slots))
+                self._scan(wanted, sorted(slots), found)
             except Exception as exc:  # a failing cache is a miss, never a failure
                 self._cache._failed("read", exc)
-        for partition, offset in wanted:
-            self._missing.setdefault(partition, []).append(offset)
+        for partition, rest in wanted.items():
+            if rest:
+                self._missing.setdefault(partition, []).extend(rest)
+        return found
 
     def _scan(
-        self, wanted: dict[tuple[TopicPartitionKey, int], int], slots: list[int]
-    ) -> Iterator[tuple[TopicPartitionKey, int, Message]]:
+        self,
+        wanted: dict[TopicPartitionKey, dict[int, int]],
+        slots: list[int],
+        found: dict[TopicPartitionKey, dict[int, Message]],
+    ) -> None:
         """Read the wanted slots in key order, with one iterator that seeks only over gaps; only the
-        entries of wanted partitions are decoded."""
+        entries of wanted partitions are decoded. What is found is taken out of `wanted`."""
         options = rocksdict.ReadOptions()
         options.set_iterate_upper_bound(time_key((slots[-1] + 1) * SLOT_MS))
         options.fill_cache(False)  # type: ignore[call-arg]  # read once, then deleted: caching would only hold memory
         it = self._cache._db.iter(options)
         it.seek(time_key(slots[0] * SLOT_MS))
-        partitions = self._partitions
-        hits = self.hits
+        partitions, hits, known = self._partitions, self.hits, self._known
+        left = sum(len(offsets) for offsets in wanted.values())
         for slot in slots:
             start, end = time_key(slot * SLOT_MS), time_key((slot + 1) * SLOT_MS)
             if it.valid() and it.key() < start:
@@ -275,24 +287,26 @@ class CacheRead:
                     except (ValueError, EOFError, TypeError) as exc:
                         self._cache._failed("decode", exc)
                         group = []
-                    after = self._after.get(partition)
-                    for e in group:
-                        deliver_at = wanted.get((partition, e[1]))
-                        if deliver_at == e[0]:  # the deliver-at too: never another record's payload
-                            del wanted[(partition, e[1])]
-                        elif (
-                            after is None
-                            or self._room <= 0
-                            or (e[0], e[1]) <= after
-                            or (partition, e[1]) in self._known
-                        ):
+                    asked = wanted.get(partition, {})
+                    out = found.get(partition)
+                    if out is None:
+                        out = found[partition] = {}
+                    after, held = self._after.get(partition), known.get(partition, ())
+                    topic, number = partition
+                    before = len(out)
+                    for deliver_at, offset, kind, stamp, k, value, headers in group:
+                        if asked.get(offset) == deliver_at:  # the deliver-at too: never another record's payload
+                            del asked[offset]
+                            left -= 1
+                        elif after is None or self._room <= 0 or (deliver_at, offset) <= after or offset in held:
                             continue
                         else:
-                            self._room -= 1  # not asked for, but due after `after`: yielded too
-                        hits[partition[0]] = hits.get(partition[0], 0) + 1
-                        yield partition, e[1], to_message(partition[0], partition[1], e)
+                            self._room -= 1  # not asked for, but due after `after`: found too
+                        # to_message, inlined: this runs once per payload of a burst
+                        out[offset] = Message(topic, number, offset, k, value, headers, None, (kind, stamp))
+                    hits[topic] = hits.get(topic, 0) + len(out) - before
                 it.next()
-            if not wanted:
+            if not left:
                 return
 
     def missing(self) -> dict[TopicPartitionKey, list[int]]:
@@ -411,7 +425,7 @@ class PayloadCache:
         wanted: dict[TopicPartitionKey, list[Due]],
         after: dict[TopicPartitionKey, Due] | None = None,
         room: int = 0,
-        known: Container[tuple[TopicPartitionKey, int]] = (),
+        known: Mapping[TopicPartitionKey, Container[int]] | None = None,
     ) -> CacheRead:
         """Payloads of the wanted entries, found by one scan in key order; see CacheRead.
 

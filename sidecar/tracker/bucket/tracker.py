@@ -33,6 +33,9 @@ import bisect
 import heapq
 import logging
 import time
+from array import array
+
+from pyroaring import BitMap64
 
 from sidecar.clock import Clock
 from sidecar.errors import ConfigError, StorageError
@@ -189,6 +192,10 @@ class BucketTracker(DelayedDeliveryTracker):
         return None if at == NO_AT else at
 
     def pop_due(self, max_messages: int, until_ms: int | None = None, below_key: int | None = None) -> list[Due]:
+        """Pops in key order, a run at a time: the entries of one source (a loaded segment, or the
+        mutable bucket's sorted keys) that come before every other source's head are taken as one
+        slice. A burst due at once pops in runs of thousands, where an entry at a time cost a heap
+        operation and a bitmap call each."""
         now = self.clock.now_ms() if until_ms is None else until_ms
         limit = (now + 1) << _SHIFT
         if below_key is not None and below_key < limit:
@@ -214,16 +221,20 @@ class BucketTracker(DelayedDeliveryTracker):
                         break
                     sealed.replace_head(bucket, head)
                     continue
-                pos = bucket.pos
-                offset = bucket.offsets[pos]
-                bucket.bitmap.discard(offset)
-                bucket.pending -= 1
-                bucket.popped_since_bitmap += 1
-                pos += 1
-                bucket.pos = pos
-                self._popped = key
-                if pos < len(bucket.offsets):
-                    heapq.heapreplace(heap, (bucket.at[pos] << _SHIFT | bucket.offsets[pos], bucket_id))
+                # The run: this segment's entries below the limit, the mutable head and the next bucket's head.
+                bound = min(limit, mutable_head, min(heap[1:3])[0] if len(heap) > 1 else NO_KEY)
+                at, offsets, pos = bucket.at, bucket.offsets, bucket.pos
+                end = _run_end(at, offsets, pos, min(len(offsets), pos + max_messages - len(due)), bound)
+                run_offsets = offsets[pos:end]
+                due += map(Due, at[pos:end], run_offsets)
+                bucket.bitmap.difference_update(BitMap64(run_offsets))
+                taken = end - pos
+                bucket.pending -= taken
+                bucket.popped_since_bitmap += taken
+                bucket.pos = end
+                self._popped = at[end - 1] << _SHIFT | offsets[end - 1]
+                if end < len(offsets):
+                    heapq.heapreplace(heap, (at[end] << _SHIFT | offsets[end], bucket_id))
                 else:
                     bucket.segment += 1
                     try:
@@ -232,16 +243,21 @@ class BucketTracker(DelayedDeliveryTracker):
                         head = bucket.head()
                     sealed.replace_head(bucket, head)
             else:
-                key = mutable_head
-                if key >= limit:
+                if mutable_head >= limit:
                     break
-                queue.pop(0)
-                mutable.count -= 1
-                offset = key & _MASK
-                mutable.bitmap.discard(offset)
-                mutable.popped.append(key)
-                self._popped = key
-            due.append(Due(key >> _SHIFT, offset))
+                # The run: keys below the limit, and up to the next bucket's head (the mutable bucket wins ties).
+                end = queue.bisect_left(limit)
+                if heap:
+                    end = min(end, queue.bisect_right(heap[0][0]))
+                end = min(end, max_messages - len(due))
+                keys = queue[:end]
+                del queue[:end]
+                mutable.count -= end
+                popped_offsets = [k & _MASK for k in keys]
+                due += map(Due, [k >> _SHIFT for k in keys], popped_offsets)
+                mutable.bitmap.difference_update(BitMap64(popped_offsets))
+                mutable.popped += keys
+                self._popped = keys[-1]
         self._count -= len(due)
         self._popped_at = self._popped >> _SHIFT
         return due
@@ -520,3 +536,13 @@ class BucketTracker(DelayedDeliveryTracker):
             degraded_ops=tuple(sorted(failing)),
             ops=dict(store.ops),
         )
+
+
+def _run_end(at: array[int], offsets: array[int], pos: int, end: int, bound: int) -> int:
+    """The end of the run of a loaded segment from `pos` (whose key is below `bound`): the first
+    index before `end` whose key is at or past `bound`, found by bisecting the deliver-at column."""
+    bound_at, bound_offset = bound >> _SHIFT, bound & _MASK
+    stop = bisect.bisect_left(at, bound_at, pos + 1, end)
+    while stop < end and at[stop] == bound_at and offsets[stop] < bound_offset:
+        stop += 1
+    return stop
