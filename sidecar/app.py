@@ -214,6 +214,7 @@ class SidecarApp:
                     clock=self.clock,
                     commit_interval_ms=settings.commit_interval_ms,
                     batch_size=settings.batch_size,
+                    idle_fetch_pause_ms=settings.idle_fetch_pause_ms,
                     new_topic_partitions=settings.new_topic_partitions,
                     control_topic=settings.control_topic,
                     read_ahead_ms=settings.read_ahead_ms,

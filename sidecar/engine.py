@@ -42,6 +42,7 @@ from sidecar.identity import TransactionalIds
 from sidecar.inbound.admission import Admission
 from sidecar.inbound.batch import batches
 from sidecar.inbound.commands import CommandStep
+from sidecar.inbound.idle_fetch import IdleFetch
 from sidecar.inbound.indexing import Indexer
 from sidecar.inbound.rebuild import Rebuilder
 from sidecar.inbound.receiver import Receiver
@@ -99,6 +100,7 @@ class Sidecar:
         clock: Clock | None = None,
         commit_interval_ms: int = 1000,
         batch_size: int = 10_000,
+        idle_fetch_pause_ms: int = 0,
         new_topic_partitions: int = 3,
         control_topic: str = "delay-sidecar.control",
         read_ahead_ms: int = 10_000,
@@ -148,6 +150,8 @@ class Sidecar:
             group["group.instance.id"] = instance_id
         if exactly_once:
             group["isolation.level"] = "read_committed"  # accepted nacks of aborted transactions are not ours
+        if idle_fetch_pause_ms:
+            group["enable.partition.eof"] = True  # what IdleFetch paces by
         self._consumer = Consumer(consumer_config(client_config, **group), logger=librdkafka)
         self._writer = writer = Writer(client_config, librdkafka, transactional_ids, producer)
         self._admin = TopicAdmin(client_config, new_topic_partitions)
@@ -185,6 +189,7 @@ class Sidecar:
         self._ids = transactional_ids
         self._fenced = set(writer.fenced)
         states = assignment.states
+        self._idle = IdleFetch(self._consumer, idle_fetch_pause_ms, self._paced)
         self._delivery = Delivery(writer, states, self._current_routes, retention, metrics, clock, outbound_headers)
         trail = TrailReader(client_config, self._rejudge, self._lost)
         self._roll_reader = LogReader(client_config, self._stop) if payload_cache is not None else None
@@ -258,6 +263,11 @@ class Sidecar:
             except Exception as e:  # the asker gets the error; the loop goes on
                 question.set_exception(e)
 
+    def _paced(self, partition: tuple[str, int]) -> bool:
+        """Served, and not paused by the engine itself (a removed topic's drain): IdleFetch may pause it."""
+        state = self._assignment.states.get(partition)
+        return state is not None and state.drain_from is None
+
     def _copy_origins(self, partition: tuple[str, int]) -> Mapping[int, Copy]:
         state = self._assignment.states.get(partition)
         return state.overrides.copies if state is not None else {}
@@ -281,7 +291,8 @@ class Sidecar:
                     self._dispatch_due()  # due first: after a restart, what fell due while down goes out first
                     wait = self._wait_s()
                     collector.between_turns(wait, idle=not records)
-                    records = consume_batch(self._consumer, self._batch_size, min(wait, MAX_WAIT_S))
+                    wait = self._idle.wait_s(min(wait, MAX_WAIT_S))
+                    records = self._idle.take(consume_batch(self._consumer, self._batch_size, wait))
                     self._answer_questions()
                     if self._assignment.error is not None:
                         raise self._assignment.error

@@ -145,6 +145,14 @@ class RunSettings(KafkaSettings):
         "cache; later ones are read back from the log ahead of their deliver-at",
     )
     batch_size: int = Field(10_000, ge=1, description="Most records read per poll of the inbound topics")
+    idle_fetch_pause_ms: int = Field(
+        10,
+        ge=0,
+        le=1_000,
+        description="Pause fetching a partition whose end was reached for this long between short fetches, "
+        "for brokers that answer an empty fetch at once instead of holding it (the embedded broker); a "
+        "record arriving then is read this much later (0: never pause)",
+    )
     monotone_runs: CliImplicitFlag[bool] = Field(
         False,
         description="Keep records whose deliver-at rises with the offset (fixed delays) as runs read back in "

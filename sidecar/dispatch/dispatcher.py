@@ -56,7 +56,7 @@ Deliver = Callable[[TopicPartitionKey, list[tuple[int, int, Message | None]]], N
 the log no longer has it."""
 
 # Most due entries popped from one tracker per turn, so intake keeps flowing while a burst drains.
-MAX_POP = 100_000
+MAX_POP = 10_000
 # Time a turn spends pulling records from the read-ahead before it lets intake and sending run.
 READ_SLICE_S = 0.01
 # Payloads held for upcoming deliveries (about 300 bytes each with 100-byte values); past this,

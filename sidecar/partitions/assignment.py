@@ -101,6 +101,10 @@ class Assignment:
             consumer.incremental_assign(starts)
         else:
             consumer.assign(starts)
+        if starts:
+            # librdkafka keeps a partition paused across a revoke and a new assignment: whoever paused
+            # it (IdleFetch, a removed topic's drain) lost track of it with the revoke.
+            consumer.resume(starts)
         self.assigned.set()
         self._handoff("assigned", len(starts))
         logger.info("partitions assigned partitions=%s", _names(starts))

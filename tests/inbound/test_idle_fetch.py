@@ -1,0 +1,175 @@
+"""IdleFetch: partitions at their end are paused, and come back; the rules with a fake consumer,
+then the round trip with a real one (librdkafka's end report after a seek is what it rests on)."""
+
+import time
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from confluent_kafka import Consumer, KafkaError, Message, TopicPartition
+
+from sidecar.clock import ManualClock
+from sidecar.inbound.idle_fetch import IdleFetch
+from sidecar.partitions.assignment import Assignment
+from sidecar.tracker import InMemoryTracker
+from tests.kafka_helpers import KafkaHelper
+
+P, Q = ("orders", 0), ("orders", 1)
+
+
+def record(partition: tuple[str, int], offset: int) -> Message:
+    return Message(topic=partition[0], partition=partition[1], offset=offset, value=b"v")
+
+
+def end(partition: tuple[str, int], offset: int) -> Message:
+    return Message(
+        topic=partition[0], partition=partition[1], offset=offset, error=KafkaError(KafkaError._PARTITION_EOF)
+    )
+
+
+class FakeConsumer:
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, Any]] = []
+        self.positions: dict[tuple[str, int], int] = {}
+
+    def pause(self, partitions: list[TopicPartition]) -> None:
+        self.calls.append(("pause", sorted((tp.topic, tp.partition) for tp in partitions)))
+
+    def resume(self, partitions: list[TopicPartition]) -> None:
+        self.calls.append(("resume", sorted((tp.topic, tp.partition) for tp in partitions)))
+
+    def position(self, partitions: list[TopicPartition]) -> list[TopicPartition]:
+        return [TopicPartition(tp.topic, tp.partition, self.positions.get((tp.topic, tp.partition), -1001))
+                for tp in partitions]  # fmt: skip
+
+    def seek(self, partition: TopicPartition) -> None:
+        self.calls.append(("seek", (partition.topic, partition.partition, partition.offset)))
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def setup(paced: Callable[[tuple[str, int]], bool] = lambda p: True) -> tuple[IdleFetch, FakeConsumer, Clock]:
+    consumer, clock = FakeConsumer(), Clock()
+    return IdleFetch(consumer, 10, paced, clock), consumer, clock
+
+
+def test_an_end_pauses_its_partition_and_a_resume_seeks_where_it_stands() -> None:
+    idle, consumer, clock = setup()
+    kept = idle.take([record(P, 4), end(P, 5), record(Q, 9)])
+    assert [(r.partition(), r.offset()) for r in kept] == [(0, 4), (1, 9)]  # the end report is not a record
+    assert consumer.calls == [("pause", [P])]
+    assert idle.wait_s(1.0) == pytest.approx(0.01)  # the loop wakes up to resume it
+    clock.now = 100.005
+    assert idle.take([]) == [] and consumer.calls == [("pause", [P])]
+    clock.now = 100.02
+    consumer.positions[P] = 5
+    idle.take([])
+    assert consumer.calls[1:] == [("resume", [P]), ("seek", ("orders", 0, 5))]
+    assert idle.wait_s(1.0) == 1.0
+
+
+def test_a_partition_that_never_returned_a_record_is_sought_to_its_end() -> None:
+    idle, consumer, clock = setup()
+    idle.take([end(P, 0)])
+    clock.now += 1
+    idle.take([])
+    assert consumer.calls[-1] == ("seek", ("orders", 0, 0))
+
+
+def test_records_after_the_end_in_the_same_batch_keep_the_partition_fetching() -> None:
+    idle, consumer, _ = setup()
+    assert len(idle.take([end(P, 5), record(P, 5), end(Q, 3)])) == 1
+    assert consumer.calls == [("pause", [Q])]
+
+
+def test_partitions_the_engine_holds_or_lost_are_neither_paused_nor_resumed() -> None:
+    served = {P, Q}
+    idle, consumer, clock = setup(lambda p: p in served)
+    idle.take([end(("removed", 0), 7), end(P, 1), end(Q, 2)])
+    assert consumer.calls == [("pause", [P, Q])]
+    served.discard(Q)  # revoked, or draining: the engine's now
+    clock.now += 1
+    consumer.positions.update({P: 1})
+    idle.take([])
+    assert consumer.calls[1:] == [("resume", [P]), ("seek", ("orders", 0, 1))]
+
+
+def test_off_it_passes_everything_through() -> None:
+    consumer = FakeConsumer()
+    idle = IdleFetch(consumer, 0, lambda p: True)
+    batch = [record(P, 1), end(P, 2)]
+    assert idle.take(batch) is batch and consumer.calls == []
+
+
+def test_a_real_consumer_is_paused_at_its_end_and_reads_what_came_meanwhile_once(
+    kafka: str, kafka_helper: KafkaHelper, topic_factory: Callable[..., str]
+) -> None:
+    topic = topic_factory("idle")
+    for i in range(3):
+        kafka_helper.produce(topic, f"a{i}".encode(), partition=0)
+    kafka_helper.flush()
+    consumer = Consumer({"bootstrap.servers": kafka, "group.id": f"g-{topic}", "enable.partition.eof": True})
+    consumer.assign([TopicPartition(topic, 0, 0)])
+    idle = IdleFetch(consumer, 50, lambda p: True)
+    seen: Counter[bytes] = Counter()
+    pauses = 0
+
+    def turn() -> None:
+        nonlocal pauses
+        before = len(idle._paused)
+        for r in idle.take(consumer.consume(100, idle.wait_s(0.05))):
+            seen[r.value()] += 1
+        pauses += len(idle._paused) > before
+
+    try:
+        deadline = time.monotonic() + 30
+        while pauses < 3 and time.monotonic() < deadline:  # reached its end, and again after resumes
+            turn()
+        assert pauses >= 3, "the end was not reported again after a resume"
+        for i in range(3):
+            kafka_helper.produce(topic, f"b{i}".encode(), partition=0)
+        kafka_helper.flush()
+        while sum(seen.values()) < 6 and time.monotonic() < deadline:
+            turn()
+        end_at = time.monotonic() + 0.5
+        while time.monotonic() < end_at:
+            turn()
+    finally:
+        consumer.close()
+    assert seen == Counter({f"{x}{i}".encode(): 1 for x in "ab" for i in range(3)})
+
+
+def test_a_partition_paused_when_it_was_revoked_fetches_again_once_assigned_again(
+    kafka: str, kafka_helper: KafkaHelper, topic_factory: Callable[..., str], clock: ManualClock
+) -> None:
+    """librdkafka keeps a partition paused across unassign and assign; IdleFetch forgets it at the
+    revoke. Before Assignment resumed what it assigns, the partition never read again."""
+    topic = topic_factory("reassigned")
+    consumer = Consumer({"bootstrap.servers": kafka, "group.id": f"g-{topic}", "auto.offset.reset": "earliest"})
+    assignment = Assignment(
+        lambda t, p: InMemoryTracker(clock), lambda t: False, lambda: None, lambda s: None, end_of=lambda t, p: 0
+    )
+    tp = TopicPartition(topic, 0, 0)
+    try:
+        consumer.assign([tp])
+        consumer.pause([tp])  # at its end when the group took it away
+        consumer.poll(0.5)  # librdkafka applies pauses and assignments in turn, on its own thread
+        consumer.unassign()
+        consumer.poll(0.5)
+        assignment.on_assign(consumer, [TopicPartition(topic, 0)])
+        kafka_helper.produce(topic, b"after", partition=0)
+        kafka_helper.flush()
+        got: list[bytes] = []
+        deadline = time.monotonic() + 30
+        while not got and time.monotonic() < deadline:
+            got += [r.value() for r in consumer.consume(10, 0.2) if r.error() is None]
+    finally:
+        consumer.close()
+    assert got == [b"after"]
