@@ -55,7 +55,8 @@ Deliver = Callable[[TopicPartitionKey, list[tuple[int, int, Message | None]]], N
 """deliver(partition, [(deliver_at, offset, record), ...]) in deliver-at order; record is None when
 the log no longer has it."""
 
-# Most due entries popped from one tracker per turn, so intake keeps flowing while a burst drains.
+# Most due entries popped from one tracker per turn, so intake, due nacks and the consumer's idle
+# pauses (IdleFetch) are seen to every few hundred milliseconds while a burst drains.
 MAX_POP = 10_000
 # Time a turn spends pulling records from the read-ahead before it lets intake and sending run.
 READ_SLICE_S = 0.01
