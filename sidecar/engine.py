@@ -496,6 +496,7 @@ class Sidecar:
         self.metrics.owned_partitions.set(owned)
 
     def _forget(self, state: PartitionState) -> None:
+        self._idle.forget((state.topic, state.partition))
         self._drains.forget((state.topic, state.partition))
         self._dispatcher.forget((state.topic, state.partition))
         if self._roll is not None:
@@ -527,7 +528,7 @@ class Sidecar:
         if not held:
             return
         try:
-            positions = self._consumer.position([TopicPartition(s.topic, s.partition) for s in held])
+            positions = self._idle.position([TopicPartition(s.topic, s.partition) for s in held])
         except KafkaException:
             return  # asked again next turn
         now = time.monotonic()

@@ -51,8 +51,11 @@ class IdleFetch:
         self._pause_s = pause_ms / 1000
         self._paced = paced
         self._clock = clock
-        self._paused: dict[TopicPartitionKey, tuple[float, int]] = {}
-        """Partitions paused here: when to resume them, and the offset of the end they reached."""
+        self._paused: dict[TopicPartitionKey, float] = {}
+        """Partitions paused here, with when to resume them."""
+        self._ends: dict[TopicPartitionKey, int] = {}
+        """The end each partition paused here last reached: its position while librdkafka's is
+        unknown (a seek clears it until a record comes)."""
 
     @property
     def enabled(self) -> bool:
@@ -62,7 +65,22 @@ class IdleFetch:
         """How long the loop may block in the consumer: no longer than the next resume."""
         if not self._paused:
             return wait_s
-        return max(0.0, min(wait_s, min(at for at, _ in self._paused.values()) - self._clock()))
+        return max(0.0, min(wait_s, min(self._paused.values()) - self._clock()))
+
+    def position(self, partitions: list[TopicPartition]) -> list[TopicPartition]:
+        """The consumer's positions, with the end a partition reached where a seek made librdkafka's unknown."""
+        found = self._consumer.position(partitions)
+        return [
+            TopicPartition(tp.topic, tp.partition, self._ends[(tp.topic, tp.partition)])
+            if tp.offset < 0 and (tp.topic, tp.partition) in self._ends
+            else tp
+            for tp in found
+        ]
+
+    def forget(self, partition: TopicPartitionKey) -> None:
+        """The partition was revoked or lost: what was known of its end is not its new owner's."""
+        self._paused.pop(partition, None)
+        self._ends.pop(partition, None)
 
     def take(self, records: list[Message]) -> list[Message]:
         """The consumed records without end-of-partition events; pauses and resumes what is due."""
@@ -86,23 +104,24 @@ class IdleFetch:
             later = any((r.topic(), r.partition()) == partition for r in records[i + 1 :] if not _end(r))
             if not later and self._paced(partition):
                 pause.append(partition)
-                self._paused[partition] = (now + self._pause_s, offset)
+                self._paused[partition] = now + self._pause_s
+                self._ends[partition] = offset
         if pause:
             self._consumer.pause([TopicPartition(*p) for p in pause])
-        due = [p for p, (at, _) in self._paused.items() if at <= now]
+        due = [p for p, at in self._paused.items() if at <= now]
         if not due:
             return
-        ends_at = {p: self._paused.pop(p)[1] for p in due}
+        for partition in due:
+            del self._paused[partition]
         # Revoked meanwhile, or paused by the engine for itself: not ours to resume.
         resume = [TopicPartition(*p) for p in due if self._paced(p)]
         if not resume:
             return
         self._consumer.resume(resume)
-        for tp in self._consumer.position(resume):
+        for tp in self.position(resume):
             # Seeking where it stands makes librdkafka report the end again if nothing came.
-            at = tp.offset if tp.offset >= 0 else ends_at[(tp.topic, tp.partition)]
             try:
-                self._consumer.seek(TopicPartition(tp.topic, tp.partition, at))
+                self._consumer.seek(tp)
             except KafkaException as e:  # it fetches as usual, and is paused at its next end
                 logger.debug("idle partition not sought partition=%s/%d error=%s", tp.topic, tp.partition, e)
 

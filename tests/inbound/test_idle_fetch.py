@@ -173,3 +173,21 @@ def test_a_partition_paused_when_it_was_revoked_fetches_again_once_assigned_agai
     finally:
         consumer.close()
     assert got == [b"after"]
+
+
+def test_while_a_seek_hides_the_position_the_end_reached_stands_for_it_until_the_partition_is_revoked() -> None:
+    """The engine's holds end on the consumer's position: after a seek librdkafka reports none until a
+    record comes, and the hold past an open transaction never ended (a test in test_cancel.py)."""
+    idle, consumer, clock = setup()
+    idle.take([end(P, 6)])
+    clock.now += 1
+    idle.take([])  # resumed and sought: librdkafka's position is unknown now
+    assert [(tp.partition, tp.offset) for tp in idle.position([TopicPartition(*P), TopicPartition(*Q)])] == [
+        (0, 6),
+        (1, -1001),
+    ]
+    consumer.positions[P] = 9  # records came
+    assert idle.position([TopicPartition(*P)])[0].offset == 9
+    consumer.positions.pop(P)
+    idle.forget(P)  # revoked: a new owner starts from its commit, not from this end
+    assert idle.position([TopicPartition(*P)])[0].offset == -1001
