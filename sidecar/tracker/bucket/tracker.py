@@ -539,8 +539,9 @@ class BucketTracker(DelayedDeliveryTracker):
 
 
 def _run_end(at: array[int], offsets: array[int], pos: int, end: int, bound: int) -> int:
-    """The end of the run of a loaded segment from `pos` (whose key is below `bound`): the first
-    index before `end` whose key is at or past `bound`, found by bisecting the deliver-at column."""
+    """The end of the run of a loaded segment from `pos`, whose entry is taken whatever `bound` (the
+    heap chose it, ties included): the first index after it and before `end` whose key is at or past
+    `bound`, found by bisecting the deliver-at column."""
     bound_at, bound_offset = bound >> _SHIFT, bound & _MASK
     stop = bisect.bisect_left(at, bound_at, pos + 1, end)
     while stop < end and at[stop] == bound_at and offsets[stop] < bound_offset:
