@@ -99,10 +99,16 @@ class IdleFetch:
     def _pace(self, records: list[Message], ends: dict[TopicPartitionKey, tuple[int, int]]) -> None:
         now = self._clock()
         pause: list[TopicPartitionKey] = []
+        last: dict[TopicPartitionKey, int] = {}  # each partition's last record after the first end, in one pass
+        if ends:
+            first = min(i for i, _ in ends.values())
+            for j in range(first + 1, len(records)):
+                record = records[j]
+                if record.error() is None:
+                    last[(record.topic(), record.partition())] = j
         for partition, (i, offset) in ends.items():
             # Records of the partition after its end in the same batch: it is live again.
-            later = any((r.topic(), r.partition()) == partition for r in records[i + 1 :] if not _end(r))
-            if not later and self._paced(partition):
+            if last.get(partition, -1) < i and self._paced(partition):
                 pause.append(partition)
                 self._paused[partition] = now + self._pause_s
                 self._ends[partition] = offset
