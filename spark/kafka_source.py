@@ -377,7 +377,11 @@ def read_range(options: Mapping[str, str], part: KafkaRange, include_headers: bo
         last_progress = time.monotonic()
         done = False
         while not done:
-            messages = consumer.consume(10_000, 1.0)
+            # consume(n, timeout) waits out its whole timeout unless n records come, which made
+            # every range's last batch a second late; poll() returns at the first record.
+            messages = consumer.consume(10_000, 0)
+            if not messages and (first := consumer.poll(1.0)) is not None:
+                messages = [first, *consumer.consume(9_999, 0)]
             if not messages:
                 if time.monotonic() - last_progress > poll_timeout_s:
                     raise KafkaSourceError(
