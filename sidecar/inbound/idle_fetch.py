@@ -86,29 +86,25 @@ class IdleFetch:
         """The consumed records without end-of-partition events; pauses and resumes what is due."""
         if not self.enabled:
             return records
-        ends: dict[TopicPartitionKey, tuple[int, int]] = {}
-        for i in [i for i, r in enumerate(records) if r.error() is not None]:
-            record = records[i]
-            if _end(record):
-                ends[(record.topic(), record.partition())] = (i, record.offset())
+        ends = {
+            (r.topic(), r.partition()): r.offset() for r in [r for r in records if r.error() is not None] if _end(r)
+        }
         kept = [r for r in records if not _end(r)] if ends else records
         if ends or self._paused:
-            self._pace(records, ends)
+            self._pace(ends)
         return kept
 
-    def _pace(self, records: list[Message], ends: dict[TopicPartitionKey, tuple[int, int]]) -> None:
+    def _pace(self, ends: dict[TopicPartitionKey, int]) -> None:
+        """`ends`: the partitions whose end this batch reported, with the offset of that end."""
         now = self._clock()
         pause: list[TopicPartitionKey] = []
-        last: dict[TopicPartitionKey, int] = {}  # each partition's last record after the first end, in one pass
-        if ends:
-            first = min(i for i, _ in ends.values())
-            for j in range(first + 1, len(records)):
-                record = records[j]
-                if record.error() is None:
-                    last[(record.topic(), record.partition())] = j
-        for partition, (i, offset) in ends.items():
-            # Records of the partition after its end in the same batch: it is live again.
-            if last.get(partition, -1) < i and self._paced(partition):
+        ended = [TopicPartition(*p) for p in ends if self._paced(p)]
+        # A partition whose records went on after its end in this batch is live again: librdkafka's
+        # position has passed the end. Asked of the consumer, not found by a pass over the batch.
+        for tp in self._consumer.position(ended) if ended else ():
+            partition = (tp.topic, tp.partition)
+            offset = ends[partition]
+            if tp.offset <= offset:  # at the end, or unknown (a seek since, and nothing read)
                 pause.append(partition)
                 self._paused[partition] = now + self._pause_s
                 self._ends[partition] = offset
