@@ -113,8 +113,8 @@ class Delivery:
                 run.append(item)
             if run and run_rule is not None:
                 self.send_many(topic, routes.targets(run_rule), run, sent)
-        late = [(now - d) / 1000 if now > d else 0.0 for d, _, _ in found]
-        self._metrics.observe_many(self._metrics.child(self._metrics.lateness, topic), late)
+        metrics = self._metrics
+        metrics.observe_lateness(metrics.child(metrics.lateness, topic), now, [d for d, _, _ in found])
         for sub, n in sent.items():
             self._metrics.child(self._metrics.delivered, topic, sub).inc(n)
 

@@ -14,7 +14,9 @@ does every due position the caller delivers at once instead of indexing it (see 
 carries it, and a rebuild of a lost index skips what it covers: nothing is delivered twice.
 """
 
+import functools
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from sidecar.clock import Clock
@@ -26,6 +28,11 @@ if TYPE_CHECKING:
 class Due(NamedTuple):
     deliver_at: int
     offset: int
+
+
+due_of: Callable[[tuple[int, int]], Due] = functools.partial(tuple.__new__, Due)
+"""Due from a (deliver_at, offset) pair without the NamedTuple's Python-level __new__: `map(due_of,
+zip(ats, offsets))` builds a burst's entries in C, at about half the cost of `map(Due, ats, offsets)`."""
 
 
 KEY_SHIFT = 64

@@ -39,7 +39,7 @@ from pyroaring import BitMap64
 
 from sidecar.clock import Clock
 from sidecar.errors import ConfigError, StorageError
-from sidecar.tracker.base import DelayedDeliveryTracker, Due
+from sidecar.tracker.base import DelayedDeliveryTracker, Due, due_of
 from sidecar.tracker.bucket.buckets import SealedBuckets
 from sidecar.tracker.bucket.immutable import NO_KEY
 from sidecar.tracker.bucket.mutable import NO_AT, MutableBucket
@@ -226,7 +226,7 @@ class BucketTracker(DelayedDeliveryTracker):
                 at, offsets, pos = bucket.at, bucket.offsets, bucket.pos
                 end = _run_end(at, offsets, pos, min(len(offsets), pos + max_messages - len(due)), bound)
                 run_offsets = offsets[pos:end]
-                due += map(Due, at[pos:end], run_offsets)
+                due += map(due_of, zip(at[pos:end], run_offsets, strict=True))
                 bucket.bitmap.difference_update(BitMap64(run_offsets))
                 taken = end - pos
                 bucket.pending -= taken
@@ -254,7 +254,7 @@ class BucketTracker(DelayedDeliveryTracker):
                 del queue[:end]
                 mutable.count -= end
                 popped_offsets = [k & _MASK for k in keys]
-                due += map(Due, [k >> _SHIFT for k in keys], popped_offsets)
+                due += map(due_of, zip([k >> _SHIFT for k in keys], popped_offsets, strict=True))
                 mutable.bitmap.difference_update(BitMap64(popped_offsets))
                 mutable.popped += keys
                 self._popped = keys[-1]
