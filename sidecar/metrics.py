@@ -217,8 +217,8 @@ class Metrics:
         left = bisect.bisect_left
         below = 0  # deliveries whose lateness is at most the previous bound
         for bucket, bound in zip(buckets, bounds, strict=True):
-            # lateness <= bound  <=>  deliver_at >= now - bound (the earlier ones are later)
-            within = n if bound == math.inf else n - left(deliver_ats, now_ms - bound * 1000)
+            # lateness <= bound  <=>  deliver_at >= now - (the most whole ms that observe() puts there)
+            within = n if bound == math.inf else n - left(deliver_ats, now_ms - _most_ms_within(bound))
             if within > below:
                 bucket.inc(within - below)
                 below = within
@@ -233,3 +233,14 @@ class Metrics:
                 self.child(metric, topic)
             for source in ("cache", "log", "run"):
                 self.child(self.payload_reads, topic, source)
+
+
+def _most_ms_within(bound: float) -> int:
+    """The largest whole number of milliseconds L with L / 1000 <= bound, compared as observe()
+    compares a lateness with a bucket's bound (in float seconds)."""
+    most = math.floor(bound * 1000)
+    while (most + 1) / 1000 <= bound:
+        most += 1
+    while most / 1000 > bound:
+        most -= 1
+    return most

@@ -40,7 +40,8 @@ def test_lateness_on_a_bucket_bound_falls_in_that_bucket() -> None:
     metrics = Metrics(CollectorRegistry())
     bounds = metrics.child(metrics.lateness, "t")._upper_bounds
     now = 1_000_000
-    deliver_ats = sorted(now - round(b * 1000) for b in bounds if b != float("inf") and b * 1000 == round(b * 1000))
+    lateness = {round(b * 1000) + d for b in bounds if b != float("inf") for d in (-1, 0, 1)}
+    deliver_ats = sorted(now - ms for ms in lateness)
     metrics.observe_lateness(metrics.child(metrics.lateness, "batch"), now, deliver_ats)
     one_by_one(metrics.child(metrics.lateness, "single"), now, deliver_ats)
     assert histogram_state(metrics, "batch") == histogram_state(metrics, "single")
