@@ -58,6 +58,11 @@ the log no longer has it."""
 # Most due entries popped from one tracker per turn, so intake, due nacks and the consumer's idle
 # pauses (IdleFetch) are seen to every few hundred milliseconds while a burst drains.
 MAX_POP = 10_000
+# The same for a partition whose last due payloads had to be read back from the log. Such a read
+# is a pass over the partition's log from the first offset wanted (on noida-db, each fetch returns
+# the rest of the partition), whatever the number of records it wants: 10,000 random entries a
+# pass made the payload-cache-at-10% bench three times slower than 100,000 (docs/benchmarks.md).
+MAX_POP_FROM_LOG = 100_000
 # Time a turn spends pulling records from the read-ahead before it lets intake and sending run.
 READ_SLICE_S = 0.01
 # Payloads held for upcoming deliveries (about 300 bytes each with 100-byte values); past this,
@@ -128,6 +133,8 @@ class Dispatcher:
         self._read: Generator[tuple[TopicPartitionKey, dict[int, Message | None]]] | None = None
         self._next_look_ms = 0
         self._stalled_until_ms = 0
+        self._from_log: set[TopicPartitionKey] = set()
+        """Partitions whose last read of due payloads went to the log: they pop MAX_POP_FROM_LOG."""
 
     # ----------------------------------------------------------------- what the loop asks
 
@@ -173,6 +180,7 @@ class Dispatcher:
         """The partition was revoked: drop what was read ahead for it."""
         self._horizon.pop(partition, None)
         self._deferred.discard(partition)
+        self._from_log.discard(partition)
         if self._trail is not None:
             self._trail.forget(partition)
         self._cache.pop(partition, None)
@@ -234,7 +242,7 @@ class Dispatcher:
             elif not tracker.has_message_available():
                 continue
             else:
-                due = tracker.pop_due(MAX_POP)
+                due = tracker.pop_due(MAX_POP_FROM_LOG if partition in self._from_log else MAX_POP)
             if not due:
                 self._stalled_until_ms = self._clock.now_ms() + STALL_WAIT_MS
                 continue
@@ -248,9 +256,12 @@ class Dispatcher:
             # the rest of their cache slots comes along for the next turns.
             after = {partition: popped[partition][-1] for partition in missing}
             self._window_along(trackers, after, missing)
-            for partition, found in self._fetch(self._due_reader, missing, after):
+            from_log: set[TopicPartitionKey] = set()
+            for partition, found in self._fetch(self._due_reader, missing, after, from_log):
                 self._held_for(partition).update(found)
                 self._held += len(found)
+            self._from_log.difference_update(missing)
+            self._from_log.update(from_log)
         for partition, due in popped.items():
             held = self._held_for(partition)
             self._deliver(partition, [(at, offset, held.pop(offset)) for at, offset in due])
@@ -330,12 +341,14 @@ class Dispatcher:
         reader: LogReader,
         wanted: dict[TopicPartitionKey, list[Due]],
         after: dict[TopicPartitionKey, Due] | None = None,
+        from_log: set[TopicPartitionKey] | None = None,
     ) -> Generator[tuple[TopicPartitionKey, dict[int, Message | None]]]:
         """Payloads from the payload cache (one scan in key order), then the rest read back from the
         log, as (partition, {offset: record}) pieces.
 
         With `after`, the cache may also yield payloads not asked for that fall due after it
-        (see PayloadCache.read), as long as memory has room for them.
+        (see PayloadCache.read), as long as memory has room for them. `from_log` gets the
+        partitions that the log was read for.
         Counts where each payload came from in payload_reads_total, when the read is over.
         """
         rest: dict[TopicPartitionKey, list[int]]
@@ -352,6 +365,8 @@ class Dispatcher:
                 rest = lookup.missing()
             else:
                 rest = {partition: [d.offset for d in dues] for partition, dues in wanted.items()}
+            if from_log is not None:
+                from_log.update(partition for partition, offsets in rest.items() if offsets)
             piece: dict[int, Message | None] = {}
             piece_of: TopicPartitionKey | None = None
             for partition, offset, record in reader.read(rest):

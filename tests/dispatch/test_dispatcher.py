@@ -1,5 +1,6 @@
 """The dispatcher's rules with a controlled clock and a fake log: read ahead, never send early."""
 
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -7,7 +8,7 @@ from typing import Any
 from confluent_kafka import Message
 
 from sidecar.clock import ManualClock
-from sidecar.dispatch.dispatcher import Dispatcher
+from sidecar.dispatch.dispatcher import MAX_POP, Dispatcher
 from sidecar.dispatch.payload_cache import PayloadCache
 from sidecar.metrics import Metrics
 from sidecar.tracker import Due, InMemoryTracker
@@ -112,6 +113,31 @@ def test_without_read_ahead_due_records_are_read_when_due(clock: ManualClock) ->
     clock.advance(10)
     s.turn()
     assert s.due.reads == [[3, 5]] and [x[0] for x in s.sent] == [3, 5]
+
+
+def test_a_partition_read_back_from_the_log_pops_more_at_a_time(clock: ManualClock) -> None:
+    """Each read back from the log is a pass over the partition: after one, the next turn takes up
+    to MAX_POP_FROM_LOG entries, so that one pass serves them all."""
+    s = Setup(clock, read_ahead_ms=0)
+    count = MAX_POP + 2 * MAX_POP
+    s.add(*[(offset, 10) for offset in range(count)])
+    clock.advance(10)
+    s.turn()
+    assert len(s.sent) == MAX_POP and len(s.due.reads) == 1
+    s.turn()
+    assert len(s.sent) == count and len(s.due.reads) == 2
+    assert Counter(offset for offset, _, _ in s.sent) == Counter(range(count))
+
+
+def test_payloads_held_in_memory_keep_the_small_pop(clock: ManualClock) -> None:
+    s = Setup(clock, read_ahead_ms=0)
+    count = 2 * MAX_POP
+    s.add(*[(offset, 10) for offset in range(count)])
+    for offset in range(count):
+        assert s.dispatcher.keep_payload(P, offset, f"payload-{offset}")  # type: ignore[arg-type]
+    clock.advance(10)
+    s.turn()
+    assert len(s.sent) == MAX_POP and s.due.reads == []
 
 
 def test_missing_records_are_reported_to_deliver_as_none(clock: ManualClock) -> None:
