@@ -28,7 +28,7 @@ def one_by_one(histogram: Any, now_ms: int, deliver_ats: list[int]) -> None:
 )
 def test_lateness_by_bisection_counts_what_one_observe_per_record_counts(now: int, offsets: list[int]) -> None:
     metrics = Metrics(CollectorRegistry())
-    deliver_ats = sorted(now - o for o in offsets)  # late, on time and early; the bounds themselves too
+    deliver_ats = sorted(now - o for o in offsets)  # late, on time and early (the next test takes the bounds)
     metrics.observe_lateness(metrics.child(metrics.lateness, "batch"), now, deliver_ats)
     one_by_one(metrics.child(metrics.lateness, "single"), now, deliver_ats)
     batch, single = histogram_state(metrics, "batch"), histogram_state(metrics, "single")
