@@ -147,10 +147,7 @@ class Dispatcher:
         False when the memory is full: the caller may put it in the payload cache instead.
         """
         if self._held < MAX_CACHED:
-            held = self._cache.get(partition)
-            if held is None:
-                held = self._cache[partition] = {}
-            held[offset] = record
+            self._held_for(partition)[offset] = record
             self._held += 1
             return True
         return False
