@@ -383,6 +383,13 @@ class SidecarProcess:
         return self.log.read_text()[-3000:]
 
 
+def start_serving(sidecar: SidecarProcess, port: int) -> None:
+    """Started, and owning its partitions: a deliver-at counted from now is not due at intake however
+    slowly the process started (a busy CI machine takes seconds to import and join the group)."""
+    sidecar.start()
+    wait_for(lambda: scrape(port, "delay_sidecar_assigned_partitions") > 0, 60, "the sidecar serving")
+
+
 def run_args(kafka: str, policies: Path, state: Path, port: int, group: str, *extra: str) -> list[str]:
     return ["--bootstrap-servers", kafka, "--policies", str(policies), "--state-dir", str(state),
             "--metrics-port", str(port), "--group-id", group, "--commit-interval-ms", "200", *extra]  # fmt: skip

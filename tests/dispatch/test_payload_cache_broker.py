@@ -23,14 +23,15 @@ from tests.kafka_helpers import (
     produce_due,
     run_args,
     scrape,
+    start_serving,
     wait_for,
 )
 
 COUNT = 2_000
-# Far enough ahead that intake (after the sidecar's start and group join, a second or two) sees
-# every record as not yet near due, beyond the read-ahead these tests run with (READ_AHEAD, not the
-# default 10 s: the suite's time), so each one either goes to the cache or is left for a read-back.
-LEAD_MS = 9_000
+# Far enough ahead that intake (of a sidecar serving already: start_serving) sees every record as
+# not yet near due, beyond the read-ahead these tests run with (READ_AHEAD, not the default 10 s:
+# the suite's time), so each one either goes to the cache or is left for a read-back.
+LEAD_MS = 5_000
 READ_AHEAD = ("--read-ahead-ms", "2000")
 
 
@@ -68,10 +69,10 @@ def test_cached_payloads_are_delivered_without_a_read_back(
     topic, policies, port = setup(topic_factory, policy_file, "hit")
     args = run_args(kafka, policies, tmp_path / "state", port, f"g-{topic}", "--read-ahead-ms", read_ahead_ms)
     sidecar = SidecarProcess(args, tmp_path / "log")
-    due = int(time.time() * 1000) + LEAD_MS
-    produce_due(kafka_helper, topic, scattered(due))
     try:
-        sidecar.start()
+        start_serving(sidecar, port)
+        due = int(time.time() * 1000) + LEAD_MS
+        produce_due(kafka_helper, topic, scattered(due))
         wait_for(delivered_all(kafka_helper, topic), 60, "every record delivered")
         wait_for(lambda: reads(port, topic, "cache") == COUNT, 10, "every payload counted as a cache hit")
         assert reads(port, topic, "log") == 0
@@ -93,10 +94,10 @@ def test_payloads_over_the_budget_are_read_back_from_the_log(
         kafka, policies, tmp_path / "state", port, f"g-{topic}", "--payload-cache-bytes", "20000", *READ_AHEAD
     )
     sidecar = SidecarProcess(args, tmp_path / "log")
-    due = int(time.time() * 1000) + LEAD_MS
-    produce_due(kafka_helper, topic, scattered(due))
     try:
-        sidecar.start()
+        start_serving(sidecar, port)
+        due = int(time.time() * 1000) + LEAD_MS
+        produce_due(kafka_helper, topic, scattered(due))
         wait_for(delivered_all(kafka_helper, topic), 60, "every record delivered")
         wait_for(lambda: reads(port, topic, "cache") + reads(port, topic, "log") == COUNT, 10, "every payload")
         assert 0 < reads(port, topic, "cache") < COUNT // 2
@@ -118,10 +119,10 @@ def test_the_horizon_passing_over_the_index_brings_payloads_into_the_cache(
     sidecar = SidecarProcess(
         run_args(kafka, policies, tmp_path / "state", port, f"g-{topic}", *limit), tmp_path / "log"
     )
-    due = int(time.time() * 1000) + LEAD_MS
-    produce_due(kafka_helper, topic, scattered(due))
     try:
-        sidecar.start()
+        start_serving(sidecar, port)
+        due = int(time.time() * 1000) + LEAD_MS
+        produce_due(kafka_helper, topic, scattered(due))
         wait_for(delivered_all(kafka_helper, topic), 60, "every record delivered")
         wait_for(lambda: reads(port, topic, "cache") + reads(port, topic, "log") == COUNT, 10, "every payload")
         assert reads(port, topic, "cache") == COUNT, sidecar.tail()
@@ -146,10 +147,10 @@ def test_a_lost_cache_loses_nothing_and_delivers_nothing_early(
     topic, policies, port = setup(topic_factory, policy_file, "lost", partitions=2)
     state = tmp_path / "state"
     sidecar = SidecarProcess(run_args(kafka, policies, state, port, f"g-{topic}", *READ_AHEAD), tmp_path / "log")
-    due = int(time.time() * 1000) + LEAD_MS
-    produce_due(kafka_helper, topic, scattered(due), partitions=2)
     try:
-        sidecar.start()
+        start_serving(sidecar, port)
+        due = int(time.time() * 1000) + LEAD_MS
+        produce_due(kafka_helper, topic, scattered(due), partitions=2)
         wait_for(lambda: scrape(port, "delay_sidecar_tracked_messages", topic=topic) == COUNT, 30, "a checkpoint")
         wait_for(lambda: scrape(port, "delay_sidecar_payload_cache_bytes") > 0, 10, "cached payloads")
         if lost == "kill -9":
