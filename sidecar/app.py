@@ -218,6 +218,7 @@ class SidecarApp:
                     new_topic_partitions=settings.new_topic_partitions,
                     control_topic=settings.control_topic,
                     read_ahead_ms=settings.read_ahead_ms,
+                    recent_records_bytes=settings.recent_records_bytes,
                     payload_cache=payload_cache,
                     monotone_runs=settings.monotone_runs,
                     outbound_headers=settings.outbound_headers,

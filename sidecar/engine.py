@@ -35,6 +35,7 @@ from sidecar.dispatch.dispatcher import Dispatcher
 from sidecar.dispatch.drain import Drains, RemovedTopic, holds_pending, removed_while_down
 from sidecar.dispatch.payload_cache import PayloadCache
 from sidecar.dispatch.reader import LogReader
+from sidecar.dispatch.recent import RecentRecords
 from sidecar.dispatch.roll import HorizonRoll
 from sidecar.dispatch.trail import TrailReader
 from sidecar.errors import BrokerError
@@ -104,6 +105,7 @@ class Sidecar:
         new_topic_partitions: int = 3,
         control_topic: str = "delay-sidecar.control",
         read_ahead_ms: int = 10_000,
+        recent_records_bytes: int = 0,
         payload_cache: PayloadCache | None = None,
         producer: dict[str, Any] | None = None,
         monotone_runs: bool = False,
@@ -217,9 +219,10 @@ class Sidecar:
             controls, group_id, writer, self._reader, states, self._current_routes, self._nacks, metrics, clock,
             forwarding,
         )  # fmt: skip
+        self._recent = RecentRecords(recent_records_bytes)
         self._redelivery = Redelivery(
-            self._acceptance, writer, self._reader, states, self._current_routes, retention, self._nacks, metrics,
-            clock, outbound_headers,
+            self._acceptance, writer, self._reader, self._recent, states, self._current_routes, retention,
+            self._nacks, metrics, clock, outbound_headers,
         )  # fmt: skip
         indexer = Indexer(self._dispatcher, self._delivery, monotone_runs)
         commands = CommandStep(group_id, writer, self._delivery, outcomes, self._reader, retention, control_topic)
@@ -227,7 +230,7 @@ class Sidecar:
         self._receiver = Receiver(
             states, batches(self._current_routes, metrics, clock, payload_cache), self._admission,
             Rebuilder(self._delivery, retention, metrics, commands),
-            ControlIntake(self._acceptance, self._redelivery), writer.poll,
+            ControlIntake(self._acceptance, self._redelivery), writer.poll, self._recent.keep,
         )  # fmt: skip
         self.assigned = assignment.assigned
         """Set once the group gave this member partitions: it is serving."""
@@ -499,6 +502,7 @@ class Sidecar:
         self._idle.forget((state.topic, state.partition))
         self._drains.forget((state.topic, state.partition))
         self._dispatcher.forget((state.topic, state.partition))
+        self._recent.forget((state.topic, state.partition))
         if self._roll is not None:
             self._roll.forget((state.topic, state.partition))
         if state.control:

@@ -138,6 +138,12 @@ class RunSettings(KafkaSettings):
         description="Disk budget of the local payload cache under --state-dir/cache, counted as key + value "
         "bytes before compression; past it, payloads are read back from the log (0: no cache)",
     )
+    recent_records_bytes: int = Field(
+        64 << 20,
+        ge=0,
+        description="Memory for the inbound records read last, counted as value bytes plus about 350 per record: "
+        "a nack of a message delivered since is redelivered without reading it back from the log (0: none kept)",
+    )
     payload_cache_horizon_ms: int = Field(
         600_000,
         ge=0,

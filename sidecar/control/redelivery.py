@@ -7,6 +7,7 @@ partition's delivered watermark covers it once it is redelivered, superseded or 
 import logging
 from collections import Counter, defaultdict
 from collections.abc import Callable
+from itertools import chain
 
 from confluent_kafka import Message
 
@@ -19,6 +20,7 @@ from sidecar.control.commands import (
 )
 from sidecar.control.nacks import LatestNacks
 from sidecar.dispatch.reader import LogReader
+from sidecar.dispatch.recent import RecentRecords
 from sidecar.errors import RejectedRecord
 from sidecar.metrics import Metrics
 from sidecar.outbound.records import HeaderForm, outbound_headers
@@ -42,6 +44,7 @@ class Redelivery:
         acceptance: Acceptance,
         writer: Writer,
         reader: LogReader,
+        recent: RecentRecords,
         partitions: dict[TopicPartitionKey, PartitionState],
         routes: Callable[[], dict[str, Routes]],
         retention_ms: dict[str, int | None],
@@ -54,6 +57,7 @@ class Redelivery:
         self._acceptance = acceptance
         self._writer = writer
         self._reader = reader
+        self._recent = recent
         self._partitions = partitions
         self._routes = routes
         self._retention_ms = retention_ms
@@ -98,7 +102,9 @@ class Redelivery:
         # Counted and observed once per batch: a burst of nacks redelivers tens of thousands at once.
         sent: Counter[tuple[str, str]] = Counter()
         late: dict[str, list[float]] = defaultdict(list)
-        for key, offset, message in self._reader.read(wanted):
+        found, missing = self._recent.take(wanted)
+        self._count_reads(found, missing)
+        for key, offset, message in chain(found, self._reader.read(missing) if missing else ()):
             for nack, _ in jobs[key][offset]:
                 if self._redeliver(nack, message):
                     command = nack.command
@@ -110,6 +116,17 @@ class Redelivery:
             metrics.child(metrics.delivered, topic, subscription).inc(count)
         for topic, values in late.items():
             metrics.observe_many(metrics.child(metrics.lateness, topic), values)
+
+    def _count_reads(
+        self, found: list[tuple[TopicPartitionKey, int, Message]], missing: dict[TopicPartitionKey, list[int]]
+    ) -> None:
+        """payload_reads_total: kept since intake (recent), or read back from the log."""
+        metrics = self._metrics
+        kept = Counter(key[0] for key, _, _ in found)
+        for topic, count in kept.items():
+            metrics.child(metrics.payload_reads, topic, "recent").inc(count)
+        for (topic, _), offsets in missing.items():
+            metrics.child(metrics.payload_reads, topic, "log").inc(len(offsets))
 
     def _redeliver(self, nack: AcceptedNack, message: Message | None) -> bool:
         """Write one redelivery; False when it was rejected instead (dead-lettered with its command)."""

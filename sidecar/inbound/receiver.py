@@ -30,14 +30,17 @@ class Receiver:
         rebuilder: Rebuilder,
         control: ControlIntake,
         poll: Callable[[], None],
+        keep: Callable[[TopicPartitionKey, list[Message]], None],
     ) -> None:
-        """`batches` opens each batch (inbound/batch.py); `poll` serves the producer's delivery reports."""
+        """`batches` opens each batch (inbound/batch.py); `poll` serves the producer's delivery reports;
+        `keep` is handed each inbound slice, for redeliveries (dispatch/recent.py)."""
         self._partitions = partitions
         self._batches = batches
         self._admission = admission
         self._rebuilder = rebuilder
         self._control = control
         self._poll = poll
+        self._keep = keep
 
     def take(self, records: list[Message]) -> None:
         batch = self._batches()
@@ -49,6 +52,7 @@ class Receiver:
             if routes is None:
                 continue  # the topic left the policies; its pending records are drained to its dead-letter topic
             batch.received[state.topic] += len(chunk)
+            self._keep((state.topic, state.partition), chunk)
             taken = self._rebuilder.take(batch, state, routes, chunk) if state.rebuild is not None else 0
             if taken < len(chunk):
                 self._admission.take(batch, state, routes, chunk[taken:])

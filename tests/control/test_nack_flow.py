@@ -52,11 +52,20 @@ topics:
 """)
 
 
+@pytest.mark.parametrize("recent", [64 << 20, 0])
 def test_each_nacked_message_comes_back_once_on_its_own_subscription(
-    kafka: str, kafka_helper: KafkaHelper, topic_factory: TopicFactory, policy_file: PolicyFile, tmp_path: Path
+    recent: int,
+    kafka: str,
+    kafka_helper: KafkaHelper,
+    topic_factory: TopicFactory,
+    policy_file: PolicyFile,
+    tmp_path: Path,
 ) -> None:
+    """The nacked records come from what intake kept (--recent-records-bytes), or without it from the log."""
     topic, control = topic_factory("nack"), f"ctl-{uuid.uuid4().hex[:8]}"
-    settings = settings_for(kafka, setup(topic, policy_file), tmp_path, control_topic=control)
+    settings = settings_for(
+        kafka, setup(topic, policy_file), tmp_path, control_topic=control, recent_records_bytes=recent
+    )
     with ThreadedSidecar(settings) as sidecar:
         for i in range(20):
             kafka_helper.produce(topic, f"v{i}".encode())
@@ -80,6 +89,8 @@ def test_each_nacked_message_comes_back_once_on_its_own_subscription(
         assert len(fraud) == 20 and all(r.headers[REDELIVERY_COUNT] == b"0" for r in fraud)
         assert sidecar.metric("delay_sidecar_redeliveries_total", subscription="billing") == 20
         assert sidecar.metric("delay_sidecar_nack_total", subscription="billing", result="accepted") == 20
+        source = "recent" if recent else "log"
+        assert sidecar.metric("delay_sidecar_payload_reads_total", topic=topic, source=source) == 20
 
 
 def test_latest_nack_for_the_same_message_wins(
