@@ -12,6 +12,7 @@ never judged a second time.
 """
 
 import logging
+from collections import Counter
 from collections.abc import Callable
 
 from confluent_kafka import Message
@@ -75,6 +76,8 @@ class Acceptance:
         self._metrics = metrics
         self._clock = clock
         self._high_watermarks: dict[TopicPartitionKey, int] = {}
+        self._accepted: Counter[str] = Counter()
+        """Nacks accepted per subscription, not counted in the metrics yet (see `count`)."""
         metrics.child(metrics.replayed, controls.default)  # exported at 0 from the start
 
     def take(self, record: Message, state: PartitionState, due_now: list[tuple[int, AcceptedNack]]) -> None:
@@ -176,7 +179,13 @@ class Acceptance:
             # command's offset, so it needs no accepted record. A crash before that commit judges
             # the command again (its offset is not below the committed one).
             due_now.append((key, accepted))
-        self._metrics.child(self._metrics.nacks, subscription, "accepted").inc()
+        self._accepted[subscription] += 1
+
+    def count(self) -> None:
+        """nack_total{result="accepted"} for the commands judged since the last call: once per batch."""
+        for subscription, accepted in self._accepted.items():
+            self._metrics.child(self._metrics.nacks, subscription, "accepted").inc(accepted)
+        self._accepted.clear()
 
     def _take_nacks(
         self,

@@ -25,6 +25,7 @@ class ControlIntake:
         self._due += due
 
     def settle(self) -> None:
+        self._acceptance.count()
         if self._due:
             due, self._due = self._due, []
             self._redelivery.redeliver(due)

@@ -1,20 +1,24 @@
 """Nack command parsing (contract section 5): every shape, and hypothesis for anything else."""
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from sidecar.control import commands
 from sidecar.control.commands import (
     AcceptedNack,
     NackCommand,
+    _parse,
     accepted_key,
     check_max_delay,
     parse_accepted,
     parse_command,
 )
+from sidecar.durations import MAX_EPOCH_MS
 from sidecar.errors import RejectedRecord
 from sidecar.policy.model import EffectiveDelay, Sourced
 
@@ -105,6 +109,70 @@ def test_any_json_object_gives_a_command_or_invalid_command(data: dict[str, Any]
         parse_command(json.dumps(data).encode())
     except RejectedRecord as e:
         assert e.code == "INVALID_COMMAND"
+
+
+def outcome(parse: Callable[[bytes], object], raw: bytes) -> object:
+    try:
+        return parse(raw)
+    except RejectedRecord as e:
+        return e.code, e.message
+
+
+NACK_FIELDS = ("v", "type", "subscription", "topic", "partition", "offset", "delay_ms", "deliver_at",
+               "redelivery_count")  # fmt: skip
+_NUMBERS = [-1, 0, 1.0, True, None, "1", MAX_EPOCH_MS, MAX_EPOCH_MS + 1, 2**70]
+# Each field with the values either path may judge differently, so that every check is met
+# alone often enough; and any field with any JSON value.
+_EDGES = (
+    [("v", v) for v in (1.0, True, 2, "1", None)]
+    + [("type", v) for v in ("cancel", "accepted", "NACK", None)]
+    + [(f, v) for f in ("subscription", "topic") for v in ("", "t" * 249, "t" * 250, 5, None)]
+    + [(f, v) for f in NACK_FIELDS[4:] for v in _NUMBERS]
+)
+nack_changes = st.one_of(st.sampled_from(_EDGES), st.tuples(st.sampled_from(NACK_FIELDS), json_values))
+
+
+def fast_and_long(changed: list[tuple[str, Any]], removed: set[str], duplicate: bool = False) -> tuple[object, object]:
+    data: dict[str, Any] = {"v": 1, "type": "nack", "subscription": "s", "topic": "t", "partition": 0, "offset": 3,
+                            "delay_ms": 5, "redelivery_count": 1}  # fmt: skip
+    data.update(changed)
+    for name in removed:
+        data.pop(name, None)
+    raw = json.dumps(data)
+    if duplicate and data:  # a key given twice: the last one counts, as json.loads has it
+        raw = raw[:-1] + ", " + json.dumps({"partition": 7})[1:]
+    return outcome(parse_command, raw.encode()), outcome(_parse, raw.encode())
+
+
+@pytest.mark.parametrize("removed", [set(), {"delay_ms"}])
+@pytest.mark.parametrize(("field", "value"), _EDGES)
+def test_each_edge_of_a_nack_field_is_judged_alike_by_the_fast_and_the_long_decoding(
+    field: str, value: Any, removed: set[str]
+) -> None:
+    fast, long = fast_and_long([(field, value)], removed)
+    assert fast == long
+
+
+@settings(max_examples=300)
+@given(st.lists(nack_changes, max_size=2), st.sets(st.sampled_from(NACK_FIELDS), max_size=2), st.booleans())
+def test_the_fast_decoding_of_a_nack_agrees_with_the_long_one(
+    changed: list[tuple[str, Any]], removed: set[str], duplicate: bool
+) -> None:
+    """parse_command takes well-formed nacks in one C pass (msgspec); whatever it is given, it returns
+    or refuses exactly what the field-by-field parse does: a valid nack with fields changed or removed."""
+    fast, long = fast_and_long(changed, removed, duplicate)
+    assert fast == long
+
+
+def test_a_well_formed_nack_takes_the_fast_path_and_null_does_not(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The differential test above means something only if the fast path answers for real nacks."""
+    calls: list[bytes | None] = []
+    monkeypatch.setattr(commands, "_parse", calls.append)
+    good = b'{"v":1,"type":"nack","subscription":"s","topic":"t","partition":0,"offset":3,"delay_ms":5}'
+    assert parse_command(good) == NackCommand("s", "t", 0, 3, 5, None, 0)
+    assert calls == []
+    parse_command(good.replace(b'"delay_ms":5', b'"delay_ms":5,"deliver_at":null'))
+    assert len(calls) == 1
 
 
 def test_an_accepted_record_round_trips_and_is_not_a_command() -> None:
