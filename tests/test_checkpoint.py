@@ -31,6 +31,7 @@ from tests.kafka_helpers import (
     produce_due,
     run_args,
     scrape,
+    start_serving,
     wait_for,
 )
 
@@ -43,10 +44,11 @@ def test_deliveries_after_a_restart_are_checkpointed_without_new_inbound_records
     policies = policy_file(f"topics:\n  {topic}:\n    subscriptions: {{a: {{}}, o: {{type: exclusive}}}}\n")
     port = free_port()
     sidecar = SidecarProcess(run_args(kafka, policies, tmp_path / "state", port, f"g-{topic}"), tmp_path / "log")
-    count, due = 2_000, int(time.time() * 1000) + 6_000
-    produce_due(kafka_helper, topic, [due + i % 1000 for i in range(count)], partitions=2)
+    count = 2_000
     try:
-        sidecar.start()
+        start_serving(sidecar, port)  # deliver-ats from now: none is due at intake however slow the start
+        due = int(time.time() * 1000) + 6_000
+        produce_due(kafka_helper, topic, [due + i % 1000 for i in range(count)], partitions=2)
         wait_for(lambda: scrape(port, "delay_sidecar_tracked_messages", topic=topic) == count, 60, "a checkpoint")
         sidecar.kill()  # before anything is due: the restart recovers every entry
         for _ in range(3):
@@ -73,11 +75,11 @@ def test_a_clean_restart_delivers_every_record_exactly_once(
     port = free_port()
     args = run_args(kafka, policies, tmp_path / "state", port, f"g-{topic}", "--tracker", "memory")
     sidecar = SidecarProcess(args, tmp_path / "log")
-    now = int(time.time() * 1000)
-    # Interleaved: the early half is delivered before the stop, the late half is still pending.
-    produce_due(kafka_helper, topic, [now + (3_000 if i % 2 == 0 else 12_000) for i in range(1_000)])
     try:
-        sidecar.start()
+        start_serving(sidecar, port)
+        now = int(time.time() * 1000)
+        # Interleaved: the early half is delivered before the stop, the late half is still pending.
+        produce_due(kafka_helper, topic, [now + (3_000 if i % 2 == 0 else 12_000) for i in range(1_000)])
         wait_for(lambda: outbound_end(kafka_helper, f"{topic}.a") == 500, 60, "the early half")
         assert sidecar.stop() == 0, sidecar.tail()
         sidecar.start()
@@ -99,9 +101,9 @@ def test_a_stale_state_dir_is_discarded_after_another_member_owned_the_partition
     same_member = ("--instance-id", f"member-{uuid.uuid4().hex[:6]}")  # B takes A's place in the group
     a = SidecarProcess(run_args(kafka, policies, tmp_path / "a", port, group, *same_member), tmp_path / "a.log")
     b = SidecarProcess(run_args(kafka, policies, tmp_path / "b", port, group, *same_member), tmp_path / "b.log")
-    produce_due(kafka_helper, topic, [int(time.time() * 1000) + 5_000] * 200)
     try:
-        a.start()
+        start_serving(a, port)
+        produce_due(kafka_helper, topic, [int(time.time() * 1000) + 5_000] * 200)
         wait_for(lambda: scrape(port, "delay_sidecar_messages_delayed_total", topic=topic) == 200, 60, "A indexing")
         assert a.stop() == 0, a.tail()
         b.start()  # no local state: rebuilds from the commit, then delivers when due
@@ -125,13 +127,15 @@ def test_sigterm_while_due_records_are_read_back_checkpoints_and_exits_0(
     port, count = free_port(), 60_000
     args = run_args(kafka, policies, tmp_path / "state", port, f"g-{topic}", "--read-ahead-ms", "0")
     sidecar = SidecarProcess(args, tmp_path / "log")
-    due = int(time.time() * 1000) + 10_000
     value = b"x" * 1_000
-    for _ in range(count):
-        kafka_helper.produce(topic, value, headers=[("deliver-at", str(due))])
-    kafka_helper.flush()
     try:
-        sidecar.start()
+        start_serving(sidecar, port)
+        # Every record must be indexed (not due at intake) to be read back: the lead covers producing
+        # and taking in 60 MB, about 4 s on an idle machine, several times that on a busy one.
+        due = int(time.time() * 1000) + 20_000
+        for _ in range(count):
+            kafka_helper.produce(topic, value, headers=[("deliver-at", str(due))])
+        kafka_helper.flush()
         wait_for(lambda: scrape(port, "delay_sidecar_messages_delayed_total", topic=topic) == count, 60, "indexing")
         # Every record falls due at once and is read back in one long pass: stop in the middle of it.
         time.sleep(max(due + 300 - time.time() * 1000, 0) / 1000)
@@ -200,10 +204,10 @@ def test_rebuild_skips_what_the_watermark_covers(
     port, state = free_port(), tmp_path / "state"
     tracker = ["--tracker", "memory"] if lost == "kill -9" else []
     sidecar = SidecarProcess(run_args(kafka, policies, state, port, f"g-{topic}", *tracker), tmp_path / "log")
-    now = int(time.time() * 1000)
-    produce_due(kafka_helper, topic, [now + (2_000 if i % 2 == 0 else 10_000) for i in range(1_000)])
     try:
-        sidecar.start()
+        start_serving(sidecar, port)
+        now = int(time.time() * 1000)
+        produce_due(kafka_helper, topic, [now + (2_000 if i % 2 == 0 else 10_000) for i in range(1_000)])
         wait_for(lambda: outbound_end(kafka_helper, f"{topic}.a") == 500, 60, "the early half")
         wait_for(lambda: scrape(port, "delay_sidecar_tracked_messages", topic=topic) == 500, 30, "a checkpoint")
         sidecar.kill()

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from sidecar.broker.embedded import free_port
 from sidecar.outbound.records import (
     DELIVER_AT,
     ERROR_CODE,
@@ -25,6 +26,7 @@ from tests.kafka_helpers import (
     deliveries,
     early,
     outbound_end,
+    scrape,
     settings_for,
     sidecar_process,
     wait_for,
@@ -51,18 +53,19 @@ def test_deliver_after_reaches_both_subscriptions_on_time(
     topic = topic_factory("orders")
     settings = settings_for(kafka, policy_file(two_subscriptions(topic)), tmp_path)
     with ThreadedSidecar(settings) as sidecar:
-        kafka_helper.produce(topic, b"v", b"k", headers=[("deliver-after", "2s"), ("trace", "x")])
+        # Far enough ahead that the record is not due yet when a busy machine's intake reads it.
+        kafka_helper.produce(topic, b"v", b"k", headers=[("deliver-after", "7s"), ("trace", "x")])
         kafka_helper.flush()
         for sub in ("billing", "shipping"):
-            [record] = kafka_helper.read(f"{topic}.{sub}", 1, timeout_s=15)
+            [record] = kafka_helper.read(f"{topic}.{sub}", 1, timeout_s=30)
             deliver_at = record.header_int(DELIVER_AT)
             assert record.timestamp >= deliver_at, "delivered early"
             assert (record.key, record.value) == (b"k", b"v")
-            assert record.headers["trace"] == b"x" and record.headers["deliver-after"] == b"2s"
+            assert record.headers["trace"] == b"x" and record.headers["deliver-after"] == b"7s"
             assert record.headers[REDELIVERY_COUNT] == b"0"
             # The compact form: two headers of the sidecar's own after the producer's, no count at 0.
             assert record.wire == [
-                ("deliver-after", b"2s"),
+                ("deliver-after", b"7s"),
                 ("trace", b"x"),
                 ("delay-origin", f"{topic}/0/0".encode()),
                 ("delay-deliver-at", b"%d" % deliver_at),
@@ -148,6 +151,7 @@ def test_kill_9_with_1000_pending_loses_nothing_and_delivers_nothing_early(
 ) -> None:
     topic = topic_factory("crash", partitions=3)
     policies = policy_file(two_subscriptions(topic))
+    port = free_port()
     args = [
         "--bootstrap-servers",
         kafka,
@@ -156,7 +160,7 @@ def test_kill_9_with_1000_pending_loses_nothing_and_delivers_nothing_early(
         "--state-dir",
         str(tmp_path / "state"),
         "--metrics-port",
-        "0",
+        str(port),
         "--group-id",
         f"crash-{topic}",
         "--commit-interval-ms",
@@ -167,6 +171,8 @@ def test_kill_9_with_1000_pending_loses_nothing_and_delivers_nothing_early(
     log = tmp_path / "sidecar.log"
     first = sidecar_process(args, log)
     try:
+        # Serving before the deliver-ats are taken: however slowly the process starts, none is due at intake.
+        wait_for(lambda: scrape(port, "delay_sidecar_assigned_partitions") > 0, 60, "the sidecar serving")
         now = int(time.time() * 1000)
         for i in range(1000):
             deliver_at = now + 6000 + (i % 50) * 40  # due 6-8 s from now, so all are pending at the kill
@@ -203,7 +209,7 @@ def test_interleaved_immediate_and_delayed_keep_order_with_concurrent_readers(
     topic = topic_factory("mixed")
     settings = settings_for(kafka, policy_file(two_subscriptions(topic)), tmp_path)
     with ThreadedSidecar(settings):
-        base = int(time.time() * 1000) + 2000
+        base = int(time.time() * 1000) + 7000  # none due at intake: they go out in deliver-at order
         for i in range(1000):
             headers = [("deliver-at", str(base + (i % 10) * 100))] if i % 2 else []
             kafka_helper.produce(topic, f"{i}".encode(), headers=headers)
@@ -264,7 +270,7 @@ def test_changing_a_subscription_type_neither_loses_nor_repeats_records(
     with ThreadedSidecar(settings_for(kafka, path, tmp_path)) as sidecar:
         delayed = lambda: sidecar.metric("delay_sidecar_messages_delayed_total", topic=topic)  # noqa: E731
         generation = lambda: sidecar.metric("delay_sidecar_policy_generation")  # noqa: E731
-        produce(0, "4s")  # owed to a and b at their deliver-at
+        produce(0, "9s")  # owed to a and b at their deliver-at
         wait_for(lambda: delayed() == 100, 30, "indexing")
         path.write_text(policy("exclusive"))
         wait_for(lambda: generation() == 2, 30, "b exclusive")

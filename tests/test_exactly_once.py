@@ -38,6 +38,7 @@ from tests.kafka_helpers import (
     run_args,
     scrape,
     settings_for,
+    start_serving,
     wait_for,
 )
 
@@ -157,9 +158,9 @@ def test_a_zombie_that_commits_between_the_read_of_the_commit_and_its_fence_is_n
     policies = policy_file(f"topics:\n  {topic}:\n    subscriptions: {{a: {{}}}}\n")
     group, count, member = f"g-{topic}", 2_000, f"member-{uuid.uuid4().hex[:6]}"
     (tmp_path / "host-a").mkdir()
-    args = run_args(kafka, policies, tmp_path / "a", free_port(), group, "--instance-id", member, *EXACTLY_ONCE)
+    port_a = free_port()
+    args = run_args(kafka, policies, tmp_path / "a", port_a, group, "--instance-id", member, *EXACTLY_ONCE)
     a = SidecarProcess(args, tmp_path / "a.log", env={"TMPDIR": str(tmp_path / "host-a")})
-    produce_mixed(kafka_helper, topic, count, int(time.time() * 1000) + 2_000, 8_000)
     real_fence = Writer.fence
     moved: list[bool] = []
 
@@ -180,7 +181,8 @@ def test_a_zombie_that_commits_between_the_read_of_the_commit_and_its_fence_is_n
     create_topics(kafka, [f"{topic}.a"], 2)  # for the live reader to be assigned before the start
     live = LiveReader(kafka, [f"{topic}.a"], 2)
     try:
-        a.start()
+        start_serving(a, port_a)  # A still has records pending when B takes over, however slow its start
+        produce_mixed(kafka_helper, topic, count, int(time.time() * 1000) + 2_000, 8_000)
         wait_for(lambda: outbound_end(kafka_helper, f"{topic}.a", 2) > count // 2 + 100, 60, "A delivering")
         with ThreadedSidecar(settings) as b:
             wait_for(lambda: outbound_end(kafka_helper, f"{topic}.a", 2) >= count, 90, "every record delivered")

@@ -111,10 +111,10 @@ def test_a_partition_that_comes_back_after_another_owner_does_not_use_its_stale_
     policies = policy_file(f"topics:\n  {topic}:\n    subscriptions: {{a: {{}}}}\n")
     group = f"g-{topic}"
     (a, a_port), (b, b_port) = (_member(kafka, policies, tmp_path, name, group) for name in "ab")
-    due = int(time.time() * 1000) + 20_000
     try:
         a.start()
         wait_for(lambda: len(_owned(a, topic)) == partitions, 60, "a serving alone")
+        due = int(time.time() * 1000) + 20_000  # after a's start: the lead covers b's start and both intakes
         produce_due(kafka_helper, topic, [due + i % 2_000 for i in range(batch)], partitions=partitions)
         wait_for(lambda: _tracked(a_port, topic) == batch, 60, "a indexing the first batch")
         wait_for(lambda: scrape(a_port, "delay_sidecar_state_records_total") > 0, 30, "a's snapshots written")

@@ -32,6 +32,7 @@ from tests.kafka_helpers import (
     run_args,
     scrape,
     settings_for,
+    start_serving,
     wait_for,
 )
 
@@ -68,17 +69,17 @@ def test_cancel_and_reschedule_each_answered_once_and_honoured(
 ) -> None:
     topic, control = topic_factory("cancel"), f"ctl-{uuid.uuid4().hex[:8]}"
     settings = settings_for(kafka, policies(topic, policy_file), tmp_path, control_topic=control)
-    now = int(time.time() * 1000)
-    due = now + 8_000
-    # 0-5 delayed 8 s; 6 immediate; 7 delayed 1 s (delivered before its cancel is sent)
-    for i in range(6):
-        kafka_helper.produce(topic, f"v{i}".encode(), headers=[("deliver-at", str(due))])
-    kafka_helper.produce(topic, b"v6")
-    kafka_helper.produce(topic, b"v7", headers=[("deliver-after", "1s")])
-    kafka_helper.produce(topic, b"v8", headers=[("deliver-at", str(due))])  # 8: moved to the past: at once
-    kafka_helper.flush()
     producer = Producer({"bootstrap.servers": kafka})
     with ThreadedSidecar(settings) as sidecar:
+        now = int(time.time() * 1000)  # serving: the commands are judged before `due` however slow the start
+        due = now + 8_000
+        # 0-5 delayed 8 s; 6 immediate; 7 delayed 1 s (delivered before its cancel is sent)
+        for i in range(6):
+            kafka_helper.produce(topic, f"v{i}".encode(), headers=[("deliver-at", str(due))])
+        kafka_helper.produce(topic, b"v6")
+        kafka_helper.produce(topic, b"v7", headers=[("deliver-after", "1s")])
+        kafka_helper.produce(topic, b"v8", headers=[("deliver-at", str(due))])  # 8: moved to the past: at once
+        kafka_helper.flush()
         wait_for(lambda: sidecar.metric("delay_sidecar_messages_delivered_total", topic=topic, subscription="billing")
                  >= 2, 30, "the immediate and the 1 s record delivered")  # fmt: skip
         sooner, later = now + 4_000, now + 12_000
@@ -467,20 +468,21 @@ def held_behind_an_open_transaction(
     prefix: str, kafka: str, kafka_helper: KafkaHelper, topic_factory: TopicFactory, policy_file: PolicyFile,
     tmp_path: Path,
 ) -> Held:  # fmt: skip
-    """Two records on partition 0 due in 10 s, the first cancelled, then a clean stop (so the next
+    """Two records on partition 0 due in 15 s, the first cancelled, then a clean stop (so the next
     owner holds the partition), then the open transaction."""
     topic, control = topic_factory(prefix), f"ctl-{uuid.uuid4().hex[:8]}"
     port, group, state = free_port(), f"g-{topic}", tmp_path / "state"
     rules = policies(topic, policy_file)
     args = run_args(kafka, rules, state, port, group, "--control-topic", control,
                     "--processing-guarantee", "exactly-once")  # fmt: skip
-    soon = int(time.time() * 1000) + 10_000
-    for i in range(2):
-        kafka_helper.produce(topic, f"v{i}".encode(), headers=[("deliver-at", str(soon))])
-    kafka_helper.flush()
     first = SidecarProcess(args, tmp_path / "log1")
     try:
-        first.start()
+        start_serving(first, port)
+        # Not due before the cancel is answered and the clean stop is done (exactly once: transactions).
+        soon = int(time.time() * 1000) + 15_000
+        for i in range(2):
+            kafka_helper.produce(topic, f"v{i}".encode(), headers=[("deliver-at", str(soon))])
+        kafka_helper.flush()
         wait_for(lambda: scrape(port, "delay_sidecar_tracked_messages", topic=topic) == 2, 60, "indexed")
         producer = Producer({"bootstrap.servers": kafka})
         command(producer, control, {"topic": topic, "partition": 0, "type": "cancel", "offset": 0, "id": "c"})

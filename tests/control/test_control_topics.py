@@ -48,14 +48,14 @@ topics:
     subscriptions: {{billing: {{}}}}
 """)
     settings = settings_for(kafka, policies, tmp_path, control_topic=default)
-    due = int(time.time() * 1000) + 8_000
-    for topic in (own, shared):
-        for i in range(2):
-            kafka_helper.produce(topic, f"{topic}-{i}".encode(), headers=[("deliver-at", str(due))])
-        kafka_helper.produce(topic, f"{topic}-now".encode())  # offset 2: delivered at once, then nacked
-    kafka_helper.flush()
     producer = Producer({"bootstrap.servers": kafka})
     with ThreadedSidecar(settings) as sidecar:
+        due = int(time.time() * 1000) + 8_000  # serving: the cancels are judged before it however slow the start
+        for topic in (own, shared):
+            for i in range(2):
+                kafka_helper.produce(topic, f"{topic}-{i}".encode(), headers=[("deliver-at", str(due))])
+            kafka_helper.produce(topic, f"{topic}-now".encode())  # offset 2: delivered at once, then nacked
+        kafka_helper.flush()
         for topic in (own, shared):
             sidecar.wait_for_metric("delay_sidecar_messages_delivered_total", topic=topic, subscription="billing")
         cancel = {"type": "cancel", "partition": 0, "offset": 0}

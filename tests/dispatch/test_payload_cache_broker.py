@@ -31,7 +31,7 @@ COUNT = 2_000
 # Far enough ahead that intake (of a sidecar serving already: start_serving) sees every record as
 # not yet near due, beyond the read-ahead these tests run with (READ_AHEAD, not the default 10 s:
 # the suite's time), so each one either goes to the cache or is left for a read-back.
-LEAD_MS = 5_000
+LEAD_MS = 8_000
 READ_AHEAD = ("--read-ahead-ms", "2000")
 
 

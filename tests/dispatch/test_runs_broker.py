@@ -96,14 +96,14 @@ def test_a_producer_clock_that_jumps_back_and_forth_loses_nothing_and_is_never_e
         run_args(kafka, fixed_policies(policy_file, topic), tmp_path / "state", port, f"g-{topic}", RUNS),
         tmp_path / "log",
     )
-    now = int(time.time() * 1000)
-    stamps = [now + i for i in range(800)]
-    stamps += [now + 300 + i for i in range(400)]  # the clock steps back 500 ms
-    stamps += [now + 3_000 + i for i in range(600)]  # then forwards 2.3 s
-    stamps += [now + 1_000 + i % 50 for i in range(400)]  # then back again, and jittery
-    stamps += [now + 4_000 + i for i in range(800)]
     try:
         start_serving(sidecar, port)
+        now = int(time.time() * 1000)  # once serving: a slow start does not eat the fixed delay
+        stamps = [now + i for i in range(800)]
+        stamps += [now + 300 + i for i in range(400)]  # the clock steps back 500 ms
+        stamps += [now + 3_000 + i for i in range(600)]  # then forwards 2.3 s
+        stamps += [now + 1_000 + i % 50 for i in range(400)]  # then back again, and jittery
+        stamps += [now + 4_000 + i for i in range(800)]
         produce_stamped(kafka_helper, topic, stamps)
         wait_for(lambda: outbound_end(kafka_helper, f"{topic}.a") >= len(stamps), 60, "every record delivered")
         assert run_reads(port, topic) > 0  # runs were formed, around the jumps

@@ -18,6 +18,7 @@ from tests.kafka_helpers import (
     early,
     outbound_end,
     scrape,
+    start_serving,
     wait_for,
 )
 
@@ -46,14 +47,14 @@ def test_a_policy_change_after_a_lost_state_dir_applies_only_to_new_records(
     args = ["--bootstrap-servers", kafka, "--policies", str(path), "--state-dir", str(state),
             "--metrics-port", str(port), "--group-id", f"g-{max_topic}", "--commit-interval-ms", "200"]  # fmt: skip
     sidecar = SidecarProcess(args, tmp_path / "log")
-    for i in range(100):
-        kafka_helper.produce(max_topic, f"m{i}".encode(), headers=[("deliver-after", "10s")])
-        kafka_helper.produce(fixed_topic, f"f{i}".encode())
-    kafka_helper.produce(kept_topic, b"accepted", headers=[("deliver-after", "12s")])
-    kafka_helper.produce(kept_topic, b"beyond retention", headers=[("deliver-after", "30s")])
-    kafka_helper.flush()
     try:
-        sidecar.start()
+        start_serving(sidecar, port)  # the delays count from the publish: none may pass before intake
+        for i in range(100):
+            kafka_helper.produce(max_topic, f"m{i}".encode(), headers=[("deliver-after", "10s")])
+            kafka_helper.produce(fixed_topic, f"f{i}".encode())
+        kafka_helper.produce(kept_topic, b"accepted", headers=[("deliver-after", "12s")])
+        kafka_helper.produce(kept_topic, b"beyond retention", headers=[("deliver-after", "30s")])
+        kafka_helper.flush()
         for topic, n in ((max_topic, 100), (fixed_topic, 100), (kept_topic, 1)):
             wait_for(lambda t=topic, n=n: scrape(port, "delay_sidecar_tracked_messages", topic=t) == n, 60, "indexed")
         sidecar.kill()

@@ -2,7 +2,8 @@
 
 The records are produced before the sidecar starts, so its first poll takes them all in one batch
 (and one slice per partition): immediate, delayed, due already, invalid, over the maximum,
-miscased, and malformed control commands, interleaved.
+miscased, and malformed control commands, interleaved. The sidecar's clock is held back until that
+batch is in, so the delayed ones are not due yet when it reads them, however slowly it starts.
 """
 
 import time
@@ -24,6 +25,18 @@ from tests.kafka_helpers import (
 KINDS = ["now", "delayed", "past", "invalid", "over-max", "miscased"]
 EACH = 25
 PARTITIONS = 2
+
+
+class HeldClock:
+    """The wall clock, but no later than `until` while that is set: the sidecar judges the batch as
+    if it read it within a second of the publish."""
+
+    def __init__(self, until: int) -> None:
+        self.until: int | None = until
+
+    def now_ms(self) -> int:
+        now = time.time_ns() // 1_000_000
+        return now if self.until is None else min(now, self.until)
 
 
 def headers_of(kind: str, published: int) -> list[tuple[str, str]]:
@@ -63,7 +76,12 @@ topics:
     dead_kinds = {"invalid", "over-max"}
     shared_kinds = {"now", "delayed", "past", "miscased"}
     settings = settings_for(kafka, policies, tmp_path, control_topic=control)
-    with ThreadedSidecar(settings) as sidecar:
+    clock = HeldClock(published + 1_000)  # the delayed kind is due at published + 3 s
+    sidecar = ThreadedSidecar(settings)
+    sidecar.app.clock = clock  # read when the app runs
+    with sidecar:
+        wait_for(lambda: sidecar.metric("delay_sidecar_messages_in_total", topic=topic) == len(kind_of), 60, "intake")
+        clock.until = None
         n_shared = sum(expect[k] for k in shared_kinds)
         n_excl = n_shared
         n_dead = sum(expect[k] for k in dead_kinds)

@@ -78,9 +78,9 @@ topics:
 """)
     with ThreadedSidecar(settings_for(kafka, policies, tmp_path)):
         published = int(time.time() * 1000)
-        for i in range(5):
+        for i in range(5):  # 7-8 s: not due yet when a busy machine's intake reads them
             kafka_helper.produce(
-                topic, f"{i}".encode(), headers=[("deliver-after", f"{3 - i % 2}s")], timestamp=published + i
+                topic, f"{i}".encode(), headers=[("deliver-after", f"{8 - i % 2}s")], timestamp=published + i
             )
         kafka_helper.flush()
         archive = kafka_helper.read(f"{topic}.archive", 5)

@@ -15,6 +15,7 @@ from tests.kafka_helpers import (
     KafkaHelper,
     PolicyFile,
     TopicFactory,
+    committed,
     deliveries,
     early,
     outbound_end,
@@ -105,13 +106,21 @@ def test_a_lost_state_dir_is_restored_from_the_state_topic_or_rebuilt_from_the_c
     topic = topic_factory("rebuild", partitions=2)
     policies = policy_file(f"topics:\n  {topic}:\n    subscriptions: {{a: {{}}, b: {{}}}}\n")
     port, log, state = free_port(), tmp_path / "sidecar.log", tmp_path / "state"
-    args = run_args(kafka, policies, state, port, f"g-{topic}")
-    kafka_helper.produce(topic, b"immediate", partition=0)
-    produce_delayed(kafka_helper, topic, int(time.time() * 1000) + 12_000, 4_000)
+    group = f"g-{topic}"
+    args = run_args(kafka, policies, state, port, group)
     first = sidecar_process(args, log)
     try:
+        # Serving before the deliver-ats are taken: every record is still pending at the kill.
+        wait_for(lambda: scrape(port, "delay_sidecar_assigned_partitions") > 0, 60, "the sidecar serving")
+        kafka_helper.produce(topic, b"immediate", partition=0)
+        produce_delayed(kafka_helper, topic, int(time.time() * 1000) + 12_000, 4_000)
         wait_for(lambda: scrape(port, "delay_sidecar_messages_in_total", topic=topic) == COUNT + 1, 30, "indexing")
-        time.sleep(1)  # a checkpoint commits the offsets with the earliest pending offset
+        # A checkpoint commits the offsets with the earliest pending offset; the next one flushes the
+        # state records written with it (they are sent, not awaited, before the commit).
+        ends = [COUNT // 2 + 1, COUNT // 2]  # the immediate record, then half the delayed ones each
+        wait_for(lambda: [o for o, _ in committed(kafka, group, topic, 2)] == ends, 30, "a checkpoint")
+        checkpoints = scrape(port, "delay_sidecar_checkpoint_seconds_count")
+        wait_for(lambda: scrape(port, "delay_sidecar_checkpoint_seconds_count") >= checkpoints + 2, 30, "the next")
     finally:
         first.send_signal(signal.SIGKILL)
         first.wait(10)
