@@ -195,4 +195,9 @@ class LatestNacks:
             changes.dead.add(entry)
 
     def _of(self, partition: TopicPartitionKey) -> _Changes | None:
-        return None if self._changes is None else self._changes.setdefault(partition, _Changes())
+        if self._changes is None:
+            return None
+        found = self._changes.get(partition)  # not setdefault: it would build a _Changes per nack
+        if found is None:
+            found = self._changes[partition] = _Changes()
+        return found

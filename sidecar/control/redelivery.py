@@ -101,7 +101,7 @@ class Redelivery:
         wanted = {key: list(by_offset) for key, by_offset in jobs.items()}
         # Counted and observed once per batch: a burst of nacks redelivers tens of thousands at once.
         sent: Counter[tuple[str, str]] = Counter()
-        late: dict[str, list[float]] = defaultdict(list)
+        deliver_ats: dict[str, list[int]] = defaultdict(list)
         found, missing = self._recent.take(wanted)
         self._count_reads(found, missing)
         for key, offset, message in chain(found, self._reader.read(missing) if missing else ()):
@@ -109,13 +109,14 @@ class Redelivery:
                 if self._redeliver(nack, message):
                     command = nack.command
                     sent[(command.topic, command.subscription)] += 1
-                    late[command.topic].append(max(self._clock.now_ms() - nack.deliver_at, 0) / 1000)
+                    deliver_ats[command.topic].append(nack.deliver_at)
         metrics = self._metrics
         for (topic, subscription), count in sent.items():
             metrics.child(metrics.redeliveries, subscription).inc(count)
             metrics.child(metrics.delivered, topic, subscription).inc(count)
-        for topic, values in late.items():
-            metrics.observe_many(metrics.child(metrics.lateness, topic), values)
+        now = self._clock.now_ms()  # after the last write: no redelivery counts as less late than it was
+        for topic, ats in deliver_ats.items():
+            metrics.observe_many(metrics.child(metrics.lateness, topic), [max(now - at, 0) / 1000 for at in ats])
 
     def _count_reads(
         self, found: list[tuple[TopicPartitionKey, int, Message]], missing: dict[TopicPartitionKey, list[int]]
