@@ -82,6 +82,10 @@ STALL_WAIT_S = 0.05
 # Inbound records judged between two looks at due deliveries: about 15 ms of intake, so a batch of
 # 10,000 does not hold up a due record for the 100 ms it takes to judge.
 INTAKE_SLICE = 2_000
+# Control commands judged between two looks at due deliveries: a command costs ten inbound records
+# or more (a JSON decode, the latest-nack table, an accepted record), and a nack that falls due
+# while 2,000 of them are judged waited 250 ms for the slice to end.
+CONTROL_SLICE = 250
 # A loop turn normally takes milliseconds; one this long is blocked on a broker that does not answer.
 STUCK_S = 15.0
 # How often the group's commits are asked whether a removed topic still has pending records anywhere.
@@ -301,10 +305,7 @@ class Sidecar:
                         raise self._assignment.error
                     if self._draining:
                         self._adopt_drains()  # partitions of removed topics just assigned: before intake
-                    for start in range(0, len(records), INTAKE_SLICE):
-                        if start:
-                            self._dispatch_due(read_ahead=False)  # what fell due meanwhile goes out first
-                        self._receiver.take(records[start : start + INTAKE_SLICE])
+                    self._intake(records)
                     self._drains.turn()  # a slice of dead-lettering for removed topics
                     self._watch_connectivity(records)
                     if time.monotonic() - last_checkpoint >= self._commit_interval_s:
@@ -559,6 +560,17 @@ class Sidecar:
         except KafkaException:
             return -1
         return int(high) if high is not None and high >= 0 else -1
+
+    def _intake(self, records: list[Message]) -> None:
+        """A batch in slices, what fell due meanwhile going out between two. A batch holds runs of
+        one partition, so a slice's first record tells whether it is commands."""
+        start = 0
+        while start < len(records):
+            if start:
+                self._dispatch_due(read_ahead=False)
+            size = CONTROL_SLICE if self._controls.is_control(records[start].topic()) else INTAKE_SLICE
+            self._receiver.take(records[start : start + size])
+            start += size
 
     def _dispatch_due(self, read_ahead: bool = True) -> None:
         self._release_holds()

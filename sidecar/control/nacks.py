@@ -20,6 +20,7 @@ An entry is named by its index offset *and* its subscription: a cancel or a resc
 acceptance per subscription at its own offset, and each lives or dies on its own.
 """
 
+import heapq
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -40,7 +41,9 @@ class _Changes:
     dead: set[Entry] = field(default_factory=set)
     """Entries that must go (superseded, or settled and covered)."""
     settled: list[tuple[int, Entry]] = field(default_factory=list)
-    """(packed deliver-at and offset, entry) of settled nacks, waiting for a commit to cover them."""
+    """A heap of (packed deliver-at and offset, entry): settled nacks the state topic holds, waiting
+    for a commit to cover them. A heap, because a burst leaves tens of thousands waiting, and each
+    checkpoint takes only those a commit covers now."""
 
 
 class LatestNacks:
@@ -72,7 +75,11 @@ class LatestNacks:
         """True when this due nack is still the latest for its message; it is then settled."""
         changes = self._of(nack.source[:2])
         if changes is not None:
-            changes.settled.append((pack(nack.deliver_at, offset), (offset, nack.command.subscription)))
+            entry = (offset, nack.command.subscription)
+            # One the state topic was never told of needs no tombstone either (a burst's nacks mostly):
+            # the commit after the next checkpoint covers it, and a crash before reads or judges it again.
+            if changes.upserts.pop(entry, None) is None:
+                heapq.heappush(changes.settled, (pack(nack.deliver_at, offset), entry))
         message = nack.command.message_key
         current = self._latest.get(message)
         if current is None or current[:3] != nack.source:
@@ -106,19 +113,12 @@ class LatestNacks:
         changes = self._changes.get(partition) if self._changes is not None else None
         if changes is None:
             return [], []
-        waiting = []
-        for key, entry in changes.settled:
-            if changes.upserts.pop(entry, None) is not None:
-                # Settled before it was ever written: nothing to take back. The commit after this
-                # checkpoint covers it; a crash before that commit reads or judges it again.
-                continue
-            if key <= covered:
-                changes.dead.add(entry)
-            else:
-                waiting.append((key, entry))
+        settled = changes.settled
+        while settled and settled[0][0] <= covered:
+            changes.dead.add(heapq.heappop(settled)[1])
         upserts = sorted((entry, nack.encode()) for entry, nack in changes.upserts.items())
         dead = sorted(changes.dead)
-        changes.upserts, changes.dead, changes.settled = {}, set(), waiting
+        changes.upserts, changes.dead = {}, set()
         return upserts, dead
 
     def drop_later(self, partition: TopicPartitionKey, entries: list[Entry]) -> None:

@@ -27,7 +27,7 @@ from sidecar.outbound.records import HeaderForm, outbound_headers
 from sidecar.outbound.writer import Writer
 from sidecar.partitions import TopicPartitionKey
 from sidecar.partitions.state import PartitionState
-from sidecar.policy.intake import judge
+from sidecar.policy.intake import Judge
 from sidecar.policy.routes import Routes
 
 logger = logging.getLogger(__name__)
@@ -64,6 +64,7 @@ class Redelivery:
         self._nacks = nacks
         self._metrics = metrics
         self._clock = clock
+        self._judge = Judge()
 
     def dispatch_due(self, controls: list[PartitionState]) -> bool:
         """Redeliver due nacks; False when a tracker reported a due entry it could not pop.
@@ -104,9 +105,10 @@ class Redelivery:
         deliver_ats: dict[str, list[int]] = defaultdict(list)
         found, missing = self._recent.take(wanted)
         self._count_reads(found, missing)
+        routes = self._routes()
         for key, offset, message in chain(found, self._reader.read(missing) if missing else ()):
             for nack, _ in jobs[key][offset]:
-                if self._redeliver(nack, message):
+                if self._redeliver(nack, message, routes.get(nack.command.topic)):
                     command = nack.command
                     sent[(command.topic, command.subscription)] += 1
                     deliver_ats[command.topic].append(nack.deliver_at)
@@ -129,10 +131,9 @@ class Redelivery:
         for (topic, _), offsets in missing.items():
             metrics.child(metrics.payload_reads, topic, "log").inc(len(offsets))
 
-    def _redeliver(self, nack: AcceptedNack, message: Message | None) -> bool:
+    def _redeliver(self, nack: AcceptedNack, message: Message | None, routes: Routes | None) -> bool:
         """Write one redelivery; False when it was rejected instead (dead-lettered with its command)."""
         command = nack.command
-        routes = self._routes().get(command.topic)
         sub = routes.route.subscription(command.subscription) if routes is not None else None
         try:
             if routes is None or sub is None:
@@ -142,7 +143,7 @@ class Redelivery:
             owner = self._partitions.get((command.topic, command.partition))
             rule = owner.rules.at(command.offset) if owner is not None else None
             rule = rule or routes.rule(self._retention_ms.get(command.topic))
-            fate = judge(rule, message.headers(), max(message.timestamp()[1], 0))
+            fate = self._judge(rule, message.headers(), max(message.timestamp()[1], 0))
             if fate.rejected is not None:
                 raise RejectedRecord(
                     UNKNOWN_MESSAGE,
