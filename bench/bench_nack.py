@@ -472,7 +472,11 @@ def run_sidecar(args: argparse.Namespace, bootstrap: str, records: list[tuple[by
         outbound_before = watermarks.ends(outbound, partitions)
         control_before = watermarks.ends(control, partitions)
         log(f"all {n:,} first deliveries are on {outbound}; nacking")
+        before = process_usage(child.process.pid)
         redelivered, nack_s, received = consume_and_nack(args, bootstrap, outbound, control, n, outcome)
+        after = process_usage(child.process.pid)
+        if before and after:  # the nacks' own cost, without the first deliveries'
+            outcome.figures["sidecar_cpu_nacks_s"] = sum(after[k] - before[k] for k in ("cpu_user_s", "cpu_system_s"))
         outcome.retried = len(redelivered)
         outcome.figures["retry_delays_ms"] = percentiles(
             [(received[key] - nack_s[key]) * 1000 for key in redelivered if key in nack_s]
