@@ -7,7 +7,6 @@ partition's delivered watermark covers it once it is redelivered, superseded or 
 import logging
 from collections import Counter, defaultdict
 from collections.abc import Callable
-from itertools import chain
 
 from confluent_kafka import Message
 
@@ -34,8 +33,6 @@ logger = logging.getLogger(__name__)
 
 # Most due nacks redelivered per loop turn, so intake keeps flowing while a burst drains.
 MAX_NACK_DISPATCH = 50_000
-Jobs = dict[TopicPartitionKey, dict[int, list[tuple[AcceptedNack, int]]]]
-"""By inbound partition and offset: (the nack, the offset of its accepted record)."""
 
 
 class Redelivery:
@@ -87,31 +84,40 @@ class Redelivery:
         return not stalled
 
     def redeliver(self, accepted: list[tuple[int, AcceptedNack]]) -> None:
-        """[(index key, nack)]: the ones still in force go out now."""
-        jobs: Jobs = defaultdict(lambda: defaultdict(list))
+        """[(index key, nack)]: the ones still in force go out now, in that order."""
+        claim = self._nacks.claim
+        out: list[AcceptedNack] = []
+        wanted: dict[TopicPartitionKey, dict[int, None]] = {}
         for offset, nack in accepted:
-            command = nack.command
-            if not self._nacks.claim(nack, offset):
+            if not claim(nack, offset):
                 continue  # superseded (counted when it was)
+            command = nack.command
             if nack.cancelled:  # the pending nack it superseded is taken back: nothing goes out
                 self._metrics.nacks.labels(command.subscription, "cancelled").inc()
-            else:
-                jobs[(command.topic, command.partition)][command.offset].append((nack, offset))
-        if not jobs:
+                continue
+            out.append(nack)
+            key = (command.topic, command.partition)
+            offsets = wanted.get(key)
+            if offsets is None:
+                offsets = wanted[key] = {}
+            offsets[command.offset] = None
+        if not out:
             return
-        wanted = {key: list(by_offset) for key, by_offset in jobs.items()}
+        found, missing = self._recent.take({key: list(offsets) for key, offsets in wanted.items()})
+        self._count_reads(found, missing)
+        records = {(key, offset): message for key, offset, message in found}
+        if missing:
+            records.update(((key, offset), message) for key, offset, message in self._reader.read(missing))
         # Counted and observed once per batch: a burst of nacks redelivers tens of thousands at once.
         sent: Counter[tuple[str, str]] = Counter()
         deliver_ats: dict[str, list[int]] = defaultdict(list)
-        found, missing = self._recent.take(wanted)
-        self._count_reads(found, missing)
         routes = self._routes()
-        for key, offset, message in chain(found, self._reader.read(missing) if missing else ()):
-            for nack, _ in jobs[key][offset]:
-                if self._redeliver(nack, message, routes.get(nack.command.topic)):
-                    command = nack.command
-                    sent[(command.topic, command.subscription)] += 1
-                    deliver_ats[command.topic].append(nack.deliver_at)
+        for nack in out:
+            command = nack.command
+            message = records.get(((command.topic, command.partition), command.offset))
+            if self._redeliver(nack, message, routes.get(command.topic)):
+                sent[(command.topic, command.subscription)] += 1
+                deliver_ats[command.topic].append(nack.deliver_at)
         metrics = self._metrics
         for (topic, subscription), count in sent.items():
             metrics.child(metrics.redeliveries, subscription).inc(count)
