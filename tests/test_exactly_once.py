@@ -116,9 +116,9 @@ def test_a_zombie_is_fenced_and_its_writes_never_become_visible(
     (tmp_path / "host-b").mkdir()
     b = SidecarProcess(run_args(kafka, policies, tmp_path / "b", port_b, group, *same), tmp_path / "b.log",
                        env={"TMPDIR": str(tmp_path / "host-b")})  # fmt: skip
-    produce_mixed(kafka_helper, topic, count, int(time.time() * 1000) + 3_000, 10_000)
     try:
-        a.start()
+        start_serving(a, port_a)  # then the records: B still finds some due after A stops, however slow A's start
+        produce_mixed(kafka_helper, topic, count, int(time.time() * 1000) + 3_000, 10_000)
         wait_for(lambda: outbound_end(kafka_helper, f"{topic}.a", 2) > count // 2 + 100, 60, "A delivering")
         assert a.process is not None
         os.kill(a.process.pid, signal.SIGSTOP)  # with deliveries in its open transaction

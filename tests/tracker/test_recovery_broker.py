@@ -65,9 +65,11 @@ def test_kill_9_mid_delivery_loses_nothing_and_restarts_without_rereading(
     policies = policy_file(f"topics:\n  {topic}:\n    subscriptions: {{a: {{}}, b: {{}}}}\n")
     port, log = free_port(), tmp_path / "sidecar.log"
     args = run_args(kafka, policies, tmp_path / "state", port, f"g-{topic}")
-    produce_delayed(kafka_helper, topic, int(time.time() * 1000) + 8_000, 8_000)
     first = sidecar_process(args, log)
     try:
+        # Serving before the records are made: none is due when it is read, however slowly it started.
+        wait_for(lambda: scrape(port, "delay_sidecar_assigned_partitions") > 0, 60, "the sidecar serving")
+        produce_delayed(kafka_helper, topic, int(time.time() * 1000) + 8_000, 8_000)
         wait_for(lambda: scrape(port, "delay_sidecar_messages_in_total", topic=topic) == COUNT, 30, "indexing")
         wait_for(lambda: scrape(port, "delay_sidecar_bucket_count", topic=topic) > 2, 10, "sealed buckets")
         # Mid-way: some records are delivered, most are not.
