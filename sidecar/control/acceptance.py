@@ -86,8 +86,8 @@ class Acceptance:
         state.next_offset = offset + 1
         if offset < state.replay_until:  # read again after a restart or a handoff
             self._metrics.child(self._metrics.replayed, state.topic).inc()
-        headers = dict(record.headers() or [])
-        if headers.get(ACCEPTED_BY) == self._group:
+        headers = record.headers()  # commands seldom carry any: no dict built for them
+        if headers and dict(headers).get(ACCEPTED_BY) == self._group:
             key = accepted_key(record.value())
             if key is not None and key in state.unread_facts:
                 state.unread_facts.discard(key)  # ours, indexed when it was accepted: not even decoded
@@ -127,7 +127,6 @@ class Acceptance:
 
     def _judge(self, record: Message, state: PartitionState, due_now: list[tuple[int, AcceptedNack]]) -> None:
         subscription = ""
-        now = self._clock.now_ms()
         try:
             parsed = parse_command(record.value())
         except RejectedRecord as rejected:
@@ -154,7 +153,8 @@ class Acceptance:
                     UNKNOWN_SUBSCRIPTION,
                     f"topic {command.topic!r} has no subscription {subscription!r} in the policies in force",
                 )
-            sent_ms = record.timestamp()[1] if record.timestamp()[1] > 0 else now
+            stamp = record.timestamp()[1]
+            sent_ms = stamp if stamp > 0 else self._clock.now_ms()
             check_max_delay(command, routes.route.delay, sent_ms)
             self._check_known_message(command, routes)
         except RejectedRecord as rejected:
