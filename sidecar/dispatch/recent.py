@@ -29,6 +29,7 @@ class _Kept:
         self.head = 0
 
     def drop_oldest(self) -> None:
+        self.slices[self.head] = []  # its records freed now, not when the front is cut off
         self.head += 1
         if self.head > 64 and self.head * 2 > len(self.slices):
             del self.firsts[: self.head], self.slices[: self.head]

@@ -1,5 +1,7 @@
 """RecentRecords: what intake read last, found by offset without the log; the oldest leave first."""
 
+import sys
+
 from confluent_kafka import Message
 from hypothesis import given
 from hypothesis import strategies as st
@@ -100,3 +102,15 @@ def test_every_offset_is_found_once_with_its_own_record_or_left_for_the_log(
             break
         newest += chunk
     assert {o for o in asked if o in newest} <= {o for _, o, _ in found}
+
+
+def test_a_slice_that_ages_out_is_let_go_at_once() -> None:
+    """Its records are freed when it leaves the budget, not when the front of the list is cut."""
+    recent = RecentRecords(2 * per_record())
+    first = records([0])
+    baseline = sys.getrefcount(first)
+    recent.keep(P, first)
+    assert sys.getrefcount(first) > baseline
+    recent.keep(P, records([1]))
+    recent.keep(P, records([2]))  # over the budget: the slice of offset 0 goes
+    assert sys.getrefcount(first) == baseline
