@@ -231,7 +231,7 @@ class Metrics:
         for topic in topics:
             for metric in (self.messages_in, self.messages_delayed, self.replayed, self.lost):
                 self.child(metric, topic)
-            for source in ("cache", "log", "run"):
+            for source in ("cache", "log", "run", "recent"):
                 self.child(self.payload_reads, topic, source)
 
 
