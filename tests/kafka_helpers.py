@@ -383,11 +383,15 @@ class SidecarProcess:
         return self.log.read_text()[-3000:]
 
 
-def start_serving(sidecar: SidecarProcess, port: int) -> None:
-    """Started, and owning its partitions: a deliver-at counted from now is not due at intake however
+def wait_serving(port: int) -> None:
+    """The sidecar on `port` owns partitions: a deliver-at counted from now is not due at intake however
     slowly the process started (a busy CI machine takes seconds to import and join the group)."""
-    sidecar.start()
     wait_for(lambda: scrape(port, "delay_sidecar_assigned_partitions") > 0, 60, "the sidecar serving")
+
+
+def start_serving(sidecar: SidecarProcess, port: int) -> None:
+    sidecar.start()
+    wait_serving(port)
 
 
 def run_args(kafka: str, policies: Path, state: Path, port: int, group: str, *extra: str) -> list[str]:

@@ -26,10 +26,10 @@ from tests.kafka_helpers import (
     deliveries,
     early,
     outbound_end,
-    scrape,
     settings_for,
     sidecar_process,
     wait_for,
+    wait_serving,
 )
 
 
@@ -172,7 +172,7 @@ def test_kill_9_with_1000_pending_loses_nothing_and_delivers_nothing_early(
     first = sidecar_process(args, log)
     try:
         # Serving before the deliver-ats are taken: however slowly the process starts, none is due at intake.
-        wait_for(lambda: scrape(port, "delay_sidecar_assigned_partitions") > 0, 60, "the sidecar serving")
+        wait_serving(port)
         now = int(time.time() * 1000)
         for i in range(1000):
             deliver_at = now + 6000 + (i % 50) * 40  # due 6-8 s from now, so all are pending at the kill

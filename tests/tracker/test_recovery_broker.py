@@ -22,6 +22,7 @@ from tests.kafka_helpers import (
     scrape,
     sidecar_process,
     wait_for,
+    wait_serving,
 )
 
 COUNT = 20_000
@@ -68,7 +69,7 @@ def test_kill_9_mid_delivery_loses_nothing_and_restarts_without_rereading(
     first = sidecar_process(args, log)
     try:
         # Serving before the records are made: none is due when it is read, however slowly it started.
-        wait_for(lambda: scrape(port, "delay_sidecar_assigned_partitions") > 0, 60, "the sidecar serving")
+        wait_serving(port)
         produce_delayed(kafka_helper, topic, int(time.time() * 1000) + 8_000, 8_000)
         wait_for(lambda: scrape(port, "delay_sidecar_messages_in_total", topic=topic) == COUNT, 30, "indexing")
         wait_for(lambda: scrape(port, "delay_sidecar_bucket_count", topic=topic) > 2, 10, "sealed buckets")
@@ -113,7 +114,7 @@ def test_a_lost_state_dir_is_restored_from_the_state_topic_or_rebuilt_from_the_c
     first = sidecar_process(args, log)
     try:
         # Serving before the deliver-ats are taken: every record is still pending at the kill.
-        wait_for(lambda: scrape(port, "delay_sidecar_assigned_partitions") > 0, 60, "the sidecar serving")
+        wait_serving(port)
         kafka_helper.produce(topic, b"immediate", partition=0)
         produce_delayed(kafka_helper, topic, int(time.time() * 1000) + 12_000, 4_000)
         wait_for(lambda: scrape(port, "delay_sidecar_messages_in_total", topic=topic) == COUNT + 1, 30, "indexing")
