@@ -318,6 +318,19 @@ def committed(bootstrap: str, group: str, topic: str, partitions: int) -> list[t
         consumer.close()
 
 
+def accepted_lines(kafka_helper: KafkaHelper, control: str) -> int:
+    """Acceptances written to a control topic: an accepted record holds one a line, for a slice of commands."""
+    return sum((r.value or b"").count(b'"type":"accepted"') for r in kafka_helper.read_to_end(control))
+
+
+def settled_control(kafka: str, kafka_helper: KafkaHelper, group: str, control: str, accepted: int) -> bool:
+    """`accepted` acceptances written to the control topic (3 partitions), and the group's commit at
+    its end: every command judged, and every accepted record read back and committed."""
+    if accepted_lines(kafka_helper, control) != accepted:
+        return False
+    return [max(o, 0) for o, _ in committed(kafka, group, control, 3)] == kafka_helper.end_offsets(control, 3)
+
+
 def scrape(port: int, name: str, **labels: str) -> float:
     """One sample from a running sidecar's /metrics; fails when the sample is not there."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:

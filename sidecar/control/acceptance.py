@@ -1,14 +1,15 @@
 """Nack commands in, decided once: rejected to the control dead-letter topic, or accepted durably.
 
-An accepted command becomes an *accepted record* on the command's own control partition (see
-`AcceptedNack`), and is indexed at once by the command's own offset: waiting for the accepted
-record to come back would put every nack of a burst behind all the commands before it. The
-accepted record is the durable word. The member that wrote it skips it when it comes back; a
-restart, with or without local state, loads the pending nacks from the state topic and reads the
-accepted records after them again (without a state topic: from the earliest one still pending, in
-the commit metadata), skipping those the delivered watermark covers. So the control offset can be
-committed past every command as soon as it is judged, and commands below the committed offset are
-never judged a second time.
+An accepted command becomes a line of an *accepted record* on the command's own control partition
+(see `AcceptedNack`): one record per control partition for each slice of commands judged, written
+before the slice's due nacks go out and before any checkpoint. It is indexed at once by the
+command's own offset: waiting for the accepted record to come back would put every nack of a
+burst behind all the commands before it. The accepted record is the durable word. The member that
+wrote it skips it when it comes back; a restart, with or without local state, loads the pending
+nacks from the state topic and reads the accepted records after them again (without a state topic:
+from the earliest one still pending, in the commit metadata), skipping those the delivered
+watermark covers. So the control offset can be committed past every command as soon as it is
+judged, and commands below the committed offset are never judged a second time.
 """
 
 import logging
@@ -29,7 +30,7 @@ from sidecar.control.commands import (
     cancelled_acceptances,
     check_max_delay,
     moved_acceptances,
-    parse_accepted,
+    parse_accepted_record,
     parse_command,
 )
 from sidecar.control.forwarding import Forwarding
@@ -45,6 +46,9 @@ from sidecar.policy.routes import Routes
 from sidecar.tracker.base import pack
 
 logger = logging.getLogger(__name__)
+
+MAX_ACCEPTED_BYTES = 256 * 1024
+"""An accepted record holds lines up to this size (a slice's commands seldom come near it)."""
 
 UNKNOWN_LABEL = "(unknown)"
 """The subscription label of commands for a topic or subscription that is not configured."""
@@ -78,6 +82,9 @@ class Acceptance:
         self._high_watermarks: dict[TopicPartitionKey, int] = {}
         self._accepted: Counter[str] = Counter()
         """Nacks accepted per subscription, not counted in the metrics yet (see `count`)."""
+        self._unwritten: dict[TopicPartitionKey, tuple[PartitionState, list[tuple[bytes | None, int, bytes]]]] = {}
+        """Control partition -> its state and the acceptances judged but not written yet: (command
+        key, command offset, the line)."""
         metrics.child(metrics.replayed, controls.default)  # exported at 0 from the start
 
     def take(self, record: Message, state: PartitionState, due_now: list[tuple[int, AcceptedNack]]) -> None:
@@ -92,9 +99,10 @@ class Acceptance:
             if key is not None and key in state.unread_facts:
                 state.unread_facts.discard(key)  # ours, indexed when it was accepted: not even decoded
                 return
-            accepted = parse_accepted(record.value(), state.topic)
-            if accepted is not None:
-                self._index(accepted, accepted.source[2], offset < state.replay_until, state, due_now)
+            lines = parse_accepted_record(record.value(), state.topic)
+            if lines is not None:
+                for accepted in lines:
+                    self._index(accepted, accepted.source[2], offset < state.replay_until, state, due_now)
                 return
         if offset < state.replay_until:
             return  # judged before the restart: accepted records or the dead-letter topic hold the outcome
@@ -172,8 +180,7 @@ class Acceptance:
         self._accept(accepted, key)
         if state.tracker.add(key, accepted.deliver_at):
             # The accepted record is the durable word for a restart; read back by this member, it is skipped.
-            self._write_accepted(record, accepted)
-            state.unread_facts.add(key)
+            self._write_accepted(record, accepted, state)
         else:
             # Due already (a backlog): redelivered in this slice, before any checkpoint commits the
             # command's offset, so it needs no accepted record. A crash before that commit judges
@@ -213,7 +220,7 @@ class Acceptance:
         else:
             markers = moved_acceptances(command, pending, deliver_at, source)
         for marker in markers:
-            self._write_accepted(record, marker)
+            self._write_accepted(record, marker, state)
             self._accept(marker, key)
         if not state.tracker.add(key, deliver_at):
             due_now.extend((key, marker) for marker in markers)
@@ -224,10 +231,34 @@ class Acceptance:
         if self._nacks.accept(accepted, key):
             self._metrics.child(self._metrics.nacks, accepted.command.subscription, "superseded").inc()
 
-    def _write_accepted(self, command: Message, accepted: AcceptedNack) -> None:
-        """The durable word, in the command's own control partition, keyed like the command."""
+    def _write_accepted(self, command: Message, accepted: AcceptedNack, state: PartitionState) -> None:
+        """The durable word, in the command's own control partition: a line of the next `write`."""
+        where = (command.topic(), command.partition())
+        unwritten = self._unwritten.get(where)
+        if unwritten is None:
+            unwritten = self._unwritten[where] = (state, [])
+        unwritten[1].append((command.key(), accepted.source[2], accepted.encode()))
+
+    def write(self) -> None:
+        """The acceptances judged since the last call, an accepted record per control partition
+        (more past MAX_ACCEPTED_BYTES), keyed like its first command: one produce for a slice, not
+        one per nack, and one record to read back. Called before the slice's due nacks go out, so
+        before any checkpoint commits the commands' offsets. The member that wrote a record skips it
+        when it comes back by its first command's offset."""
         headers = [(ACCEPTED_BY, self._group)]
-        self._writer.send(command.topic(), command.key(), accepted.encode(), headers, partition=command.partition())
+        unwritten, self._unwritten = self._unwritten, {}
+        for (topic, partition), (state, lines) in unwritten.items():
+            start = 0
+            while start < len(lines):
+                end, size = start + 1, len(lines[start][2])
+                while end < len(lines) and size + len(lines[end][2]) < MAX_ACCEPTED_BYTES:
+                    size += len(lines[end][2]) + 1
+                    end += 1
+                key, offset, _ = lines[start]
+                value = b"\n".join([line for _, _, line in lines[start:end]])
+                self._writer.send(topic, key, value, headers, partition=partition)
+                state.unread_facts.add(offset)
+                start = end
 
     def _check_known_message(self, command: NackCommand, routes: Routes) -> None:
         """UNKNOWN_MESSAGE: the offset is not in the inbound topic, or not yet delivered to anyone."""

@@ -210,10 +210,22 @@ _COMMAND_OFFSET = re.compile(rb'"command_offset":(\d+)')
 
 
 def accepted_key(raw: bytes | None) -> int | None:
-    """The command offset of an accepted record, without decoding the rest: the member that wrote it
-    skips it by that alone when it comes back (None: not found, decode it)."""
+    """The command offset of an accepted record's first line, without decoding the rest: the member
+    that wrote it skips it by that alone when it comes back (None: not found, decode it)."""
     found = _COMMAND_OFFSET.search(raw or b"")
     return int(found[1]) if found is not None else None
+
+
+def parse_accepted_record(raw: bytes | None, control_topic: str) -> list[AcceptedNack] | None:
+    """The acceptances an accepted record holds: one JSON object per line, in command order (a slice
+    of commands writes one record per control partition). None unless every line is one."""
+    found = []
+    for line in (raw or b"").split(b"\n"):
+        accepted = parse_accepted(line, control_topic)
+        if accepted is None:
+            return None
+        found.append(accepted)
+    return found
 
 
 def parse_accepted(raw: bytes | None, control_topic: str) -> AcceptedNack | None:

@@ -1,5 +1,6 @@
 """The control partitions' records in a consumed batch: commands judged and accepted records
-indexed (acceptance.py); the accepted nacks already due are redelivered once, at the batch's end.
+indexed (acceptance.py); at the batch's end, the accepted records are written, and the accepted
+nacks already due are redelivered.
 """
 
 from collections.abc import Sequence
@@ -25,6 +26,7 @@ class ControlIntake:
         self._due += due
 
     def settle(self) -> None:
+        self._acceptance.write()
         self._acceptance.count()
         if self._due:
             due, self._due = self._due, []

@@ -18,6 +18,7 @@ from tests.kafka_helpers import (
     early,
     outbound_end,
     scrape,
+    settled_control,
     wait_for,
 )
 
@@ -52,9 +53,8 @@ def test_an_accepted_nack_survives_kill_9_without_local_state_and_comes_back_onc
         for offset in nacked:
             nack(producer, control, topic, offset, 6_000)
         assert producer.flush(10) == 0
-        # Each command and its accepted record committed: the next offset is past both.
-        control_end = lambda: sum(o for o, _ in committed(kafka, group, control, 3) if o > 0)  # noqa: E731
-        wait_for(lambda: control_end() == 2 * len(nacked), 30, "the nacks accepted and committed")
+        # Each command and its acceptance committed: the next offset is past both.
+        wait_for(lambda: settled_control(kafka, kafka_helper, group, control, len(nacked)), 30, "the nacks accepted")
         sidecar.kill()
         sidecar.start()  # the in-memory index is gone: the accepted nacks must come back from Kafka
         wait_for(lambda: outbound_end(kafka_helper, f"{topic}.billing") >= 5_000 + len(nacked), 60, "redeliveries")

@@ -16,6 +16,7 @@ from sidecar.control.commands import (
     accepted_key,
     check_max_delay,
     parse_accepted,
+    parse_accepted_record,
     parse_command,
 )
 from sidecar.durations import MAX_EPOCH_MS
@@ -208,3 +209,29 @@ def test_an_accepted_record_is_the_json_its_fields_say_whatever_the_names(
     assert json.loads(accepted.encode()) == expected | ({"cancelled": True} if cancelled else {})
     assert parse_accepted(accepted.encode(), "ctl") == accepted
     assert accepted_key(accepted.encode()) == offset + 1
+
+
+@given(
+    st.lists(
+        st.tuples(st.text(min_size=1, max_size=12), st.text(min_size=1, max_size=12), st.integers(0, 2**40)),
+        min_size=1,
+        max_size=8,
+    ),
+    st.integers(-1, 8),
+)
+def test_an_accepted_record_holds_a_slice_of_acceptances_a_line_each(
+    fields: list[tuple[str, str, int]], spoiled: int
+) -> None:
+    """A slice of commands writes one accepted record per control partition; any name, newlines
+    included, stays on its line (JSON escapes it), and one line that is not an acceptance makes
+    the record none (a command with the sidecar's header, dead-lettered for an operator to see)."""
+    lines = [
+        AcceptedNack(NackCommand(sub, topic, 0, offset, None, offset + 5, 0), offset + 5, ("ctl", 2, 100 + i))
+        for i, (sub, topic, offset) in enumerate(fields)
+    ]
+    encoded = [line.encode() for line in lines]
+    assert parse_accepted_record(b"\n".join(encoded), "ctl") == lines
+    assert accepted_key(b"\n".join(encoded)) == 100
+    if 0 <= spoiled < len(encoded):
+        encoded[spoiled] = b'{"v":1,"type":"nack"}'
+        assert parse_accepted_record(b"\n".join(encoded), "ctl") is None

@@ -21,11 +21,13 @@ from tests.kafka_helpers import (
     SidecarProcess,
     ThreadedSidecar,
     TopicFactory,
+    accepted_lines,
     committed,
     early,
     run_args,
     scrape,
     settings_for,
+    settled_control,
     wait_for,
 )
 
@@ -185,7 +187,7 @@ def test_1000_nacks_survive_kill_9_and_a_lost_state_dir_through_the_state_topic(
         # Every command judged and its accepted record indexed and committed, and the state topic
         # holding the control partitions' nacks up to there.
         commits = lambda: [o for o, _ in committed(kafka, group, control, 3)]  # noqa: E731
-        wait_for(lambda: sum(o for o in commits() if o > 0) == 2 * 1_200, 30, "the nacks accepted and committed")
+        wait_for(lambda: settled_control(kafka, kafka_helper, group, control, 1_200), 30, "the nacks accepted")
         wait_for(lambda: _manifest_tails(kafka_helper, f"{group}.state", control) == commits(), 30, "the manifests")
         sidecar.kill()
         killed_ms = time.time() * 1000
@@ -347,10 +349,7 @@ def test_a_command_judged_again_after_a_crash_is_redelivered_when_its_old_accept
         deliver_at = int(time.time() * 1000) + 6_000  # judged before it: accepted records are written
         nack_all(kafka_helper, control, topic, 20, deliver_at=deliver_at)
 
-        def accepted() -> int:
-            return sum(b'"accepted"' in (r.value or b"") for r in kafka_helper.read_to_end(control))
-
-        wait_for(lambda: accepted() == 20, 30, "the accepted records written")
+        wait_for(lambda: accepted_lines(kafka_helper, control) == 20, 30, "the accepted records written")
         slow.kill()  # before the nacks are due, and before any commit of their offsets
         wait_for(lambda: time.time() * 1000 > deliver_at + 500, 30, "the nacks due")
         again.start()
