@@ -55,7 +55,7 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, Producer, TopicPartition
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, Message, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 
 from bench.probe import scrape
@@ -429,6 +429,18 @@ def percentiles(values: list[float]) -> dict[str, float]:
     return {"min": round(ordered[0], 1), "p50": at(0.5), "p99": at(0.99), "max": round(ordered[-1], 1)}
 
 
+def late_per_second(again: list[Message]) -> list[dict[str, float]]:
+    """Written-late percentiles per second of deliver-at, from the first: when in the burst the
+    lateness comes (a stall shows as one bad second, a sidecar falling behind as a rising line)."""
+    if not again:
+        return []
+    first = min(deliver_at(m) for m in again)
+    seconds: dict[int, list[float]] = {}
+    for m in again:
+        seconds.setdefault((deliver_at(m) - first) // 1000, []).append(max(m.timestamp()[1] - deliver_at(m), 0))
+    return [{"second": second, "count": len(late)} | percentiles(late) for second, late in sorted(seconds.items())]
+
+
 def run_sidecar(args: argparse.Namespace, bootstrap: str, records: list[tuple[bytes, bytes]], work: Path) -> Outcome:
     n, partitions = len(records), args.partitions
     tag = uuid.uuid4().hex[:6]
@@ -526,6 +538,10 @@ def run_sidecar(args: argparse.Namespace, bootstrap: str, records: list[tuple[by
     # record's timestamp) after the nack's deliver-at. The observed delay adds how long the
     # application took to read it, behind the first deliveries still unread on its partitions.
     outcome.figures["written_late_ms"] = percentiles([max(m.timestamp()[1] - deliver_at(m), 0) for m in again])
+    outcome.figures["written_late_per_second"] = late_per_second(again)
+    for second in outcome.figures["written_late_per_second"]:
+        text = "written late, second {second} of the deliver-ats: {count} redeliveries, p50 {p50} / p99 {p99} ms"
+        log(text.format(**second))
     if outcome.retried < n:
         outcome.figures["missing"] = missing_report(bootstrap, control, partitions, again)
     dead, _ = read_back(bootstrap, f"{control}.dlt", partitions)
