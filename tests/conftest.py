@@ -25,6 +25,13 @@ from tests.kafka_helpers import KafkaHelper
 settings.register_profile("ci", deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
+# Every JVM the tests start (the Spark session, spark-submit, `delay-sidecar audit`) compiles with C1
+# only: a test's audit is short, and C2's compiler threads took a third of its CPU (160 s against
+# 105 s for two audits of the test world; the suite's two workers share two cores). Spark's own
+# settings stay its defaults.
+if "TieredStopAtLevel" not in os.environ.get("SPARK_SUBMIT_OPTS", ""):
+    os.environ["SPARK_SUBMIT_OPTS"] = f"{os.environ.get('SPARK_SUBMIT_OPTS', '')} -XX:TieredStopAtLevel=1".strip()
+
 
 _LAUNCHER: list[BrokerLauncher] = []
 
