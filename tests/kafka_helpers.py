@@ -325,7 +325,8 @@ def accepted_lines(kafka_helper: KafkaHelper, control: str) -> int:
 
 def settled_control(kafka: str, kafka_helper: KafkaHelper, group: str, control: str, accepted: int) -> bool:
     """`accepted` acceptances written to the control topic (3 partitions), and the group's commit at
-    its end: every command judged, and every accepted record read back and committed."""
+    its end: every command judged, and every accepted record read back and committed. At least once
+    only: in exactly-once mode a transaction's marker lies past the last commit."""
     if accepted_lines(kafka_helper, control) != accepted:
         return False
     return [max(o, 0) for o, _ in committed(kafka, group, control, 3)] == kafka_helper.end_offsets(control, 3)
