@@ -383,8 +383,7 @@ def test_cancels_hold_when_a_member_hands_its_partitions_over(
     try:
         a.start()
         wait_for(lambda: scrape(a_port, "delay_sidecar_tracked_messages", topic=topic) == count, 60, "a indexed all")
-        b.start()
-        wait_for(lambda: scrape(b_port, "delay_sidecar_assigned_partitions") > 0, 60, "b serving")
+        start_serving(b, b_port)
         for p, o in sorted(cancelled):
             command(
                 producer, control, {"type": "cancel", "topic": topic, "partition": p, "offset": o, "id": f"{p}-{o}"}
@@ -435,8 +434,7 @@ def test_a_cancelled_nack_already_due_at_a_restart_stays_cancelled(
         sidecar.kill()
         shutil.rmtree(state)
         wait_for(lambda: time.time() * 1000 > nack_at + 1_000, 30, "the nack's time passed")
-        sidecar.start()
-        wait_for(lambda: scrape(port, "delay_sidecar_assigned_partitions") > 0, 60, "serving again")
+        start_serving(sidecar, port)
         time.sleep(3.0)  # a redelivery would come now
         assert sidecar.stop() == 0, sidecar.tail()
     finally:

@@ -28,6 +28,7 @@ from tests.kafka_helpers import (
     scrape,
     settings_for,
     settled_control,
+    start_serving,
     wait_for,
 )
 
@@ -299,8 +300,7 @@ def test_a_nack_due_when_judged_is_redelivered_without_an_accepted_record_and_su
     slow = SidecarProcess([*args, "--commit-interval-ms", "600000"], tmp_path / "log2")
     again = SidecarProcess(args, tmp_path / "log3")
     try:
-        slow.start()
-        wait_for(lambda: scrape(port, "delay_sidecar_assigned_partitions") > 0, 60, "serving")
+        start_serving(slow, port)
         nack_all(kafka_helper, control, topic, 50, timestamp=int(time.time() * 1000) - 10_000, delay_ms=1000)
 
         def written() -> int:  # read_uncommitted: the transaction of exactly-once stays open
@@ -344,16 +344,14 @@ def test_a_command_judged_again_after_a_crash_is_redelivered_when_its_old_accept
     slow = SidecarProcess([*args, "--commit-interval-ms", "600000"], tmp_path / "log2")
     again = SidecarProcess(args, tmp_path / "log3")
     try:
-        slow.start()
-        wait_for(lambda: scrape(port, "delay_sidecar_assigned_partitions") > 0, 60, "serving")
+        start_serving(slow, port)
         deliver_at = int(time.time() * 1000) + 6_000  # judged before it: accepted records are written
         nack_all(kafka_helper, control, topic, 20, deliver_at=deliver_at)
 
         wait_for(lambda: accepted_lines(kafka_helper, control) == 20, 30, "the accepted records written")
         slow.kill()  # before the nacks are due, and before any commit of their offsets
         wait_for(lambda: time.time() * 1000 > deliver_at + 500, 30, "the nacks due")
-        again.start()
-        wait_for(lambda: scrape(port, "delay_sidecar_assigned_partitions") > 0, 60, "serving again")
+        start_serving(again, port)
         wait_for(lambda: scrape(port, "delay_sidecar_redeliveries_total", subscription="billing") >= 20, 60, "20")
         assert again.stop() == 0, again.tail()
     finally:
