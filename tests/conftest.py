@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from confluent_kafka.admin import AdminClient, NewTopic
 from hypothesis import HealthCheck, settings
+from xdist.scheduler import LoadFileScheduling
 
 from sidecar.broker import BrokerLauncher, EmbeddedBroker, ExternalBroker
 from sidecar.broker.container import ContainerBroker, docker_available
@@ -31,6 +32,26 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 # settings stay its defaults.
 if "TieredStopAtLevel" not in os.environ.get("SPARK_SUBMIT_OPTS", ""):
     os.environ["SPARK_SUBMIT_OPTS"] = f"{os.environ.get('SPARK_SUBMIT_OPTS', '')} -XX:TieredStopAtLevel=1".strip()
+
+
+SPARK_FILES = ("tests/spark/", "tests/test_chaos.py")
+"""The tests that run Spark in the worker's own JVM (a session per worker) or start JVMs of their own."""
+
+
+class _SparkTogether(LoadFileScheduling):
+    """A test file per unit of work, as `--dist loadfile`, except that every Spark test file is one
+    unit: they share one worker's SparkSession (one JVM warmed up once, not one per worker), and no
+    two workers compile Spark's code at once on the two shared cores."""
+
+    def _split_scope(self, nodeid: str) -> str:
+        path = nodeid.split("::", 1)[0]
+        return "spark" if path.startswith(SPARK_FILES) else path
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> LoadFileScheduling | None:
+    if config.getvalue("dist") != "loadfile":
+        return None
+    return _SparkTogether(config, log)  # type: ignore[arg-type]
 
 
 _LAUNCHER: list[BrokerLauncher] = []
