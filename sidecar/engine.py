@@ -571,6 +571,7 @@ class Sidecar:
             size = CONTROL_SLICE if self._controls.is_control(records[start].topic()) else INTAKE_SLICE
             self._receiver.take(records[start : start + size])
             start += size
+        self._redelivery.release()  # nacks held for one read back of their payloads: before any checkpoint
 
     def _dispatch_due(self, read_ahead: bool = True) -> None:
         self._release_holds()

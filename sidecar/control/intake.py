@@ -1,6 +1,7 @@
 """The control partitions' records in a consumed batch: commands judged and accepted records
-indexed (acceptance.py); at the batch's end, the accepted records are written, and the accepted
-nacks already due are redelivered.
+indexed (acceptance.py); at the slice's end, the accepted records are written, and the accepted
+nacks already due are redelivered (those whose payloads must be read back from the log, at the
+end of the consumed batch: the engine releases them).
 """
 
 from collections.abc import Sequence
@@ -30,4 +31,4 @@ class ControlIntake:
         self._acceptance.count()
         if self._due:
             due, self._due = self._due, []
-            self._redelivery.redeliver(due)
+            self._redelivery.redeliver(due, hold_reads=True)  # released at the end of the consumed batch

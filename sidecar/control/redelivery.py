@@ -33,6 +33,10 @@ logger = logging.getLogger(__name__)
 
 # Most due nacks redelivered per loop turn, so intake keeps flowing while a burst drains.
 MAX_NACK_DISPATCH = 50_000
+# Held redeliveries read back together (see `Redelivery.redeliver`): each read of the log is a fresh
+# assignment and a fetch round trip (20 to 100 ms here), so 90,000 nacks due when judged after a
+# restart were redelivered at 4,700 to 5,600 a second, one read per slice of 250 commands.
+READ_BACK_BATCH = 5_000
 
 
 class Redelivery:
@@ -62,6 +66,9 @@ class Redelivery:
         self._metrics = metrics
         self._clock = clock
         self._judge = Judge()
+        self._held: list[AcceptedNack] = []
+        """Nacks claimed and waiting for their payloads to be read back (see `redeliver`)."""
+        self._held_wanted: dict[TopicPartitionKey, list[int]] = {}
 
     def dispatch_due(self, controls: list[PartitionState]) -> bool:
         """Redeliver due nacks; False when a tracker reported a due entry it could not pop.
@@ -83,8 +90,46 @@ class Redelivery:
             self.redeliver(found)
         return not stalled
 
-    def redeliver(self, accepted: list[tuple[int, AcceptedNack]]) -> None:
-        """[(index key, nack)]: the ones still in force go out now, in that order."""
+    def redeliver(self, accepted: list[tuple[int, AcceptedNack]], hold_reads: bool = False) -> None:
+        """[(index key, nack)]: the ones still in force go out now, in that order.
+
+        `hold_reads`: those whose payload must be read back from the log wait for `release`, or
+        until READ_BACK_BATCH wait, and are read back together (the commands of a consumed batch
+        that were due when judged: after a restart, a slice's worth at a time read back 250 at a
+        time). The caller releases them before anything is committed."""
+        out, wanted = self._claim(accepted)
+        if not out:
+            return
+        found, missing = self._recent.take(wanted)
+        self._count_reads(found, missing)
+        records = {(key, offset): message for key, offset, message in found}
+        if missing and hold_reads:
+            ready: list[AcceptedNack] = []
+            for nack in out:
+                command = nack.command
+                (ready if ((command.topic, command.partition), command.offset) in records else self._held).append(nack)
+            for key, offsets in missing.items():
+                self._held_wanted.setdefault(key, []).extend(offsets)
+            self._send(ready, records)
+            if len(self._held) >= READ_BACK_BATCH:
+                self.release()
+            return
+        if missing:
+            records.update(((key, offset), message) for key, offset, message in self._reader.read(missing))
+        self._send(out, records)
+
+    def release(self) -> None:
+        """The redeliveries `redeliver` held, their payloads read back in one read."""
+        if not self._held:
+            return
+        held, wanted = self._held, self._held_wanted
+        self._held, self._held_wanted = [], {}
+        self._send(held, {(key, offset): message for key, offset, message in self._reader.read(wanted)})
+
+    def _claim(
+        self, accepted: list[tuple[int, AcceptedNack]]
+    ) -> tuple[list[AcceptedNack], dict[TopicPartitionKey, list[int]]]:
+        """The nacks still in force, settled now, and the inbound offsets they redeliver."""
         claim = self._nacks.claim
         out: list[AcceptedNack] = []
         wanted: dict[TopicPartitionKey, dict[int, None]] = {}
@@ -101,14 +146,11 @@ class Redelivery:
             if offsets is None:
                 offsets = wanted[key] = {}
             offsets[command.offset] = None
-        if not out:
-            return
-        found, missing = self._recent.take({key: list(offsets) for key, offsets in wanted.items()})
-        self._count_reads(found, missing)
-        records = {(key, offset): message for key, offset, message in found}
-        if missing:
-            records.update(((key, offset), message) for key, offset, message in self._reader.read(missing))
-        # Counted and observed once per batch: a burst of nacks redelivers tens of thousands at once.
+        return out, {key: list(offsets) for key, offsets in wanted.items()}
+
+    def _send(self, out: list[AcceptedNack], records: dict[tuple[TopicPartitionKey, int], Message | None]) -> None:
+        """Write each nack's redelivery (or dead-letter its command); counted and observed once per
+        batch: a burst of nacks redelivers tens of thousands at once."""
         sent: Counter[tuple[str, str]] = Counter()
         deliver_ats: dict[str, list[int]] = defaultdict(list)
         routes = self._routes()

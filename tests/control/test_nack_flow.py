@@ -5,13 +5,17 @@ import shutil
 import time
 import uuid
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from confluent_kafka import Producer
 
 from sidecar.broker.embedded import free_port
 from sidecar.client import Nacker
+from sidecar.dispatch.reader import LogReader
+from sidecar.engine import CONTROL_SLICE
 from sidecar.outbound.records import DELIVER_AT, ERROR_CODE, ORIGIN_OFFSET, ORIGIN_PARTITION, REDELIVERY_COUNT
 from tests.kafka_helpers import (
     KafkaHelper,
@@ -252,6 +256,44 @@ def test_nacks_already_due_when_read_are_redelivered_not_dropped(
         ]
         assert len({r.headers[ORIGIN_OFFSET] for r in again}) == 300
         assert sidecar.metric("delay_sidecar_redeliveries_total", subscription="billing") == 300
+
+
+def test_nacks_due_when_judged_after_a_restart_read_their_payloads_back_together(
+    kafka: str,
+    kafka_helper: KafkaHelper,
+    topic_factory: TopicFactory,
+    policy_file: PolicyFile,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A restarted sidecar no longer keeps the nacked payloads (dispatch/recent.py), so commands that
+    are due when judged redeliver payloads read back from the log. Each read costs a fetch round
+    trip, so the reads of a consumed batch go together, not one per slice of commands (which held
+    a restart's backlog of nacks to 4,700 to 5,600 a second). Each record still comes back once."""
+    topic, control, count = topic_factory("readback"), f"ctl-{uuid.uuid4().hex[:8]}", 2_000
+    settings = settings_for(kafka, setup(topic, policy_file), tmp_path, control_topic=control)
+    with ThreadedSidecar(settings):
+        for i in range(count):
+            kafka_helper.produce(topic, f"v{i}".encode())
+        kafka_helper.flush()
+        wait_for(lambda: len(kafka_helper.read_to_end(f"{topic}.billing")) == count, 60, "the first deliveries")
+    nack_all(kafka_helper, control, topic, count, timestamp=int(time.time() * 1000) - 10_000, delay_ms=1000)
+    reads: list[int] = []
+    read = LogReader.read
+
+    def counted(reader: LogReader, wanted: dict[tuple[str, int], list[int]]) -> Iterator[Any]:
+        reads.append(sum(map(len, wanted.values())))
+        return read(reader, wanted)
+
+    monkeypatch.setattr(LogReader, "read", counted)
+    with ThreadedSidecar(settings) as sidecar:
+        sidecar.wait_for_metric("delay_sidecar_redeliveries_total", count, subscription="billing")
+        assert sidecar.metric("delay_sidecar_payload_reads_total", topic=topic, source="log") == count
+    assert sum(reads) == count
+    assert len(reads) * CONTROL_SLICE < count, f"a read per slice of commands: {reads}"
+    records = kafka_helper.read_to_end(f"{topic}.billing")
+    redelivered = Counter(int(r.headers[ORIGIN_OFFSET]) for r in records if r.headers[REDELIVERY_COUNT] == b"1")
+    assert redelivered == Counter(range(count))
 
 
 def deliver_first(
