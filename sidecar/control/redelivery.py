@@ -93,10 +93,10 @@ class Redelivery:
     def redeliver(self, accepted: list[tuple[int, AcceptedNack]], hold_reads: bool = False) -> None:
         """[(index key, nack)]: the ones still in force go out now, in that order.
 
-        `hold_reads`: those whose payload must be read back from the log wait for `release`, or
-        until READ_BACK_BATCH wait, and are read back together (the commands of a consumed batch
-        that were due when judged: after a restart, a slice's worth at a time read back 250 at a
-        time). The caller releases them before anything is committed."""
+        `hold_reads`: those whose payloads must be read back from the log are held until `release`
+        (or until READ_BACK_BATCH are held) and read back in one read. For the commands of a
+        consumed batch that were due when judged, which after a restart would otherwise read their
+        payloads back a slice of 250 at a time. The caller releases them before anything is committed."""
         out, wanted = self._claim(accepted)
         if not out:
             return
