@@ -17,7 +17,7 @@ from concurrent.futures import Future
 from queue import SimpleQueue
 from typing import Any
 
-from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, Message, TopicPartition
+from confluent_kafka import Consumer, KafkaException, Message, TopicPartition
 
 from sidecar.broker.admin import TopicAdmin
 from sidecar.checkpoint import checkpoint
@@ -32,10 +32,11 @@ from sidecar.control.overrides import Copy
 from sidecar.control.redelivery import Redelivery
 from sidecar.control.topics import ControlTopics, retired
 from sidecar.dispatch.dispatcher import Dispatcher
-from sidecar.dispatch.drain import Drains, RemovedTopic, holds_pending, removed_while_down
+from sidecar.dispatch.drain import Drains
 from sidecar.dispatch.payload_cache import PayloadCache
 from sidecar.dispatch.reader import LogReader
 from sidecar.dispatch.recent import RecentRecords
+from sidecar.dispatch.removal import RemovedTopics
 from sidecar.dispatch.roll import HorizonRoll
 from sidecar.dispatch.trail import TrailReader
 from sidecar.errors import BrokerError
@@ -88,8 +89,6 @@ INTAKE_SLICE = 2_000
 CONTROL_SLICE = 250
 # A loop turn normally takes milliseconds; one this long is blocked on a broker that does not answer.
 STUCK_S = 15.0
-# How often the group's commits are asked whether a removed topic still has pending records anywhere.
-RETIRE_CHECK_S = 2.0
 
 
 class Sidecar:
@@ -129,9 +128,6 @@ class Sidecar:
         self._batch_size = batch_size
         self._controls = controls = ControlTopics(control_topic)
         self._group_id = group_id
-        self._draining: dict[str, RemovedTopic] = {}
-        """Topics out of the policies still subscribed until no member has their pending records (drain.py)."""
-        self._retire_at = 0.0
         self._stop = threading.Event()
         self._routes: dict[str, Routes] = {}
         self._generation = -1
@@ -205,6 +201,9 @@ class Sidecar:
             else None
         )
         self._drains = Drains(client_config, writer, metrics, clock)
+        self._removed = RemovedTopics(
+            self._consumer, states, self._drains, lambda: self._admin.partitions, self._forget_dispatch, self._restore
+        )
         self._dispatcher = Dispatcher(
             self._ahead_reader,
             self._reader,
@@ -303,15 +302,16 @@ class Sidecar:
                     self._answer_questions()
                     if self._assignment.error is not None:
                         raise self._assignment.error
-                    if self._draining:
-                        self._adopt_drains()  # partitions of removed topics just assigned: before intake
+                    if self._removed:
+                        self._removed.adopt()  # partitions of removed topics just assigned: before intake
                     self._intake(records)
                     self._drains.turn()  # a slice of dead-lettering for removed topics
                     self._watch_connectivity(records)
                     if time.monotonic() - last_checkpoint >= self._commit_interval_s:
                         self._checkpoint()
                         last_checkpoint = time.monotonic()
-                        self._retire_drained()
+                        if self._removed.retire():
+                            self._subscribe()
             self._checkpoint()
             clean = True
         finally:
@@ -355,11 +355,10 @@ class Sidecar:
         dead-letter topic (drain.py); a topic back in the policies is served again from its commit."""
         routes = {name: Routes.of(route) for name, route in policies.topics.items()}
         removed = {topic: self._routes[topic].route for topic in set(self._routes) - set(routes)}
-        back = [topic for topic in self._draining if topic in routes]
+        back = [topic for topic in self._removed.topics if topic in routes]
         if removed or back:
             self._checkpoint()  # each drain starts from a commit that holds everything done so far
-        for topic, route in removed.items():
-            self._draining[topic] = RemovedTopic(topic, route.dead_letter_topic, route.namespace or "")
+        self._removed.remove(removed)
         first = self._generation == -1
         self._routes, self._generation = routes, policies.generation
         self.metrics.policy_generation.set(policies.generation)
@@ -372,11 +371,11 @@ class Sidecar:
             # counted them): only their dead-letter and outcomes topics may still be missing.
             if self._controls.add(retired(commits, self._admin.partitions, self._controls.read)):
                 self._admin.ensure(policies, self._controls.with_side_topics())
-            self._draining.update(self._removed_while_down(commits, policies))
+            self._removed.find_removed_while_down(commits, [*policies.topics, *self._controls.read], policies)
         for topic in back:
-            self._serve_again(topic)
+            self._removed.serve_again(topic)
         counts = self._admin.partitions
-        for topic, removed_topic in self._draining.items():
+        for topic, removed_topic in self._removed.topics.items():
             if removed_topic.dead_letter_topic not in counts:
                 wanted = {removed_topic.dead_letter_topic: counts.get(topic, 1)}
                 self._admin.create(wanted)
@@ -386,94 +385,30 @@ class Sidecar:
             for name, route in policies.topics.items()
             for target in [route.dead_letter_topic, *(s.outbound for s in route.subscriptions)]
         }
-        outbound.update(
-            {r.dead_letter_topic: (name, counts.get(r.dead_letter_topic, 0)) for name, r in self._draining.items()}
-        )
-        inbound = {name: counts.get(name, 0) for name in [*policies.topics, *self._draining]}
+        for name, removed_topic in self._removed.topics.items():
+            outbound[removed_topic.dead_letter_topic] = (name, counts.get(removed_topic.dead_letter_topic, 0))
+        inbound = {name: counts.get(name, 0) for name in [*policies.topics, *self._removed.topics]}
         self._writer.partition_map(inbound, outbound)
         self._admin.refresh_retention(list(routes), force=True)
         self._subscribe()
         if removed:
-            self._adopt_drains()  # from the commit just made
+            self._removed.adopt()  # from the commit just made
 
     def _subscribe(self) -> None:
         """The policies' topics, the control topics, and the removed topics still draining."""
-        topics = frozenset([*self._routes, *self._controls.read, *self._draining])
+        topics = frozenset([*self._routes, *self._controls.read, *self._removed.topics])
         if topics != self._subscribed:
             a = self._assignment
             self._consumer.subscribe(sorted(topics), on_assign=a.on_assign, on_revoke=a.on_revoke, on_lost=a.on_lost)
             logger.info("subscribed topics=%s generation=%d", ",".join(sorted(topics)), self._generation)
             self._subscribed = topics
 
-    def _removed_while_down(
-        self, commits: dict[tuple[str, int], tuple[int, str | None]], policies: PolicySet
-    ) -> dict[str, RemovedTopic]:
-        served = {*policies.topics, *self._controls.read}
-        return removed_while_down(commits, served, set(self._admin.partitions), policies)
-
-    def _adopt_drains(self) -> None:
-        """Partitions of removed topics not draining yet (just removed, or just assigned) dead-letter
-        their pending records from their commit, a slice per turn (drain.py)."""
-        for state in list(self._assignment.states.values()):
-            if state.drain_from is None and state.topic in self._draining:
-                self._start_drain(state)
-
-    def _start_drain(self, state: PartitionState) -> None:
-        key = (state.topic, state.partition)
-        self._dispatcher.forget(key)
-        if self._roll is not None:
-            self._roll.forget(key)
-        self._drains.start(state, self._draining[state.topic])
-        self._consumer.pause([TopicPartition(state.topic, state.partition)])
-
-    def _serve_again(self, topic: str) -> None:
-        """A removed topic is back in the policies before its drain was over: what is still pending
-        is delivered after all. Each partition starts again from the commit `_apply` just made."""
-        del self._draining[topic]
-        for state in [s for s in self._assignment.states.values() if s.topic == topic and s.drain_from is not None]:
-            self._drains.forget((topic, state.partition))
-            state.drain_from = None
-            offset, metadata = state.committed if state.committed is not None else (None, None)
-            start = state.start(offset, CommitMetadata.decode(metadata), self._restore)  # as an assignment does
-            try:
-                self._consumer.seek(
-                    TopicPartition(topic, state.partition, OFFSET_BEGINNING if start is None else start)
-                )
-                self._consumer.resume([TopicPartition(topic, state.partition)])
-            except KafkaException as e:
-                raise BrokerError(
-                    f"serving {state.name} again failed ({e.args[0]}); the engine starts again from its commit"
-                ) from e
-            logger.info("topic back in the policies; serving it again partition=%s from=%s", state.name, start)
-
-    def _retire_drained(self) -> None:
-        """Drop from the subscription the removed topics that no member has pending records of."""
-        if not self._draining or time.monotonic() < self._retire_at:
-            return
-        self._retire_at = time.monotonic() + RETIRE_CHECK_S
-        done = [topic for topic in self._draining if not self._drains.draining(topic) and self._drained(topic)]
-        for topic in done:
-            del self._draining[topic]
-            logger.info("removed topic drained in the whole group; unsubscribing topic=%s", topic)
-        if done:
-            self._subscribe()
-
-    def _drained(self, topic: str) -> bool:
-        """No commit of the group for `topic` says a record is pending (or the topic is gone)."""
-        partitions = self._admin.partitions.get(topic, 0)
-        try:
-            found = self._consumer.committed([TopicPartition(topic, p) for p in range(partitions)], timeout=10)
-        except KafkaException as e:
-            logger.warning("cannot read the commits of a removed topic topic=%s error=%s", topic, e.args[0])
-            return False
-        return not any(holds_pending(tp.offset, tp.metadata) for tp in found)
-
     def _restore(self, state: PartitionState, committed: int, metadata: CommitMetadata) -> int | None:
         """The index from the state topic; the roll then brings the payloads its buckets point at.
 
         A removed topic's partition needs no index: it is drained from its commit (drain.py), and
         its inbound consumer starts at the commit, not at the earliest pending record."""
-        if state.topic in self._draining:
+        if state.topic in self._removed:
             return committed
         if self._state_topic is None:
             return None
@@ -499,6 +434,12 @@ class Sidecar:
         self.metrics.handoffs.labels(event).inc(moved)
         self.metrics.owned_partitions.set(owned)
 
+    def _forget_dispatch(self, key: tuple[str, int]) -> None:
+        """A partition that starts draining: what the dispatcher and the roll held of it goes."""
+        self._dispatcher.forget(key)
+        if self._roll is not None:
+            self._roll.forget(key)
+
     def _forget(self, state: PartitionState) -> None:
         self._idle.forget((state.topic, state.partition))
         self._drains.forget((state.topic, state.partition))
@@ -516,7 +457,7 @@ class Sidecar:
         partitions replaying in any mode (a nack read again may be superseded or cancelled further on);
         in any mode, not those whose earlier owner's cancels may still be ahead."""
         states = self._assignment.states.values()
-        draining = self._draining
+        draining = self._removed
         return [
             s
             for s in states

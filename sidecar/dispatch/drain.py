@@ -1,7 +1,7 @@
 """Dead-lettering the pending records of a topic that left the policies, a slice per loop turn.
 
 A removed topic is not dropped from the consumer group at once: it stays in the subscription as a
-*draining* topic (engine.py) until the group's commits say that none of its partitions holds a
+*draining* topic (removal.py) until the group's commits say that none of its partitions holds a
 pending record. Each partition is drained by the member the group assigns it to, the same way
 whether the topic was removed while the sidecar ran or while it was down:
 
