@@ -17,7 +17,7 @@ from concurrent.futures import Future
 from queue import SimpleQueue
 from typing import Any
 
-from confluent_kafka import Consumer, KafkaException, Message, TopicPartition
+from confluent_kafka import Consumer, Message
 
 from sidecar.broker.admin import TopicAdmin
 from sidecar.checkpoint import checkpoint
@@ -52,9 +52,10 @@ from sidecar.kafka_io import LIBRDKAFKA, Connectivity, consume_batch, consumer_c
 from sidecar.metrics import Metrics
 from sidecar.outbound.delivery import Delivery
 from sidecar.outbound.records import HeaderForm
-from sidecar.outbound.writer import TRANSACTION_TIMEOUT_MS, Writer
+from sidecar.outbound.writer import Writer
 from sidecar.partitions.assignment import Assignment
 from sidecar.partitions.gauges import publish_due_gauges, publish_index_gauges
+from sidecar.partitions.holds import Holds
 from sidecar.partitions.lookup import Whereabouts, locate
 from sidecar.partitions.metadata import CommitMetadata
 from sidecar.partitions.state import PartitionState
@@ -74,9 +75,6 @@ TrackerFactory = Callable[[str, int], DelayedDeliveryTracker]
 MAX_WAIT_S = 0.1
 # The wait reported when nothing is due at all (for the garbage collector: time for a full pass).
 IDLE_WAIT_S = 60.0
-HOLD_LIMIT_S = TRANSACTION_TIMEOUT_MS / 1000 + 15
-"""A held partition whose reader has read all it can for this long waits for no transaction: the
-broker aborts one open longer than the transaction timeout (noida-db, which does not, never ends it)."""
 # The pending-by-due-time gauges are refreshed at most this often (a pass over the index's segment tables).
 DUE_GAUGES_EVERY_S = 10.0
 STALL_WAIT_S = 0.05
@@ -192,6 +190,7 @@ class Sidecar:
         self._fenced = set(writer.fenced)
         states = assignment.states
         self._idle = IdleFetch(self._consumer, idle_fetch_pause_ms, self._paced)
+        self._holds = Holds(states, self._idle.position, self._consumer)
         self._delivery = Delivery(writer, states, self._current_routes, retention, metrics, clock, outbound_headers)
         trail = TrailReader(client_config, self._rejudge, self._lost)
         self._roll_reader = LogReader(client_config, self._stop) if payload_cache is not None else None
@@ -467,41 +466,6 @@ class Sidecar:
             and s.topic not in draining
         ]
 
-    def _release_holds(self) -> None:
-        """A held partition delivers again once intake has read to where its hold ends. The consumer's
-        position says so even when the log ends in a transaction marker, which no record reaches."""
-        held = [s for s in self._assignment.states.values() if s.hold_until is not None]
-        if not held:
-            return
-        try:
-            positions = self._idle.position([TopicPartition(s.topic, s.partition) for s in held])
-        except KafkaException:
-            return  # asked again next turn
-        now = time.monotonic()
-        for state, tp in zip(held, positions, strict=True):
-            if state.hold_until is None or state.rebuild is not None:
-                continue
-            if tp.offset >= state.hold_until:
-                logger.info("partition delivering again, every earlier fact read partition=%s", state.name)
-                state.hold_until = None
-            elif now - state.held_since > HOLD_LIMIT_S and tp.offset >= self._stable_end(tp):
-                logger.warning(
-                    "partition delivering again past a transaction open longer than the transaction timeout "
-                    "partition=%s position=%d held_until=%d",
-                    state.name,
-                    tp.offset,
-                    state.hold_until,
-                )
-                state.hold_until = None
-
-    def _stable_end(self, tp: TopicPartition) -> int:
-        """The last stable offset, asked of the broker by the read_committed consumer (-1: no answer)."""
-        try:
-            _, high = self._consumer.get_watermark_offsets(tp, timeout=2, cached=False)
-        except KafkaException:
-            return -1
-        return int(high) if high is not None and high >= 0 else -1
-
     def _intake(self, records: list[Message]) -> None:
         """A batch in slices, what fell due meanwhile going out between two. A batch holds runs of
         one partition, so a slice's first record tells whether it is commands."""
@@ -515,7 +479,7 @@ class Sidecar:
         self._redelivery.release()  # nacks held for one read back of their payloads: before any checkpoint
 
     def _dispatch_due(self, read_ahead: bool = True) -> None:
-        self._release_holds()
+        self._holds.release()
         states = self._delivering()
         if not self._redelivery.dispatch_due([s for s in states if s.control]):
             self._stalled_until = time.monotonic() + STALL_WAIT_S

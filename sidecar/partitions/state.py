@@ -192,7 +192,7 @@ class PartitionState:
 
     @property
     def holding(self) -> bool:
-        """Not delivering: facts of an earlier owner may still be ahead (see `hold_until`; the engine
+        """Not delivering: facts of an earlier owner may still be ahead (see `hold_until`; holds.py
         ends the hold once the consumer's position reaches it)."""
         return self.hold_until is not None
 

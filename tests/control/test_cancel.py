@@ -531,7 +531,7 @@ def test_a_transaction_open_past_the_transaction_timeout_holds_a_partition_no_lo
     """Kafka aborts a transaction open past its timeout; noida-db never does. Once the hold has lasted
     that long and the reader has read all it can, the partition delivers again (the limit is cut
     to 3 s here), and the cancel read before the open transaction still holds."""
-    monkeypatch.setattr("sidecar.engine.HOLD_LIMIT_S", 3.0)
+    monkeypatch.setattr("sidecar.partitions.holds.HOLD_LIMIT_S", 3.0)
     held = held_behind_an_open_transaction("holdlimit", kafka, kafka_helper, topic_factory, policy_file, tmp_path)
     settings = settings_for(kafka, held.policies, held.state, group_id=held.group, control_topic=held.control,
                             processing_guarantee="exactly-once")  # fmt: skip

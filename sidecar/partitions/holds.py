@@ -1,0 +1,73 @@
+"""Held partitions delivering again: an assignment holds a partition whose commit says an earlier
+owner judged cancels or reschedules ahead of it (partitions/assignment.py), so that nothing goes out
+before those facts are read again. The hold ends once intake has read to where it ends.
+
+The consumer's position says so even when the log ends in a transaction marker, which no record
+reaches. A transaction left open holds the last stable offset back: Kafka aborts it after the
+transaction timeout, noida-db never does, so past HOLD_LIMIT_S a partition whose reader has read
+all it can delivers again.
+"""
+
+import logging
+import time
+from collections.abc import Callable, Mapping
+
+from confluent_kafka import Consumer, KafkaException, TopicPartition
+
+from sidecar.outbound.writer import TRANSACTION_TIMEOUT_MS
+from sidecar.partitions import TopicPartitionKey
+from sidecar.partitions.state import PartitionState
+
+logger = logging.getLogger(__name__)
+
+HOLD_LIMIT_S = TRANSACTION_TIMEOUT_MS / 1000 + 15
+"""A held partition whose reader has read all it can for this long waits for no transaction: the
+broker aborts one open longer than the transaction timeout (noida-db, which does not, never ends it)."""
+
+
+class Holds:
+    def __init__(
+        self,
+        states: Mapping[TopicPartitionKey, PartitionState],
+        position: Callable[[list[TopicPartition]], list[TopicPartition]],
+        consumer: Consumer,
+    ) -> None:
+        """`position`: the intake consumer's positions (IdleFetch knows the ends its seeks hid);
+        `consumer`: the read_committed intake consumer, asked for the last stable offset."""
+        self._states = states
+        self._position = position
+        self._consumer = consumer
+
+    def release(self) -> None:
+        """Every held partition whose hold is over delivers again."""
+        held = [s for s in self._states.values() if s.hold_until is not None]
+        if not held:
+            return
+        try:
+            positions = self._position([TopicPartition(s.topic, s.partition) for s in held])
+        except KafkaException:
+            return  # asked again next turn
+        now = time.monotonic()
+        for state, tp in zip(held, positions, strict=True):
+            if state.hold_until is None or state.rebuild is not None:
+                continue
+            if tp.offset >= state.hold_until:
+                logger.info("partition delivering again, every earlier fact read partition=%s", state.name)
+                state.hold_until = None
+            elif now - state.held_since > HOLD_LIMIT_S and tp.offset >= self._stable_end(tp):
+                logger.warning(
+                    "partition delivering again past a transaction open longer than the transaction timeout "
+                    "partition=%s position=%d held_until=%d",
+                    state.name,
+                    tp.offset,
+                    state.hold_until,
+                )
+                state.hold_until = None
+
+    def _stable_end(self, tp: TopicPartition) -> int:
+        """The last stable offset, asked of the broker by the read_committed consumer (-1: no answer)."""
+        try:
+            _, high = self._consumer.get_watermark_offsets(tp, timeout=2, cached=False)
+        except KafkaException:
+            return -1
+        return int(high) if high is not None and high >= 0 else -1
