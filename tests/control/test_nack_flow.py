@@ -269,7 +269,7 @@ def test_nacks_due_when_judged_after_a_restart_read_their_payloads_back_together
     """A restarted sidecar no longer keeps the nacked payloads (dispatch/recent.py), so commands that
     are due when judged redeliver payloads read back from the log. Each read costs a fetch round
     trip, so the reads of a consumed batch go together, not one per slice of commands (which held
-    a restart's backlog of nacks to 4,700 to 5,600 a second). Each record still comes back once."""
+    a restart's backlog of nacks to about 6,000 a second). Each record still comes back once."""
     topic, control, count = topic_factory("readback"), f"ctl-{uuid.uuid4().hex[:8]}", 2_000
     settings = settings_for(kafka, setup(topic, policy_file), tmp_path, control_topic=control)
     with ThreadedSidecar(settings):
