@@ -1,6 +1,6 @@
-"""A restart's backlog of nacks: how fast a sidecar that comes back redelivers nacks already due.
+"""A backlog of nacks: how fast the sidecar redelivers 90,000 nacks written at once.
 
-Usage: .venv/bin/python bench/nack_backlog.py [--messages 90000] [--rounds 2] [--due past|later]
+Usage: .venv/bin/python bench/nack_backlog.py [--messages 90000] [--rounds 2] [--due past|later|live]
 
 Each round, on one fresh embedded broker: N records of 100 bytes are produced and delivered to the
 subscription's outbound topic by a sidecar, which then stops cleanly. While it is down, a nack of
@@ -8,6 +8,10 @@ every record is written to the control topic, due one second before it was writt
 or all at one instant 15 s later (`--due later`). The sidecar starts again: it no longer holds the
 payloads it kept since intake (dispatch/recent.py), so every redelivery reads its payload back
 from the inbound log. The round ends when every record came back.
+
+With `--due live` the sidecar is not stopped: the nacks, each for 1 s (`delay_ms`), are written as
+fast as one producer writes them (the issue's "90,000 nacks within about a second"), while the
+sidecar still holds the payloads it delivered, so nothing is read back from the log.
 
 Figures per round, from the redelivered records themselves (their timestamps are the sidecar's
 produce time): the drain (first to last redelivery), nacks redelivered per second over it, how late
@@ -42,20 +46,23 @@ from bench.bench_nack import (
 )
 from bench.procs import Child, start_sidecar
 from sidecar.broker.embedded import EmbeddedBroker, free_port
+from sidecar.client import deliver_at as deliver_at_of
 from sidecar.client import redelivery_count
 
 PARTITIONS = 3
 SUBSCRIPTION = "billing"
 LATER_MS = 15_000
+LIVE_DELAY_MS = 1_000
 
 
-def nack_everything(bootstrap: str, control: str, inbound: str, ends: list[int], deliver_at: int) -> None:
-    """A nack of every record, keyed by its message id as `sidecar.client.Nacker` keys it."""
+def nack_everything(bootstrap: str, control: str, inbound: str, ends: list[int], when: dict[str, int]) -> None:
+    """A nack of every record, keyed by its message id as `sidecar.client.Nacker` keys it; `when`
+    is its deliver_at or delay_ms."""
     producer = Producer({"bootstrap.servers": bootstrap, "linger.ms": 20})
     for partition, end in enumerate(ends):
         for offset in range(end):
             command = {"v": 1, "type": "nack", "subscription": SUBSCRIPTION, "topic": inbound,
-                       "partition": partition, "offset": offset, "deliver_at": deliver_at}  # fmt: skip
+                       "partition": partition, "offset": offset, **when}  # fmt: skip
             while True:
                 try:
                     producer.produce(control, json.dumps(command).encode(), f"{inbound}/{partition}/{offset}".encode())
@@ -81,10 +88,14 @@ def one_round(bootstrap: str, work: Path, n: int, due: str, timeout_s: float) ->
         try:
             watermarks.wait_total(outbound, PARTITIONS, n, timeout_s, first.alive)
         finally:
-            first.stop()
-        deliver_at = int(time.time() * 1000) + (-1000 if due == "past" else LATER_MS)
-        nack_everything(bootstrap, control, inbound, watermarks.ends(inbound, PARTITIONS), deliver_at)
-        again: Child = start_sidecar(*args, *extra)
+            if due != "live":
+                first.stop()
+        sent_ms = int(time.time() * 1000)
+        deliver_at = sent_ms + (-1000 if due == "past" else LATER_MS)
+        when = {"delay_ms": LIVE_DELAY_MS} if due == "live" else {"deliver_at": deliver_at}
+        nack_everything(bootstrap, control, inbound, watermarks.ends(inbound, PARTITIONS), when)
+        written_s = (int(time.time() * 1000) - sent_ms) / 1000
+        again: Child = first if due == "live" else start_sidecar(*args, *extra)
         try:
             watermarks.wait_total(outbound, PARTITIONS, 2 * n, timeout_s, again.alive)
             usage = process_usage(again.pid)
@@ -95,12 +106,14 @@ def one_round(bootstrap: str, work: Path, n: int, due: str, timeout_s: float) ->
     _, redelivered = read_back(bootstrap, outbound, PARTITIONS, select=lambda m: redelivery_count(m) == 1)
     stamps = [m.timestamp()[1] for m in redelivered]
     drain_s = (max(stamps) - min(stamps)) / 1000
+    late = [m.timestamp()[1] - deliver_at_of(m) for m in redelivered]
     return {
         "due": due,
+        "nacks_written_s": round(written_s, 2),
         "redelivered": len(stamps),
         "drain_s": round(drain_s, 2),
         "per_second": round(len(stamps) / drain_s) if drain_s > 0 else None,
-        "late_ms": percentiles([s - deliver_at for s in stamps]),
+        "late_ms": percentiles(late),
         "sidecar_cpu_s": round(usage.get("cpu_user_s", 0) + usage.get("cpu_system_s", 0), 1) if usage else None,
     }
 
@@ -109,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--messages", type=int, default=90_000, metavar="N", help="records, each nacked once")
     parser.add_argument("--rounds", type=int, default=2, metavar="N", help="rounds on the same broker")
-    parser.add_argument("--due", choices=("past", "later"), default="past", help="when the nacks fall due")
+    parser.add_argument("--due", choices=("past", "later", "live"), default="past", help="when the nacks fall due")
     parser.add_argument("--timeout-s", type=float, default=600.0, metavar="SECONDS", help="per phase")
     args = parser.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="nack-backlog-"))
@@ -121,14 +134,17 @@ def main(argv: list[str] | None = None) -> int:
                 print(json.dumps(rows[-1]), file=sys.stderr)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    print("| round | due | redelivered | drain (s) | per second | late min / p50 / p99 / max (ms) | sidecar CPU (s) |")
-    print("| ---: | --- | ---: | ---: | ---: | --- | ---: |")
+    columns = ["round", "due", "nacks written in (s)", "redelivered", "drain (s)", "per second",
+               "late min / p50 / p99 / max (ms)", "sidecar CPU (s)"]  # fmt: skip
+    print("| " + " | ".join(columns) + " |")
+    print("| ---: | --- | ---: | ---: | ---: | ---: | --- | ---: |")
     for i, row in enumerate(rows, 1):
         late = row["late_ms"]
         assert isinstance(late, dict)
         spread = " / ".join(f"{late[k]:,.0f}" for k in ("min", "p50", "p99", "max"))
-        print(f"| {i} | {row['due']} | {row['redelivered']:,} | {row['drain_s']} | {row['per_second']:,} | {spread} | "
-              f"{row['sidecar_cpu_s']} |")  # fmt: skip
+        cells = [i, row["due"], row["nacks_written_s"], f"{row['redelivered']:,}", row["drain_s"],
+                 f"{row['per_second']:,}", spread, row["sidecar_cpu_s"]]  # fmt: skip
+        print("| " + " | ".join(map(str, cells)) + " |")
     print(f"\n- load average at the end: {Path('/proc/loadavg').read_text().split()[0]}")
     return 0 if all(row["redelivered"] == args.messages for row in rows) else 1
 
