@@ -60,6 +60,14 @@ LIBRDKAFKA = logging.getLogger("librdkafka")
 LIBRDKAFKA.addFilter(RepeatFilter())
 
 
+def is_fatal(error: KafkaError) -> bool:
+    """A client that failed for good. A consumer hands its fatal error to `consume` as an event of
+    code _FATAL whose `fatal()` is False (the flag travels only with rd_kafka_fatal_error): a static
+    member that another took the place of (FENCED_INSTANCE_ID) came back that way, and went on
+    delivering and committing as a zombie."""
+    return bool(error.fatal()) or error.code() == KafkaError._FATAL
+
+
 def consumer_config(client_config: dict[str, Any], **overrides: Any) -> dict[str, Any]:
     """Settings of every consumer the sidecar opens: the shared defaults, the client's, then its own."""
     return {**CONSUMER_DEFAULTS, **client_config, **overrides}

@@ -5,7 +5,7 @@ import logging
 import pytest
 from confluent_kafka import KafkaError
 
-from sidecar.kafka_io import Connectivity, RepeatFilter
+from sidecar.kafka_io import Connectivity, RepeatFilter, is_fatal
 
 
 def record(message: str) -> logging.LogRecord:
@@ -41,3 +41,12 @@ def test_connectivity_goes_down_on_a_transport_error_and_up_on_the_first_answer(
     assert connectivity.probe_due()
     connectivity.up()
     assert connectivity.reason is None
+
+
+def test_a_consumers_fatal_event_is_fatal_though_its_flag_is_not_set() -> None:
+    """What `consume` hands over after a fatal error: code _FATAL, fatal() False."""
+    handed = KafkaError(KafkaError._FATAL)
+    assert not handed.fatal() and is_fatal(handed)
+    assert is_fatal(KafkaError(KafkaError._TRANSPORT, fatal=True))
+    assert not is_fatal(KafkaError(KafkaError._PARTITION_EOF))
+    assert not is_fatal(KafkaError(KafkaError._TRANSPORT))

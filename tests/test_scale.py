@@ -96,3 +96,38 @@ def test_a_leave_that_reaches_no_broker_says_what_it_means_for_the_partitions() 
 def test_leaving_a_group_the_member_is_not_in_is_not_an_error(kafka: str) -> None:
     """UNKNOWN_MEMBER_ID: a member that already left (or never joined) has nothing to hand over."""
     leave_group(kafka, f"g-{uuid.uuid4().hex[:8]}", "never-joined")
+
+
+def test_a_static_member_whose_place_another_took_stops_delivering(
+    kafka: str, kafka_helper: KafkaHelper, topic_factory: TopicFactory, policy_file: PolicyFile, tmp_path: Path
+) -> None:
+    """B starts with A's --instance-id (a second host given the same name, or A's replacement while A
+    was frozen): the broker fences A's consumer. librdkafka hands that to `consume` as an error of
+    code _FATAL whose fatal() is False, and A took it for a passing error: it went on delivering and
+    committing beside B (found by the chaos test as 55 duplicated redeliveries in exactly-once mode,
+    where B had not fenced A's producer because A had not committed with it yet). A's engine must
+    stop instead, and say why."""
+    topic = topic_factory("fenced")
+    policies = policy_file(f"topics:\n  {topic}:\n    subscriptions: {{a: {{}}}}\n")
+    group, ports, member = f"g-{topic}", (free_port(), free_port()), f"member-{uuid.uuid4().hex[:6]}"
+    a, b = (
+        SidecarProcess(
+            run_args(kafka, policies, tmp_path / name, port, group, "--instance-id", member),
+            tmp_path / f"{name}.log",
+            env={"TMPDIR": str(tmp_path / f"host-{name}")},  # as if on hosts of their own (sidecar/identity.py)
+        )
+        for name, port in zip(("a", "b"), ports, strict=True)
+    )
+    for name in ("a", "b"):
+        (tmp_path / f"host-{name}").mkdir()
+    try:
+        a.start()
+        wait_for(lambda: "partitions assigned" in a.log.read_text(), 60, "A serving")
+        b.start()
+        wait_for(lambda: "partitions assigned" in b.log.read_text(), 60, "B taking A's place")
+        wait_for(lambda: "engine failed" in a.log.read_text(), 60, "A's engine stopping")
+    finally:
+        a.kill()  # before its next engine takes the place back from B
+        b.kill()
+    failed = [line for line in a.log.read_text().splitlines() if "engine failed" in line]
+    assert "the inbound consumer failed for good" in failed[0] and "group.instance.id" in failed[0], failed[0]

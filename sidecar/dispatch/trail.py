@@ -19,7 +19,7 @@ from typing import Any
 from confluent_kafka import Consumer, KafkaError, Message, TopicPartition
 
 from sidecar.errors import BrokerError
-from sidecar.kafka_io import LIBRDKAFKA, consumer_config
+from sidecar.kafka_io import LIBRDKAFKA, consumer_config, is_fatal
 from sidecar.partitions import TopicPartitionKey
 from sidecar.tracker.runs import Run, Runs, step_joins
 
@@ -125,7 +125,7 @@ class TrailReader:
                 continue
             error = record.error()
             if error is not None:
-                if error.fatal():
+                if is_fatal(error):
                     raise BrokerError(f"reading runs back failed for good: {error}; restart the sidecar")
                 if error.code() != KafkaError._PARTITION_EOF:
                     logger.warning("run read error partition=%s/%d error=%s", *partition, error)

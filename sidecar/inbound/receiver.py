@@ -15,6 +15,7 @@ from sidecar.errors import BrokerError
 from sidecar.inbound.admission import Admission
 from sidecar.inbound.batch import IntakeBatch
 from sidecar.inbound.rebuild import Rebuilder
+from sidecar.kafka_io import is_fatal
 from sidecar.partitions import TopicPartitionKey
 from sidecar.partitions.state import PartitionState
 
@@ -83,6 +84,6 @@ class Receiver:
         return slices
 
     def _consumer_error(self, error: KafkaError) -> None:
-        if error.fatal():
+        if is_fatal(error):
             raise BrokerError(f"the inbound consumer failed for good: {error}; restart the sidecar")
         logger.warning("consumer error error=%s", error)
