@@ -440,14 +440,13 @@ class Sidecar:
             self._roll.forget(key)
 
     def _forget(self, state: PartitionState) -> None:
-        self._idle.forget((state.topic, state.partition))
-        self._drains.forget((state.topic, state.partition))
-        self._dispatcher.forget((state.topic, state.partition))
-        self._recent.forget((state.topic, state.partition))
-        if self._roll is not None:
-            self._roll.forget((state.topic, state.partition))
+        key = (state.topic, state.partition)
+        self._idle.forget(key)
+        self._drains.forget(key)
+        self._forget_dispatch(key)
+        self._recent.forget(key)
         if state.control:
-            self._nacks.forget_partition((state.topic, state.partition))
+            self._nacks.forget_partition(key)
         if self._state_topic is not None:
             self._state_topic.forget(state)
 

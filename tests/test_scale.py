@@ -127,7 +127,7 @@ def test_a_static_member_whose_place_another_took_stops_delivering(
         wait_for(lambda: "partitions assigned" in b.log.read_text(), 60, "B taking A's place")
         wait_for(lambda: "engine failed" in a.log.read_text(), 60, "A's engine stopping")
     finally:
-        a.kill()  # before its next engine takes the place back from B
-        b.kill()
+        a.close()  # before its next engine takes the place back from B
+        b.close()
     failed = [line for line in a.log.read_text().splitlines() if "engine failed" in line]
     assert "the inbound consumer failed for good" in failed[0] and "group.instance.id" in failed[0], failed[0]
