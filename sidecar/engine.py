@@ -333,6 +333,8 @@ class Sidecar:
     def not_ready_reasons(self) -> list[str]:
         """Why /healthz is 503: read at request time, so a loop stuck on a broker shows as well."""
         reasons = [self._state] if self._state else []
+        if self.running and not self.assigned.is_set():
+            reasons.append("joining the consumer group")  # the group has not answered yet: nothing is served
         if self._connectivity.reason is not None:
             reasons.append(self._connectivity.reason)
         stuck = time.monotonic() - self._turned

@@ -9,6 +9,7 @@ starts them, restarts one that dies, and stops them all.
   (<state-dir>/worker-<i>), static instance id (<instance-id>-<i>) and metrics port
   (<metrics-port> + 1 + i, or 0). A restarted worker has the same id and state dir, so the group
   gives it its partitions back at once, without a rebalance.
+- Workers start in turn, each once the one before has joined the group (`_start_in_turn`).
 - A worker that exits while the supervisor is not stopping is restarted at once, with a log line
   and `delay_sidecar_workers_restarted_total`. One that dies again within CRASH_LOOP_S of its
   start is restarted after a pause that doubles up to BACKOFF_MAX_S, so a bad setting does not spin.
@@ -25,6 +26,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,6 +52,10 @@ BACKOFF_MAX_S = 30.0
 # A worker's clean stop is a last checkpoint and a group leave: seconds. One that takes longer
 # than this is killed; at-least-once delivery makes that safe, but it may send some records twice.
 STOP_GRACE_S = 120.0
+# Workers start in turn: the next once the one before has joined its group (see _start_in_turn).
+JOIN_WAIT_S = 60.0
+STAGGER_S = 5.0
+"""With --metrics-port 0 no /healthz tells when a worker has joined: workers start this far apart."""
 # Set per worker on the command line, which wins over the environment.
 PER_WORKER = {"workers", "state_dir", "instance_id", "metrics_port", "bootstrap_servers"}
 
@@ -61,6 +67,16 @@ def worker_state_dir(state_dir: Path, index: int) -> Path:
 def worker_metrics_port(metrics_port: int, index: int) -> int:
     """0 (no endpoint) stays 0; otherwise the ports after the supervisor's own."""
     return metrics_port + 1 + index if metrics_port else 0
+
+
+def ready(host: str, port: int) -> bool:
+    """A worker's /healthz answers 200: it has joined its group and is serving."""
+    host = "127.0.0.1" if host in ("", "0.0.0.0", "::") else host  # a wildcard bind: ask on loopback
+    try:
+        with urllib.request.urlopen(f"http://{host}:{port}/healthz", timeout=2) as response:
+            return bool(response.status == 200)
+    except OSError:  # not listening yet, or 503 (HTTPError is an OSError)
+        return False
 
 
 def worker_environment(settings: RunSettings) -> dict[str, str]:
@@ -143,8 +159,7 @@ class Supervisor:
             self.metrics.configured.set(len(self._workers))
             stack.callback(self._stop_workers)
             env = worker_environment(settings)
-            for worker in self._workers:
-                self._start(worker, env)
+            self._start_in_turn(env)
             logger.info("workers started workers=%d bootstrap_servers=%s", len(self._workers), bootstrap)
             while not self._stop.wait(POLL_S):
                 self._watch(env)
@@ -171,6 +186,31 @@ class Supervisor:
         worker.started, worker.restart_at = time.monotonic(), None
         self.metrics.running.set(self._running())
         logger.info("worker started worker=%d pid=%d", worker.index, worker.process.pid)
+
+    def _start_in_turn(self, env: dict[str, str]) -> None:
+        """Each worker once the one before has joined the group (its /healthz is ready), or after
+        JOIN_WAIT_S. Started together, two workers' JoinGroups may reach the empty group about 0.3 s
+        apart, which wedges the embedded broker's group: neither is answered until the rebalance
+        timeout (5 min), and then one member rejoins forever. On Kafka, joining in turn costs one
+        short rebalance per worker."""
+        for worker in self._workers:
+            self._start(worker, env)
+            if worker is not self._workers[-1]:
+                self._await_join(worker)
+
+    def _await_join(self, worker: Worker) -> None:
+        port = worker_metrics_port(self.settings.metrics_port, worker.index)
+        deadline = time.monotonic() + (JOIN_WAIT_S if port else STAGGER_S)
+        while not self._stop.wait(POLL_S) and time.monotonic() < deadline:
+            if worker.process is None or worker.process.poll() is not None:
+                return  # _watch restarts it; the others need not wait for that
+            if port and ready(self.settings.metrics_host, port):
+                return
+        if port and not self._stop.is_set():
+            logger.warning(
+                "worker has not joined the group in time; starting the next one anyway worker=%d waited_s=%.0f",
+                worker.index, JOIN_WAIT_S,
+            )  # fmt: skip
 
     def _watch(self, env: dict[str, str]) -> None:
         now = time.monotonic()

@@ -163,7 +163,7 @@ def test_runs_survive_kill_9_and_a_clean_restart(
         wait_for(lambda: outbound_end(kafka_helper, f"{topic}.a", 2) > 0, 60, "the first deliveries")
         sidecar.kill()
         killed_at = outbound_end(kafka_helper, f"{topic}.a", 2)
-        sidecar.start()
+        start_serving(sidecar, port)  # may all be out already: a stop before the signal handler is -15
         # Copies from before the kill count towards the end offset: wait for every record instead.
         delivered = lambda: len(deliveries(kafka_helper.read_to_end(f"{topic}.a"))) == COUNT  # noqa: E731
         wait_for(delivered, 60, "every record delivered")
