@@ -109,7 +109,7 @@ def test_a_worker_killed_under_load_is_restarted_and_nothing_is_lost(
             wait_for(lambda w=worker: ready(w), DEADLINE_S, "a worker serving")
         # In turn: started together, their joins could wedge the embedded broker's group for 5 minutes.
         log = supervisor.log.read_text()
-        assert log.index("partitions assigned") < log.index("worker started\" worker=1"), "worker 1 did not wait"
+        assert log.index("partitions assigned") < log.index('worker started" worker=1'), "worker 1 did not wait"
         due = int(time.time() * 1000) + 5_000
         produce_due(kafka_helper, topic, [due + i % 10_000 for i in range(count)], partitions=partitions)
         # Under load: both workers are delivering when one of them is killed.
