@@ -3,6 +3,7 @@
 from hypothesis import given
 from hypothesis import strategies as st
 
+from sidecar.durations import MAX_EPOCH_MS
 from sidecar.policy.intake import Fate, Judge, judge
 from sidecar.policy.model import EffectiveDelay, Sourced
 from sidecar.policy.routes import IntakeRule
@@ -116,3 +117,67 @@ def test_judging_a_batch_gives_each_record_the_fate_judging_it_alone_gives(
     assert [f.rejected and (f.rejected.code, str(f.rejected)) for f in batch] == [
         f.rejected and (f.rejected.code, str(f.rejected)) for f in alone
     ]
+
+
+def assert_judged_alike(r: IntakeRule, name: str, value: bytes, publish: int) -> None:
+    """Judge's shortcut, alone and in a batch, gives judge's fate, and any rejection's code and words."""
+    headers = [(name, value)]
+    expected = judge(r, headers, publish)
+    for fate in (Judge()(r, headers, publish), Judge().many(r, [(headers, publish)])[0]):
+        assert fate._replace(rejected=None) == expected._replace(rejected=None)
+        assert (fate.rejected and (fate.rejected.code, str(fate.rejected))) == (
+            expected.rejected and (expected.rejected.code, str(expected.rejected))
+        )
+
+
+@given(
+    st.booleans(),
+    st.sampled_from(["max", "retention", "fixed", "publish", "year 9999"]),
+    st.integers(1, 10**12),
+    st.integers(-1, 1),
+    st.sampled_from([(), ("a",)]),
+    st.sampled_from(["deliver-at", "deliver-after"]),
+    st.integers(1, 2**42),
+)
+def test_one_delay_header_of_digits_is_judged_as_judge_would_at_each_limit(
+    enabled: bool, limit: str, size: int, step: int, delayed: tuple[str, ...], name: str, publish: int
+) -> None:
+    """The shortcut for the common header, a millisecond either side of each limit it checks."""
+    r = rule(
+        enabled,
+        fixed=size % 100_000 if limit == "fixed" else 0,
+        max_ms=size if limit == "max" else 0,
+        retention=size if limit == "retention" else None,
+        delayed=delayed,
+    )
+    delay = {"max": size, "retention": size, "fixed": size % 100_000, "publish": 0}.get(limit)
+    at = MAX_EPOCH_MS + step if delay is None else publish + max(delay + step, 0)
+    assert_judged_alike(r, name, str(at - publish if name == "deliver-after" else at).encode(), publish)
+
+
+@given(
+    st.booleans(),
+    st.one_of(st.just(0), st.integers(0, 100_000)),
+    st.one_of(st.just(0), st.integers(0, 10**12)),
+    st.one_of(st.none(), st.integers(-1, 10**12)),
+    st.sampled_from([(), ("a",)]),
+    st.sampled_from(["deliver-at", "deliver-after"]),
+    st.one_of(
+        st.integers(0, 10**19).map(lambda n: str(n).encode()),
+        st.integers(0, 10**6).map(lambda n: b"000" + str(n).encode()),
+        st.binary(max_size=20),
+    ),
+    st.integers(1, 2**42),
+)
+def test_one_delay_header_of_any_value_is_judged_as_judge_would(
+    enabled: bool,
+    fixed: int,
+    max_ms: int,
+    retention: int | None,
+    delayed: tuple[str, ...],
+    name: str,
+    value: bytes,
+    publish: int,
+) -> None:
+    """Past 18 digits, with leading zeros, or not digits at all."""
+    assert_judged_alike(rule(enabled, fixed, max_ms, retention, delayed), name, value, publish)
