@@ -19,6 +19,7 @@ starts them, restarts one that dies, and stops them all.
 - The supervisor's own metrics port serves its counters; each worker serves its own.
 """
 
+import http.client
 import logging
 import os
 import signal
@@ -75,7 +76,9 @@ def ready(host: str, port: int) -> bool:
     try:
         with urllib.request.urlopen(f"http://{host}:{port}/healthz", timeout=2) as response:
             return bool(response.status == 200)
-    except OSError:  # not listening yet, or 503 (HTTPError is an OSError)
+    except (OSError, http.client.HTTPException):
+        # Not listening yet, or 503 (HTTPError is an OSError). Or the connect, from an ephemeral port
+        # that happened to be this one, reached itself: the "answer" is our own request line.
         return False
 
 

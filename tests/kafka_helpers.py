@@ -1,5 +1,6 @@
 """Producing and reading records in tests, and running the sidecar on a thread or as a process."""
 
+import http.client
 import os
 import signal
 import subprocess
@@ -356,7 +357,9 @@ def wait_for(condition: Callable[[], bool], timeout_s: float, what: str) -> None
         try:
             if condition():
                 return
-        except (OSError, AssertionError, KafkaException) as e:
+        except (OSError, http.client.HTTPException, AssertionError, KafkaException) as e:
+            # HTTPException: a connect to a port nobody listens on yet can, from an ephemeral port
+            # that happens to be that one, reach itself, and read its own request as the answer.
             error = e
         time.sleep(0.2)
     raise AssertionError(f"timed out waiting for {what} (last error: {error})")

@@ -222,3 +222,22 @@ def test_a_worker_that_keeps_dying_at_start_is_restarted_with_growing_pauses(
         thread.join(DEADLINE_S)
     assert not thread.is_alive()
     assert supervisor._workers[1].backoff > 0.3  # 0, 0.05, 0.1, 0.2 before the 4 restarts
+
+
+def test_a_worker_port_that_echoes_the_request_is_not_ready_and_does_not_stop_the_supervisor() -> None:
+    """A connect to a port nobody listens on yet can come from an ephemeral port that is that very
+    port, and reach itself: urllib then reads its own request line and raises BadStatusLine. The CI
+    saw it once; here an echoing socket stands in for the self-connect."""
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+
+        def echo() -> None:
+            connection, _ = server.accept()
+            with connection:
+                connection.sendall(connection.recv(4096))
+
+        thread = threading.Thread(target=echo, daemon=True)
+        thread.start()
+        assert supervision.ready("127.0.0.1", server.getsockname()[1]) is False
+        thread.join(10)
