@@ -30,7 +30,9 @@ from confluent_kafka.admin import AdminClient, NewTopic
 from sidecar.broker.embedded import EmbeddedBroker, free_port
 
 
-def member(bootstrap: str, group: str, topic: str, instance: str | None, wait_s: float, joins: Joins) -> None:
+def member(
+    bootstrap: str, group: str, topic: str, group_member: int, instance: str | None, wait_s: float, joins: Joins
+) -> None:
     """Subscribe and poll until both members had their first assignment callback (an empty assignment
     counts) or `wait_s` passed. It stays until then: a static member that closed early would never
     leave the group on noida-db, and the other would wait for it."""
@@ -42,7 +44,7 @@ def member(bootstrap: str, group: str, topic: str, instance: str | None, wait_s:
     start = time.monotonic()
 
     def on_assign(_: Consumer, __: list[TopicPartition]) -> None:
-        joins.answered(time.monotonic() - start)
+        joins.answered(group_member, time.monotonic() - start)
 
     consumer.subscribe([topic], on_assign=on_assign)
     try:
@@ -53,17 +55,17 @@ def member(bootstrap: str, group: str, topic: str, instance: str | None, wait_s:
 
 
 class Joins:
-    """Each member's first assignment callback, in seconds from its subscribe."""
+    """Each member's first assignment callback, in seconds from its subscribe. By member: one member
+    called twice (assigned, then reassigned when the other joined) has not answered for the other."""
 
     def __init__(self) -> None:
-        self.first: list[float] = []
+        self.first: dict[int, float] = {}
         self.both = threading.Event()
         self._lock = threading.Lock()
 
-    def answered(self, after_s: float) -> None:
+    def answered(self, group_member: int, after_s: float) -> None:
         with self._lock:
-            if len(self.first) < 2:
-                self.first.append(after_s)
+            self.first.setdefault(group_member, after_s)
             if len(self.first) == 2:
                 self.both.set()
 
@@ -74,7 +76,7 @@ def one_round(bootstrap: str, admin: AdminClient, gap_s: float, wait_s: float, s
     joins = Joins()
     threads = [
         threading.Thread(
-            target=member, args=(bootstrap, f"g-{topic}", topic, f"m-{i}" if static else None, wait_s, joins)
+            target=member, args=(bootstrap, f"g-{topic}", topic, i, f"m-{i}" if static else None, wait_s, joins)
         )
         for i in range(2)
     ]
@@ -103,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
             for gap in gaps:
                 joins = [one_round(bootstrap, admin, gap, args.wait_s, args.static) for _ in range(args.rounds)]
                 wedged = sum(1 for found in joins if not found.both.is_set())
-                formed = sorted(max(found.first) for found in joins if found.both.is_set())
+                formed = sorted(max(found.first.values()) for found in joins if found.both.is_set())
                 slowest = f"{formed[-1]:.2f}" if formed else "-"
                 rows.append(f"| {gap:.2f} | {args.rounds} | {wedged} | {slowest} |")
         finally:
