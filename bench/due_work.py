@@ -76,7 +76,7 @@ def run(work: Path, entries: int, partitions: int, profile: bool) -> None:
                 at = due_at + rng.randrange(1000)
                 trackers[key].add(offset, at)
                 record = Message(key[0], key[1], offset, None, VALUE, HEADERS, None, (1, 5))
-                batch.add(key[0], key[1], offset, at, record, HEADERS)
+                batch.add(key[0], key[1], offset, at, record)
                 offset += 1
             batch.write()
         trackers[key].checkpoint(offset)

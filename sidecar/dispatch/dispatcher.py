@@ -138,9 +138,6 @@ class Dispatcher:
 
     # ----------------------------------------------------------------- what the loop asks
 
-    def near(self, deliver_at: int, now: int) -> bool:
-        return deliver_at <= now + self.read_ahead_ms
-
     def keep_payload(self, partition: TopicPartitionKey, offset: int, record: Message) -> bool:
         """A delayed record due within the read-ahead window: keep it so it need not be read back.
 

@@ -157,25 +157,25 @@ class CacheBatch:
         self._budget = cache.budget
         self._groups: dict[tuple[str, int, int], list[Entry]] = {}
 
-    def add(
-        self,
-        topic: str,
-        partition: int,
-        offset: int,
-        deliver_at: int,
-        record: Message,
-        headers: list[tuple[str, bytes | None]] | None,
-    ) -> None:
+    def add(self, topic: str, partition: int, offset: int, deliver_at: int, record: Message) -> None:
         """Cache the payload of an indexed record, if it falls due within the horizon (and, at
         `write()`, fits the budget)."""
-        if deliver_at > self._until or deliver_at < 0 or self._budget.full:
+        self.add_many(topic, partition, [(offset, deliver_at, record)])
+
+    def add_many(self, topic: str, partition: int, records: list[tuple[int, int, Message]]) -> None:
+        """`add` of each indexed (offset, deliver-at, record) of one partition, with the record's own headers."""
+        if self._budget.full:
             return
-        slot = (topic, partition, deliver_at // SLOT_MS)
-        group = self._groups.get(slot)
-        if group is None:
-            group = self._groups[slot] = []
-        kind, stamp = record.timestamp()
-        group.append((deliver_at, offset, kind, stamp, record.key(), record.value(), headers))
+        until, groups = self._until, self._groups
+        for offset, deliver_at, record in records:
+            if deliver_at > until or deliver_at < 0:
+                continue
+            slot = (topic, partition, deliver_at // SLOT_MS)
+            group = groups.get(slot)
+            if group is None:
+                group = groups[slot] = []
+            kind, stamp = record.timestamp()
+            group.append((deliver_at, offset, kind, stamp, record.key(), record.value(), record.headers()))
 
     @property
     def count(self) -> int:

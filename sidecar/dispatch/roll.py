@@ -172,7 +172,7 @@ class HorizonRoll:
         for partition, offset, record in self._reader.read({p: list(k) for p, k in known.items() if k}):
             read += 1
             if record is not None:
-                batch.add(partition[0], partition[1], offset, known[partition][offset], record, record.headers())
+                batch.add(partition[0], partition[1], offset, known[partition][offset], record)
                 kept += 1
             batch = self._written(batch, now, partition, read, last.get(partition) == offset, self._first)
             yield
@@ -219,7 +219,7 @@ class HorizonRoll:
                 if record is not None and offset not in known.get(partition, ()) and tracker.contains(offset):
                     at = self._rejudge(partition, record)
                     if at is not None and after < at <= until and pack(at, offset) > tracker.delivered_through():
-                        batch.add(partition[0], partition[1], offset, at, record, record.headers())
+                        batch.add(partition[0], partition[1], offset, at, record)
                         kept += 1
                 batch = self._written(batch, now, partition, judged, ends.get(partition) == offset, self._catching)
                 yield

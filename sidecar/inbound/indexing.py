@@ -31,6 +31,9 @@ class Indexer:
         (a run needs one: a reread judges it again from it)."""
         now, runs = batch.now, state.runs
         sent = batch.sent[state.topic]
+        if not self._runs and not runs.open:  # no run to offer to or to close: the slice in one step
+            batch.delayed[state.topic] += self.index(batch, state, routes, [item for item, _ in delayed], sent)
+            return
         indexed = 0
         for item, stamped in delayed:
             offset, deliver_at, record = item
@@ -60,19 +63,15 @@ class Indexer:
         self, batch: IntakeBatch, state: PartitionState, routes: Routes, records: list[Delayed], sent: Counter[str]
     ) -> int:
         """Each record into the tracker, keeping its payload; one due now is sent now. Returns how many were indexed."""
-        tracker, indexed = state.tracker, 0
-        hold_from = state.runs.lower_bound()
-        partition = (state.topic, state.partition)
-        payloads, dispatcher, now = batch.payloads, self._dispatcher, batch.now
-        due: list[Due] = []
-        for offset, deliver_at, record in records:
-            if tracker.add(offset, deliver_at, hold_from):
-                indexed += 1
-                kept = dispatcher.near(deliver_at, now) and dispatcher.keep_payload(partition, offset, record)
-                if not kept and payloads is not None:
-                    payloads.add(state.topic, state.partition, offset, deliver_at, record, record.headers())
-            else:
-                due.append((deliver_at, offset, record))
-        if due:
+        refused = state.tracker.add_many([r[0] for r in records], [r[1] for r in records], state.runs.lower_bound())
+        if refused:
+            due: list[Due] = [(at, offset, record) for offset, at, record in map(records.__getitem__, refused)]
             self._delivery.send_many(state.topic, routes.delayed, due, sent)
-        return indexed
+            gone = set(refused)
+            records = [r for i, r in enumerate(records) if i not in gone]
+        partition, keep = (state.topic, state.partition), self._dispatcher.keep_payload
+        near = batch.now + self._dispatcher.read_ahead_ms  # kept in memory, else in the payload cache
+        later = [r for r in records if r[1] > near or not keep(partition, r[0], r[2])]
+        if later and batch.payloads is not None:
+            batch.payloads.add_many(state.topic, state.partition, later)
+        return len(records)

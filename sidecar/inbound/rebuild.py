@@ -53,7 +53,7 @@ class Rebuilder:
                 if state.tracker.add(offset, deliver_at, deliver_now=deliver_now):
                     rebuild.indexed += 1
                     if batch.payloads is not None:
-                        batch.payloads.add(state.topic, state.partition, offset, deliver_at, record, headers)
+                        batch.payloads.add(state.topic, state.partition, offset, deliver_at, record)
                 else:
                     self._delivery.send_many(state.topic, routes.targets(rule), [(deliver_at, offset, record)], sent)
                     rebuild.redelivered += 1

@@ -197,7 +197,7 @@ def cached(tmp_path: Path, clock: ManualClock, *entries: tuple[int, int]) -> Pay
     batch = cache.batch(clock.now_ms())
     for offset, delay in entries:
         record = Message(topic=P[0], partition=P[1], offset=offset, value=f"payload-cached-{offset}".encode())
-        batch.add(P[0], P[1], offset, clock.now_ms() + delay, record, None)
+        batch.add(P[0], P[1], offset, clock.now_ms() + delay, record)
     batch.write()
     return cache
 

@@ -96,7 +96,7 @@ def open_cache(path: Path, budget: int = 1 << 20, horizon_ms: int = 600_000, own
 def put(cache: PayloadCache, now: int, *entries: tuple[int, int]) -> None:
     batch = cache.batch(now)
     for offset, deliver_at in entries:
-        batch.add("orders", 1, offset, deliver_at, record(offset, f"v{offset}".encode()), None)
+        batch.add("orders", 1, offset, deliver_at, record(offset, f"v{offset}".encode()))
     batch.write()
 
 

@@ -107,6 +107,20 @@ class TrackerMachine(RuleBasedStateMachine):
             at = self.clock.now_ms() + delay
             assert self.tracker.add(offset, at) == self.model.add(offset, at)
 
+    @rule(delays=st.lists(st.integers(-5, 400), min_size=1, max_size=12), gaps=st.lists(st.integers(1, 3), max_size=12))
+    def add_slice(self, delays: list[int], gaps: list[int]) -> None:
+        """A slice of intake in one call (the tracker's one-step path, or its fall-back): the same
+        answers as one add at a time, whether offsets follow each other or leave gaps."""
+        offsets, ats = [], []
+        for i, delay in enumerate(delays):
+            offsets.append(self.next_offset)
+            ats.append(self.clock.now_ms() + delay)
+            self.next_offset += gaps[i] if i < len(gaps) else 1
+        expected = [
+            i for i, (offset, at) in enumerate(zip(offsets, ats, strict=True)) if not self.model.add(offset, at)
+        ]
+        assert self.tracker.add_many(offsets, ats) == expected
+
     @precondition(lambda self: self.next_offset > 0)
     @rule(data=st.data(), delay=st.integers(-5, 400))
     def re_add_old(self, data: st.DataObject, delay: int) -> None:

@@ -40,6 +40,36 @@ def test_due_message_is_refused_at_add(clock: ManualClock, storage: FakeSnapshot
     assert len(tracker) == 0
 
 
+def test_a_slice_added_at_once_answers_as_one_add_at_a_time_at_each_edge(
+    clock: ManualClock, storage: FakeSnapshotStorage
+) -> None:
+    """add_many takes a slice in one step only in the common case; at each edge of that case it
+    answers, indexes and seals as `add` would."""
+    one, many = make_tracker(clock, storage, "orders/1"), make_tracker(clock, FakeSnapshotStorage(), "orders/2")
+    now = clock.now_ms()
+
+    def both(offsets: list[int], ats: list[int]) -> list[int]:
+        expected = [i for i, (o, a) in enumerate(zip(offsets, ats, strict=True)) if not one.add(o, a)]
+        assert many.add_many(offsets, ats) == expected
+        assert (len(many), many.next_delivery_time()) == (len(one), one.next_delivery_time())
+        assert many.stats().buckets == one.stats().buckets
+        return expected
+
+    assert both([0, 1, 2], [now, now + 5, now + 6]) == [0]  # the earliest is due exactly now
+    assert both([3, 4], [now + 1, now + 2]) == []
+    assert both([2, 3], [now + 7, now + 8]) == []  # replayed offsets: already indexed
+    assert both(list(range(5, 17)), [now + 10] * 12) == []  # past min_index_count (10): a seal on the way
+    assert many.stats().buckets == 1
+    assert one.seal() and many.seal()
+    assert both([5, 6], [now + 9, now + 9]) == []  # replayed offsets of a sealed bucket
+    assert both([20, 22, 25], [now + 3, now + 3, now + 3]) == []  # offsets with gaps
+    assert [many.contains(o) for o in range(19, 27)] == [one.contains(o) for o in range(19, 27)]
+    clock.advance(3)
+    assert many.pop_due(100) == one.pop_due(100)
+    clock.set(now)  # the clock stepped back below the delivered watermark
+    assert both([30, 31], [now + 1, now + 2]) == [0, 1]
+
+
 def test_equal_deliver_at_keeps_fifo_across_buckets_and_segments(
     clock: ManualClock, storage: FakeSnapshotStorage
 ) -> None:
