@@ -95,9 +95,9 @@ class Admission:
         state.next_offset = records[-1].offset() + 1
         sent = batch.sent[topic]
         if now_list:
-            self._delivery.send_many(topic, routes.delayed, now_list, sent)
+            self._delivery.send_many((topic, state.partition), routes.delayed, now_list, sent)
         if ordered:
-            self._delivery.send_many(topic, routes.ordered, ordered, sent)
+            self._delivery.send_many((topic, state.partition), routes.ordered, ordered, sent)
         if delayed:
             self._indexer.take(batch, state, routes, delayed)
 

@@ -66,7 +66,7 @@ class Indexer:
         refused = state.tracker.add_many([r[0] for r in records], [r[1] for r in records], state.runs.lower_bound())
         if refused:
             due: list[Due] = [(at, offset, record) for offset, at, record in map(records.__getitem__, refused)]
-            self._delivery.send_many(state.topic, routes.delayed, due, sent)
+            self._delivery.send_many((state.topic, state.partition), routes.delayed, due, sent)
             gone = set(refused)
             records = [r for i, r in enumerate(records) if i not in gone]
         partition, keep = (state.topic, state.partition), self._dispatcher.keep_payload

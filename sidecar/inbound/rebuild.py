@@ -55,7 +55,8 @@ class Rebuilder:
                     if batch.payloads is not None:
                         batch.payloads.add(state.topic, state.partition, offset, deliver_at, record)
                 else:
-                    self._delivery.send_many(state.topic, routes.targets(rule), [(deliver_at, offset, record)], sent)
+                    due = [(deliver_at, offset, record)]
+                    self._delivery.send_many((state.topic, state.partition), routes.targets(rule), due, sent)
                     rebuild.redelivered += 1
             state.next_offset = offset + 1
             taken += 1

@@ -48,29 +48,27 @@ class Delivery:
         self._clock = clock
         self._form = header_form
 
-    def send_many(self, topic: str, targets: Targets, records: Sequence[Due], sent: Counter[str] | None = None) -> None:
-        """(deliver-at, offset, record) of `topic`, each to each target, in order."""
+    def send_many(
+        self, partition: TopicPartitionKey, targets: Targets, records: Sequence[Due], sent: Counter[str] | None = None
+    ) -> None:
+        """(deliver-at, offset, record) of one inbound partition, each to each target, in order."""
+        topic, number = partition
         writer = self._writer
         produce = writer.producer.produce
-        outs = [(outbound, writer.keeps_partition(outbound)) for _, outbound in targets]
+        outs = [(outbound, number if writer.keeps_partition(outbound) else ANY_PARTITION) for _, outbound in targets]
         compact = self._form == "compact"
-        prefixes: dict[int, str] = {}
+        prefix = f"{topic}/{number}/".encode()
         for deliver_at, offset, record in records:
-            partition = record.partition()
             original = record.headers()
             headers: OutHeaders
-            if compact:  # outbound_headers' compact form, inlined, with the origin's prefix made once per partition
-                prefix = prefixes.get(partition)
-                if prefix is None:
-                    prefix = prefixes[partition] = f"{topic}/{partition}/"
+            if compact:  # outbound_headers' compact form, inlined
                 headers = [(k, v if v is not None else b"") for k, v in original] if original else []
-                headers.append((ORIGIN, (prefix + str(offset)).encode()))
+                headers.append((ORIGIN, prefix + b"%d" % offset))
                 headers.append((DELIVER_AT, b"%d" % deliver_at))
             else:
-                headers = outbound_headers(original, topic, partition, offset, deliver_at, form="v1")
+                headers = outbound_headers(original, topic, number, offset, deliver_at, form="v1")
             key, value = record.key(), record.value()
-            for outbound, keep in outs:
-                target = partition if keep else ANY_PARTITION
+            for outbound, target in outs:
                 try:
                     produce(outbound, value, key, headers=headers, partition=target)
                 except (BufferError, KafkaException):  # a full queue waits; a fenced producer raises Fenced
@@ -98,7 +96,7 @@ class Delivery:
                     self._lost(topic, number, offset, deliver_at)
         single = state.rules.single
         if single is not None:
-            self.send_many(topic, routes.targets(single), found, sent)
+            self.send_many(partition, routes.targets(single), found, sent)
         else:
             # Consecutive records with one rule go out as one list; a rule change starts the next.
             current = routes.rule(self._retention_ms.get(topic))
@@ -108,11 +106,11 @@ class Delivery:
                 rule = state.rules.at(item[1]) or current
                 if rule is not run_rule:
                     if run and run_rule is not None:
-                        self.send_many(topic, routes.targets(run_rule), run, sent)
+                        self.send_many(partition, routes.targets(run_rule), run, sent)
                     run, run_rule = [], rule
                 run.append(item)
             if run and run_rule is not None:
-                self.send_many(topic, routes.targets(run_rule), run, sent)
+                self.send_many(partition, routes.targets(run_rule), run, sent)
         metrics = self._metrics
         metrics.observe_lateness(metrics.child(metrics.lateness, topic), now, [d for d, _, _ in found])
         for sub, n in sent.items():
@@ -139,7 +137,7 @@ class Delivery:
                     self._lost(topic, state.partition, offset, deliver_at)
                 continue
             if copy is None:
-                self.send_many(topic, targets, [(deliver_at, offset, record)], sent)
+                self.send_many((topic, state.partition), targets, [(deliver_at, offset, record)], sent)
                 continue
             original = record.headers()  # the original's: the dispatcher read the copy's payload from it
             if is_marked(original):
