@@ -7,8 +7,8 @@ source "$(dirname "$0")/bootstrap.sh" "dev,spark"
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 .venv/bin/mypy
-# Three workers on the two cores (the tests wait on brokers and group rebalances more than they
-# compute), a test file each at a time so module fixtures stay in one process; the Spark test files
-# go to one worker together (tests/conftest.py). Each worker starts its own embedded broker.
-# `-n 0` runs in one process.
-exec .venv/bin/pytest -n 3 --dist loadfile "$@"
+# Four workers on the two cores (the tests wait on brokers, timers and group rebalances more than
+# they compute: three workers kept the cores about half busy), a test file each at a time so module
+# fixtures stay in one process; the Spark test files go to one worker together (tests/conftest.py),
+# which is then the longest. Each worker starts its own embedded broker. `-n 0` runs in one process.
+exec .venv/bin/pytest -n 4 --dist loadfile "$@"
