@@ -63,13 +63,14 @@ class Indexer:
         self, batch: IntakeBatch, state: PartitionState, routes: Routes, records: list[Delayed], sent: Counter[str]
     ) -> int:
         """Each record into the tracker, keeping its payload; one due now is sent now. Returns how many were indexed."""
+        partition = (state.topic, state.partition)
         refused = state.tracker.add_many([r[0] for r in records], [r[1] for r in records], state.runs.lower_bound())
         if refused:
             due: list[Due] = [(at, offset, record) for offset, at, record in map(records.__getitem__, refused)]
-            self._delivery.send_many((state.topic, state.partition), routes.delayed, due, sent)
+            self._delivery.send_many(partition, routes.delayed, due, sent)
             gone = set(refused)
             records = [r for i, r in enumerate(records) if i not in gone]
-        partition, keep = (state.topic, state.partition), self._dispatcher.keep_payload
+        keep = self._dispatcher.keep_payload
         near = batch.now + self._dispatcher.read_ahead_ms  # kept in memory, else in the payload cache
         later = [r for r in records if r[1] > near or not keep(partition, r[0], r[2])]
         if later and batch.payloads is not None:

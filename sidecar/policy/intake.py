@@ -93,14 +93,8 @@ class Judge:
         self._rules: dict[int, tuple[IntakeRule, Fate, _Digits]] = {}
 
     def __call__(self, rule: IntakeRule, headers: Headers, publish_ms: int) -> Fate:
-        _, plain, digits = self._of(rule)
-        if headers is None:
-            return plain if plain.deliver_at is None else Fate(plain.deliver_at + publish_ms)
-        if len(headers) == 1 and headers[0][0] in _DELAY_NAMES:
-            fate = digits.fate(headers[0][0], headers[0][1], publish_ms)
-            if fate is not None:
-                return fate
-        return judge(rule, headers, publish_ms)
+        """One record: `many` of one (a list and a tuple more than a copy of its loop would cost)."""
+        return self.many(rule, [(headers, publish_ms)])[0]
 
     def many(self, rule: IntakeRule, records: Sequence[tuple[Headers, int]]) -> list[Fate]:
         """The fates of (headers, publish ms) judged under one rule, in order: what calling this
