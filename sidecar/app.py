@@ -226,7 +226,7 @@ class SidecarApp:
                     assignment_strategy=settings.assignment_strategy,
                     transactional_ids=ids,
                     state_topic=settings.state_topic_name,
-                    mirror=storage if isinstance(storage, MirroredStorage) else None,
+                    index_storage=storage,
                 )
 
             if settings.metrics_port:

@@ -20,7 +20,7 @@ from typing import Any
 from confluent_kafka import Consumer, Message
 
 from sidecar.broker.admin import TopicAdmin
-from sidecar.checkpoint import checkpoint
+from sidecar.checkpoint import Checkpoints
 from sidecar.clock import Clock, SystemClock
 from sidecar.collector import Collector
 from sidecar.control.acceptance import Acceptance
@@ -66,6 +66,7 @@ from sidecar.state.topic import StateTopic
 from sidecar.tracker import DelayedDeliveryTracker
 from sidecar.tracker.memory import InMemoryTracker
 from sidecar.tracker.runs import Runs
+from sidecar.tracker.storage import SnapshotStorage
 
 logger = logging.getLogger(__name__)
 
@@ -114,10 +115,12 @@ class Sidecar:
         assignment_strategy: str = "roundrobin",
         transactional_ids: TransactionalIds | None = None,
         state_topic: str | None = None,
-        mirror: MirroredStorage | None = None,
+        index_storage: SnapshotStorage | None = None,
     ) -> None:
         """`transactional_ids`: exactly-once mode, where each producer's transactional.id comes from.
-        `state_topic`, with `mirror` (the bucket tracker's storage): where bucket snapshots go for handoffs."""
+        `index_storage`: the bucket trackers' store, which each checkpoint syncs once. `state_topic`,
+        with an `index_storage` mirrored to it: where bucket snapshots go for handoffs."""
+        mirror = index_storage if isinstance(index_storage, MirroredStorage) else None
         exactly_once = transactional_ids is not None
         self._policies = policies
         self.metrics = metrics = metrics or Metrics()
@@ -160,6 +163,9 @@ class Sidecar:
             StateTopic(state_topic, client_config, self._admin, writer, mirror, self._nacks, metrics)
             if state_topic and mirror
             else None
+        )
+        self._checkpoints = Checkpoints(
+            writer, self._consumer, self._state_topic, index_storage.sync if index_storage else None, metrics
         )
         retention = self._admin.retention_ms
         self._ahead_reader = LogReader(client_config, self._stop)
@@ -306,8 +312,11 @@ class Sidecar:
                     self._intake(records)
                     self._drains.turn()  # a slice of dead-lettering for removed topics
                     self._watch_connectivity(records)
-                    if time.monotonic() - last_checkpoint >= self._commit_interval_s:
-                        self._checkpoint()
+                    checkpoints = self._checkpoints
+                    if checkpoints.settle(self._assignment.states.values()):
+                        self.metrics.commits.inc()
+                    if time.monotonic() - last_checkpoint >= self._commit_interval_s and not checkpoints.syncing:
+                        self._checkpoint(whole=False)  # its commit waits for the index's fsync: settle
                         last_checkpoint = time.monotonic()
                         if self._removed.retire():
                             self._subscribe()
@@ -319,6 +328,7 @@ class Sidecar:
             try:
                 self._consumer.close()  # revokes the assignment, which checkpoints once more if clean
             finally:
+                self._checkpoints.close()
                 self._dispatcher.close()
                 self._drains.close()
                 self._ahead_reader.close()
@@ -532,7 +542,8 @@ class Sidecar:
         logger.error("run members missing from the log partition=%s records=%d; raise the topic's retention.ms "
                      "above its longest delay", partition, count)  # fmt: skip
 
-    def _checkpoint(self) -> None:
+    def _checkpoint(self, whole: bool = True) -> None:
+        """`whole`: committed before this returns; else the commit may wait for the fsync (settle)."""
         states = list(self._assignment.states.values())
         started = time.monotonic()
         if self._writer.transactional and self._connectivity.outages != self._outages_seen:
@@ -543,7 +554,7 @@ class Sidecar:
                 "the brokers were unreachable during this transaction; it is aborted and the engine starts "
                 "again from the last commit"
             )
-        if checkpoint(self._writer, states, self._consumer, self._state_topic):
+        if self._checkpoints.run(states, whole):
             self.metrics.commits.inc()
         self.metrics.checkpoint_latency.observe(time.monotonic() - started)
         self._dispatcher.checkpointed({(s.topic, s.partition): s.tracker for s in states if not s.control})

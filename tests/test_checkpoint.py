@@ -193,6 +193,88 @@ def test_the_commit_never_passes_what_a_degraded_index_made_durable(
         thread.join(30)
 
 
+class GatedStorage(FakeSnapshotStorage):
+    """A store whose fsync waits for the test: a disk that is slow to answer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = threading.Event()
+        self.gate.set()
+        self.waiting_since: float | None = None
+
+    def sync(self) -> None:
+        if not self.gate.is_set():
+            self.waiting_since = time.monotonic()
+            self.gate.wait(60)
+        super().sync()
+
+
+def test_the_commit_waits_for_the_index_fsync_while_the_loop_goes_on(
+    kafka: str, kafka_helper: KafkaHelper, topic_factory: TopicFactory, policy_file: PolicyFile
+) -> None:
+    """At least once, the checkpoint's fsync runs beside the loop: until it returns nothing is
+    committed, while the loop keeps turning and delivering; a failed fsync commits nothing either."""
+    topic, group = topic_factory("fsync"), f"g-{uuid.uuid4().hex[:8]}"
+    outbound = f"{topic}.a"
+
+    def committed_offsets() -> list[int]:
+        return [offset for offset, _ in committed(kafka, group, topic, 1)]
+
+    storage = GatedStorage()
+    trackers: dict[str, BucketTracker] = {}
+
+    def factory(name: str, partition: int) -> Any:
+        trackers[name] = BucketTracker(SystemClock(), storage, f"{name}/{partition}")
+        return trackers[name]
+
+    policies = load_policies(policy_file(f"topics:\n  {topic}:\n    subscriptions: {{a: {{}}}}\n"))
+    sidecar = Sidecar(
+        {"bootstrap.servers": kafka},
+        lambda: policies,
+        factory,
+        group_id=group,
+        commit_interval_ms=100,
+        index_storage=storage,
+    )
+    thread = threading.Thread(target=sidecar.run, daemon=True)
+    thread.start()
+    try:
+        assert sidecar.assigned.wait(30)
+        later = int(time.time() * 1000) + 600_000
+        produce_due(kafka_helper, topic, [later] * 50)
+        wait_for(lambda: committed_offsets() == [50], 30, "the first commit")
+
+        storage.gate.clear()  # the disk stops answering
+        produce_due(kafka_helper, topic, [later] * 50)
+        wait_for(lambda: trackers[topic].index_cursor() == 100 and storage.waiting_since is not None, 30, "an fsync")
+        waiting_since = storage.waiting_since
+        assert waiting_since is not None
+        # Several commit intervals later the loop still turns: the checkpoints wait, not the loop.
+        wait_for(lambda: sidecar._turned > waiting_since + 1.0, 30, "loop turns during the fsync")
+        now = int(time.time() * 1000)
+        for i in range(20):
+            kafka_helper.produce(topic, f"due{i}".encode(), headers=[("deliver-at", str(now))])
+        kafka_helper.flush()
+        wait_for(lambda: outbound_end(kafka_helper, outbound) == 20, 30, "deliveries during the fsync")
+        assert not storage.gate.is_set() and committed_offsets() == [50]
+        storage.gate.set()
+        wait_for(lambda: committed_offsets() == [120], 30, "the commit after the fsync")
+
+        storage.fail("sync", 1_000_000)
+        produce_due(kafka_helper, topic, [later] * 10)
+        sync_failures = {"type": "sync", "state": "failed"}
+        wait_for(lambda: (sidecar.metrics.registry.get_sample_value(
+            "delay_sidecar_bucket_op_total", sync_failures) or 0) > 3, 30, "failing fsyncs")  # fmt: skip
+        assert trackers[topic].index_cursor() == 130 and committed_offsets() == [120]
+        storage.heal()
+        wait_for(lambda: committed_offsets() == [130], 30, "the commit after healing")
+    finally:
+        storage.gate.set()
+        sidecar.stop()
+        thread.join(30)
+    assert_once_each(kafka_helper, outbound, 20)
+
+
 @pytest.mark.parametrize("lost", ["kill -9", "state dir deleted"])
 def test_rebuild_skips_what_the_watermark_covers(
     lost: str,

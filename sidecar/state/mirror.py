@@ -69,6 +69,9 @@ class MirroredStorage(SnapshotStorage):
                 outbox.buckets[bucket.meta.bucket_id] = bucket_records(partition, bucket)
         return written
 
+    def sync(self) -> None:
+        self.local.sync()
+
     def close(self) -> None:
         self.local.close()
 

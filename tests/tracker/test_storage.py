@@ -108,15 +108,16 @@ def test_rocksdb_batch_and_reopen(tmp_path: Path) -> None:
     reopened.close()
 
 
-def test_only_checkpoints_and_clears_are_synced() -> None:
-    """A seal, merge or delete is made durable by the next checkpoint, which syncs the writes before it."""
+def test_only_clears_are_synced_on_write() -> None:
+    """A checkpoint is made durable by the one sync() after all partitions' checkpoints (checkpoint.py);
+    a seal, merge or delete by the sync after the next checkpoint, which covers the writes before it."""
     clock, storage = ManualClock(1_000_000), FakeSnapshotStorage()
     tracker = make_tracker(clock, storage, max_buckets=1)
     for i in range(11):
         tracker.add(i, clock.now_ms() + 10 + i)
     assert storage.calls["create"] == 1 and storage.last_sync is False
     tracker.checkpoint(11)
-    assert storage.last_sync is True
+    assert storage.calls["checkpoint"] == 1 and storage.last_sync is False
     for i in range(11, 21):
         tracker.add(i, clock.now_ms() + 10 + i)
     assert tracker.seal() and storage.calls["merge"] == 2 and storage.last_sync is False
@@ -126,6 +127,7 @@ def test_only_checkpoints_and_clears_are_synced() -> None:
     assert storage.calls["delete"] == 1 and storage.last_sync is False
     tracker.clear()
     assert storage.calls["clear"] == 1 and storage.last_sync is True
+    assert storage.calls["sync"] == 0  # the tracker never syncs: its caller does, once for all partitions
 
 
 _WRITER = textwrap.dedent(
@@ -162,6 +164,47 @@ def test_rocksdb_batch_is_atomic_across_a_kill(tmp_path: Path) -> None:
     (chunk,) = storage.load_wal("t/0")
     assert set(chunk.deliver_at) == {meta.index_cursor} and len(chunk) == 200
     storage.close()
+
+
+def test_rocksdb_sync_runs_beside_writes_from_another_thread(tmp_path: Path) -> None:
+    """The checkpoint syncs in a thread while the loop goes on writing: neither call may fail or
+    wait for the other, and every batch is there after a reopen."""
+    storage = RocksDbSnapshotStorage(tmp_path / "state")
+    stop, errors, syncs = threading.Event(), [], [0]
+
+    def sync_until_stopped() -> None:
+        try:
+            while not stop.is_set():
+                storage.sync()
+                syncs[0] += 1
+        except Exception as e:  # reported below: a failure in the thread must fail the test
+            errors.append(e)
+
+    thread = threading.Thread(target=sync_until_stopped)
+    thread.start()
+    try:
+        for generation in range(1, 501):
+            chunk = Segment(array("q", [generation] * 50), array("Q", range(50)))
+            batch = SnapshotBatch("checkpoint", partition_meta=PartitionMeta("t/0", generation, 0, [], 1, generation))
+            batch.wal_reset, batch.wal_append = True, (generation, chunk)
+            storage.write("t/0", batch)
+    finally:
+        stop.set()
+        thread.join(30)
+    assert not errors and syncs[0] > 0
+    storage.sync()
+    storage.close()
+    reopened = RocksDbSnapshotStorage(tmp_path / "state")
+    meta = reopened.load_partition("t/0")
+    assert meta is not None and meta.index_cursor == 500
+    reopened.close()
+
+
+def test_rocksdb_sync_failure_says_what_to_do(tmp_path: Path) -> None:
+    storage = RocksDbSnapshotStorage(tmp_path / "state")
+    storage.close()
+    with pytest.raises(StorageError, match=r"RocksDB sync failed in state dir .*Check free disk space"):
+        storage.sync()
 
 
 def test_rocksdb_open_waits_for_lock(tmp_path: Path) -> None:

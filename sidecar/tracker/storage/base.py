@@ -16,9 +16,9 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Literal
 
-OpKind = Literal["create", "merge", "delete", "checkpoint", "clear", "load", "restore"]
+OpKind = Literal["create", "merge", "delete", "checkpoint", "clear", "load", "restore", "sync"]
 """Operation types, after Pulsar's bucket snapshot metrics (create / load / delete / merge); `restore`
-writes an index taken from the state topic."""
+writes an index taken from the state topic, and `sync` makes the writes so far durable."""
 
 KEY_SHIFT = 64
 OFFSET_MASK = (1 << KEY_SHIFT) - 1
@@ -155,6 +155,14 @@ class SnapshotStorage(ABC):
     @abstractmethod
     def write(self, partition: str, batch: SnapshotBatch) -> int:
         """Apply a batch atomically; return the number of bytes written."""
+
+    def sync(self) -> None:  # noqa: B027 - a store without a disk has nothing to sync
+        """Make every write so far durable against power loss, whichever partition it was for.
+
+        Checkpoints are written without waiting for the disk (kv.SYNCED_KINDS): the caller syncs
+        once for all of them, before it commits the inbound offsets they record. Safe to call from
+        another thread while writes go on; only the writes made before the call are covered.
+        """
 
     def close(self) -> None:  # noqa: B027 - nothing to release by default
         """Release handles; the data stays."""

@@ -47,6 +47,9 @@ class FakeSnapshotStorage(KeyValueSnapshotStorage):
         self._maybe_fail(batch.kind)
         return super().write(partition, batch)
 
+    def sync(self) -> None:
+        self._maybe_fail("sync")
+
     def load_segment(self, partition: str, bucket_id: int, segment: int) -> Segment:
         self._maybe_fail("load")
         return super().load_segment(partition, bucket_id, segment)

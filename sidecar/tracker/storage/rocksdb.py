@@ -2,9 +2,9 @@
 
 One RocksDB per state dir holds the trackers of every partition the sidecar owns; each
 partition lives under its own key prefix. Batches are RocksDB WriteBatches, so a seal, merge,
-delete or checkpoint is atomic, and with `sync=True` (the default) a checkpoint is durable
-against power loss before the caller commits its inbound offsets (seals, merges and deletes are
-made durable by the next checkpoint: see kv.SYNCED_KINDS).
+delete or checkpoint is atomic. With `sync=True` (the default), `sync()` waits for the disk:
+the caller runs it once after the checkpoints of all partitions, before it commits their inbound
+offsets (see kv.SYNCED_KINDS).
 
 Memory is bounded on purpose: small memtables and block cache, because the point of the bucket
 tracker is that resident memory does not grow with the backlog.
@@ -60,6 +60,7 @@ class RocksDbSnapshotStorage(KeyValueSnapshotStorage):
         table = rocksdict.BlockBasedOptions()
         table.set_block_cache(rocksdict.Cache(block_cache_bytes))
         options.set_block_based_table_factory(table)
+        self._syncs = sync
         self._write_options = rocksdict.WriteOptions()
         self._write_options.sync = sync
         self._unsynced_options = rocksdict.WriteOptions()
@@ -144,6 +145,17 @@ class RocksDbSnapshotStorage(KeyValueSnapshotStorage):
             self._db.write(batch, self._write_options if sync else self._unsynced_options)
         except Exception as exc:
             raise self._io_error("write", exc) from exc
+
+    def sync(self) -> None:
+        """fsync the write-ahead log. RocksDB lets writes go on meanwhile, and the call releases
+        the GIL, so the checkpoint runs it beside the loop (a synced write would hold up the
+        writes queued behind it)."""
+        if not self._syncs:
+            return
+        try:
+            self._db.flush_wal(True)
+        except Exception as exc:
+            raise self._io_error("sync", exc) from exc
 
     def _io_error(self, what: str, exc: Exception) -> StorageError:
         return StorageError(
