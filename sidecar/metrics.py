@@ -141,7 +141,8 @@ class Metrics:
         self.commits = Counter(PREFIX + "commits", "Checkpoints that committed inbound offsets", registry=r)
         self.checkpoint_latency = Histogram(
             PREFIX + "checkpoint_seconds",
-            "Time a checkpoint takes (flush, index, commit or transaction commit); the loop delivers nothing meanwhile",
+            "Time a checkpoint takes on the loop (flush, index writes, and in exactly-once mode the index fsync "
+            "and the transaction commit); the loop delivers nothing meanwhile",
             buckets=OP_BUCKETS,
             registry=r,
         )
