@@ -163,7 +163,9 @@ class Checkpoints:
             seconds = sync()
         except StorageError as e:
             self._metrics.bucket_ops.labels("sync", "failed").inc()
-            logger.error("index fsync failed, nothing committed this time error=%s", e)
+            # At least once nothing is committed until an fsync succeeds; exactly once the transaction
+            # commits, and a restart rebuilds an index that is behind it.
+            logger.error("index fsync failed exactly_once=%s error=%s", self._writer.transactional, e)
             return False
         self._metrics.bucket_ops.labels("sync", "succeed").inc()
         self._metrics.bucket_op_latency.labels("sync").observe(seconds)
