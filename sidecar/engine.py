@@ -238,7 +238,7 @@ class Sidecar:
         self._receiver = Receiver(
             states, batches(self._current_routes, metrics, clock, payload_cache), self._admission,
             Rebuilder(self._delivery, retention, metrics, commands),
-            ControlIntake(self._acceptance, self._redelivery), self._recent.keep,
+            ControlIntake(self._acceptance, self._redelivery), writer.poll, self._recent.keep,
         )  # fmt: skip
         self.assigned = assignment.assigned
         """Set once the group gave this member partitions: it is serving."""
@@ -498,6 +498,7 @@ class Sidecar:
         self._dispatcher.turn(trackers, read_ahead, self._runs())
         if self._roll is not None and read_ahead:
             self._roll.turn(trackers, self._intake_cursors)
+        self._writer.poll()
 
     def _wait_s(self) -> float:
         """Until the dispatcher's next delivery or read-ahead, or the next nack: how long intake may

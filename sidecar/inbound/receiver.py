@@ -2,7 +2,7 @@
 
 Control partitions go to the control intake, partitions being rebuilt to the rebuild until it
 ends, the rest to admission (judge, send, dead-letter, index). Every per-batch cost (the payload
-cache write, the counters) is paid once, in `take`, after the slices.
+cache write, the producer's poll, the counters) is paid once, in `take`, after the slices.
 """
 
 import logging
@@ -30,15 +30,17 @@ class Receiver:
         admission: Admission,
         rebuilder: Rebuilder,
         control: ControlIntake,
+        poll: Callable[[], None],
         keep: Callable[[TopicPartitionKey, list[Message]], None],
     ) -> None:
-        """`batches` opens each batch (inbound/batch.py); `keep` is handed each inbound slice, for
-        redeliveries (dispatch/recent.py)."""
+        """`batches` opens each batch (inbound/batch.py); `poll` serves the producer's delivery reports;
+        `keep` is handed each inbound slice, for redeliveries (dispatch/recent.py)."""
         self._partitions = partitions
         self._batches = batches
         self._admission = admission
         self._rebuilder = rebuilder
         self._control = control
+        self._poll = poll
         self._keep = keep
 
     def take(self, records: list[Message]) -> None:
@@ -58,6 +60,7 @@ class Receiver:
         self._admission.settle(batch)
         batch.settle()
         self._control.settle()
+        self._poll()
 
     def _slices(self, records: list[Message]) -> list[tuple[PartitionState, list[Message]]]:
         """Consecutive records of one served partition, in consumed order; errors reported, revoked skipped."""

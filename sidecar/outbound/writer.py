@@ -10,11 +10,6 @@ one transaction, committed with the inbound offsets (`commit`), so a crash anywh
 both the records and the offsets, or neither. Each producer has a transactional.id of its own
 (sidecar/identity.py); before it writes, it opens the ids its instance used before once, which
 fences a zombie holding one (it can write, but never commit) and ends what it left open.
-
-A thread of its own polls the producer: serving its delivery reports frees every record the broker
-acknowledged, 1 to 2 ms per call at 100,000 records a second (a tenth of the loop's time when the
-loop polled). librdkafka's poll releases the GIL, so that work moves to the other core; only a
-failed record's report (and librdkafka's logs and errors) takes the GIL, to run its callback.
 """
 
 import logging
@@ -31,8 +26,6 @@ from sidecar.outbound.records import OutHeaders, dead_letter_headers
 logger = logging.getLogger(__name__)
 
 FLUSH_TIMEOUT_S = 30.0
-POLL_WAIT_S = 0.1
-"""How long one poll of the polling thread waits for a report: also how long close() may wait for it."""
 TRANSACTION_TIMEOUT_S = 30.0
 # librdkafka does not always honour its own timeout: after a broker restart, send_offsets_to_transaction
 # waited for a group coordinator for good (checked on noida-db). Every transactional call is bounded here.
@@ -86,9 +79,6 @@ class Writer:
             config["transactional.id"] = transactional_id
             config["transaction.timeout.ms"] = TRANSACTION_TIMEOUT_MS
         self.producer = Producer(config, logger=librdkafka_logger)
-        self._closing = threading.Event()
-        self._poller = threading.Thread(target=self._poll, name="producer-poll", daemon=True)
-        self._poller.start()
         self._open = False
         self._stuck: str | None = None
         """The call that never returned: this producer is abandoned, the engine starts again."""
@@ -247,6 +237,9 @@ class Writer:
         headers = dead_letter_headers(record.headers(), record.topic(), partition, record.offset(), code, message)
         self.send(topic, record.key(), record.value(), headers, self.target(topic, partition), _timestamp(record))
 
+    def poll(self) -> None:
+        self.producer.poll(0)
+
     def flush(self) -> None:
         """Every record written so far acknowledged, or BrokerError: nothing may be committed then."""
         remaining = self.producer.flush(FLUSH_TIMEOUT_S)
@@ -266,8 +259,6 @@ class Writer:
         """Wait for what is queued after a clean stop; after a failure, drop it: the next engine
         starts again from the last checkpoint, which is exactly what was acknowledged (in
         exactly-once mode, what was committed: the open transaction is aborted)."""
-        self._closing.set()
-        self._poller.join(POLL_WAIT_S * 10)
         if self._stuck is not None:
             return  # any call may hang on this producer; it is abandoned, its id fenced by the next
         if self.transactional:
@@ -280,13 +271,7 @@ class Writer:
             self.producer.purge()
             self.producer.flush(0)
 
-    def _poll(self) -> None:
-        """Serve delivery reports until close(); a daemon, like the producer's own threads."""
-        while not self._closing.is_set():
-            self.producer.poll(POLL_WAIT_S)
-
     def _on_delivery(self, error: KafkaError | None, record: Message) -> None:
-        """Called on the polling thread, or on the loop within flush(): a list append either way."""
         if error is not None:
             self._errors.append(f"{record.topic()}: {error}")
 
