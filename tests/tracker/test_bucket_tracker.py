@@ -147,31 +147,6 @@ def test_peek_shows_loaded_upcoming_entries_without_removing_them(
     assert tracker.pop_due(100) == sorted(Due(now + d, o) for o, d in enumerate(delays))
 
 
-def test_peek_loads_the_next_segment_ahead_when_its_window_reaches_into_it(
-    clock: ManualClock, storage: FakeSnapshotStorage
-) -> None:
-    """The read-ahead sees a bucket's next segment before its first entry is popped, one segment
-    ahead at most, and the pop then uses that segment instead of reading it again."""
-    tracker = make_tracker(clock, storage, max_buckets=50, time_step_ms=1000, min_index_count=100)
-    now = clock.now_ms()
-    for offset in range(12):  # one bucket, three segments of four: 10..40, 50..80, 90..120 ms
-        tracker.add(offset, now + 10 * (offset + 1))
-    assert tracker.seal()
-    assert tracker.stats().buckets == 1 and tracker.stats().mutable_indexes == 0
-    loads = storage.calls["load"]
-    # Up to 70 ms: the loaded segment, and the next one up to the limit (not the third).
-    assert [d.offset for d in tracker.peek(None, now + 70, 100)] == list(range(7))
-    assert storage.calls["load"] == loads + 1
-    assert [d.offset for d in tracker.peek(None, now + 200, 100)] == list(range(8))
-    assert storage.calls["load"] == loads + 1  # loaded once, and only one segment ahead
-    clock.advance(60)
-    assert [d.offset for d in tracker.pop_due(100)] == list(range(6))
-    assert storage.calls["load"] == loads + 1  # the pop moved on to the segment read ahead
-    clock.advance(1000)
-    assert [d.offset for d in tracker.pop_due(100)] == list(range(6, 12))
-    assert storage.calls["load"] == loads + 2
-
-
 # -- recovery ----------------------------------------------------------------------------------
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import heapq
 import logging
 import time
-from array import array
 
 from sidecar.clock import Clock
 from sidecar.errors import StorageError
@@ -85,25 +84,15 @@ class SealedBuckets:
             heapq.heapreplace(self.heap, (head, bucket.bucket_id))
 
     def peek_loaded(self, low: int, limit: int, found: list[int]) -> None:
-        """Append to `found` the keys of the loaded segments above `low` and below `limit`.
-
-        A bucket whose loaded segment ends below `limit` has its next one loaded ahead, if that
-        starts below `limit` too: one segment more per bucket at most. A failed read is left to
-        the pop, which reads it again (the contract lets peek leave out what is not in memory).
-        """
+        """Append to `found` the keys of the loaded segments above `low` and below `limit`."""
         for bucket in self.buckets:
-            if _append_keys(bucket.at, bucket.offsets, bucket.pos, low, limit, found) or bucket.blocked:
-                continue
-            number, meta = bucket.segment + 1, bucket.meta
-            if number >= meta.segment_count or meta.min_key(number) >= limit:
-                continue
-            if bucket.ahead is None or bucket.ahead[0] != number:
-                try:
-                    bucket.ahead = (number, self._store.load_segment(bucket.bucket_id, number))
-                except StorageError:
-                    continue
-            segment = bucket.ahead[1]
-            _append_keys(segment.deliver_at, segment.offsets, 0, low, limit, found)
+            at, offsets = bucket.at, bucket.offsets
+            for pos in range(bucket.pos, len(offsets)):
+                key = at[pos] << _SHIFT | offsets[pos]
+                if key >= limit:
+                    break
+                if key > low:
+                    found.append(key)
 
     # -- deletes ----------------------------------------------------------------------------
 
@@ -200,16 +189,3 @@ class SealedBuckets:
             segments,
             (time.perf_counter() - started) * 1000,
         )
-
-
-def _append_keys(
-    at: array[int], offsets: array[int], start: int, low: int, limit: int, found: list[int]
-) -> bool:
-    """Append the keys from `start` above `low` and below `limit`; True when one reached `limit`."""
-    for pos in range(start, len(offsets)):
-        key = at[pos] << _SHIFT | offsets[pos]
-        if key >= limit:
-            return True
-        if key > low:
-            found.append(key)
-    return False

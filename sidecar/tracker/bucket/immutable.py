@@ -70,8 +70,7 @@ def latest_per_offset(keys: list[int], pending: BitMap64) -> list[int]:
 
 
 class ImmutableBucket:
-    """A sealed bucket in memory: its segment table, pending bitmap and one loaded segment, with
-    at most the next one loaded ahead when the read-ahead window reaches into it (`ahead`).
+    """A sealed bucket in memory: its segment table, pending bitmap and one loaded segment.
 
     The tracker's pop loop reads and advances `at`, `offsets`, `pos`, `bitmap` and `pending`
     directly, as it does the mutable bucket's columns: a method call per popped entry would
@@ -79,7 +78,6 @@ class ImmutableBucket:
     """
 
     __slots__ = (
-        "ahead",
         "at",
         "bitmap",
         "bitmap_bytes",
@@ -104,10 +102,6 @@ class ImmutableBucket:
         self.at: array[int] = array("q")
         self.offsets: array[int] = array("Q")
         self.pos = 0
-        self.ahead: tuple[int, Segment] | None = None
-        """(number, entries) of the segment after the loaded one, read early for the read-ahead:
-        otherwise the dispatcher first sees its entries when they are popped, and fetches their
-        payloads then, on the loop, for every bucket whose segment ends about then."""
         self.blocked = False
         self.popped_since_bitmap = 0
         self.stored = sum(meta.seg_count[meta.first_segment :])
@@ -197,9 +191,6 @@ class ImmutableBucket:
                 self.segment += 1
                 continue
             segment = preloaded.get(number) if preloaded is not None else None
-            ahead, self.ahead = self.ahead, None
-            if segment is None and ahead is not None and ahead[0] == number:
-                segment = ahead[1]
             if segment is None:
                 try:
                     segment = load(self.bucket_id, number)
