@@ -21,7 +21,7 @@ from sidecar.group_leave import leave_group
 from sidecar.http import StatusServer
 from sidecar.identity import InstanceLock, TransactionalIds
 from sidecar.kafka_io import LIBRDKAFKA
-from sidecar.metrics import Metrics
+from sidecar.metrics import BucketMetrics, Metrics
 from sidecar.partitions.owner import client_id, find_owner, nacks_body, with_members_nacks
 from sidecar.policy import PolicySet
 from sidecar.policy.commands import effective_policy_json
@@ -44,17 +44,6 @@ def launcher_for(settings: RunSettings, stop: threading.Event | None = None) -> 
     if settings.bootstrap_servers:
         return ExternalBroker(settings.bootstrap_servers, settings.client_config(settings.bootstrap_servers), stop)
     return EmbeddedBroker(settings.state_dir / "broker", port=settings.broker_port)
-
-
-class BucketMetrics:
-    """The bucket tracker's storage operations, as Prometheus counts and latencies."""
-
-    def __init__(self, metrics: Metrics) -> None:
-        self._metrics = metrics
-
-    def on_op(self, op: str, ok: bool, seconds: float) -> None:
-        self._metrics.bucket_ops.labels(op, "succeed" if ok else "failed").inc()
-        self._metrics.bucket_op_latency.labels(op).observe(seconds)
 
 
 STATE_TAIL_OFFSETS = 10_000

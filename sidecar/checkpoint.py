@@ -50,7 +50,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from confluent_kafka import Consumer, TopicPartition
 
 from sidecar.errors import BrokerError, SidecarError, StorageError
-from sidecar.metrics import Metrics
+from sidecar.metrics import BucketMetrics
 from sidecar.outbound.writer import Writer
 from sidecar.partitions.state import PartitionState
 from sidecar.state.topic import StateTopic
@@ -69,16 +69,16 @@ class Checkpoints:
         consumer: Consumer,
         state_topic: StateTopic | None,
         sync: Callable[[], None] | None,
-        metrics: Metrics,
+        ops: BucketMetrics,
     ) -> None:
         """`sync`: makes the trackers' writes durable (the snapshot store's), None without one."""
         self._writer = writer
         self._consumer = consumer
         self._state_topic = state_topic
         self._sync = sync
-        self._metrics = metrics
+        self._ops = ops
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="index-sync") if sync is not None else None
-        self._pending: tuple[Future[float], Points] | None = None
+        self._pending: tuple[Future[bool], Points] | None = None
 
     def run(self, states: Iterable[PartitionState], whole: bool = True) -> int:
         """Run one checkpoint; returns the number of partitions committed.
@@ -121,9 +121,9 @@ class Checkpoints:
         if exact:
             # A failure is logged and the transaction commits anyway: a restart uses local state only
             # when it matches the commit exactly, and otherwise rebuilds it.
-            self._synced(self._timed_sync)
+            self._sync_index()
             return committed + self._commit(points)
-        self._pending = (self._pool.submit(self._timed_sync), points)
+        self._pending = (self._pool.submit(self._sync_index), points)
         return committed + (self.settle(states, wait=True) if whole else 0)
 
     @property
@@ -139,7 +139,7 @@ class Checkpoints:
             return 0
         self._pending = None
         future, points = pending
-        if not self._synced(future.result):
+        if not future.result():
             return 0
         owned = {id(state) for state in states}
         points = [(state, point) for state, point in points if id(state) in owned]
@@ -151,24 +151,19 @@ class Checkpoints:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
 
-    def _timed_sync(self) -> float:
+    def _sync_index(self) -> bool:
+        """The fsync, counted and timed as the trackers' storage operations are; False (logged) when it failed."""
         assert self._sync is not None
         started = time.monotonic()
-        self._sync()
-        return time.monotonic() - started
-
-    def _synced(self, sync: Callable[[], float]) -> bool:
-        """Run (or collect) the fsync; False, logged and counted, when it failed."""
         try:
-            seconds = sync()
+            self._sync()
         except StorageError as e:
-            self._metrics.bucket_ops.labels("sync", "failed").inc()
+            self._ops.on_op("sync", False, time.monotonic() - started)
             # At least once nothing is committed until an fsync succeeds; exactly once the transaction
             # commits, and a restart rebuilds an index that is behind it.
             logger.error("index fsync failed exactly_once=%s error=%s", self._writer.transactional, e)
             return False
-        self._metrics.bucket_ops.labels("sync", "succeed").inc()
-        self._metrics.bucket_op_latency.labels("sync").observe(seconds)
+        self._ops.on_op("sync", True, time.monotonic() - started)
         return True
 
     def _commit(self, points: Points) -> int:

@@ -49,7 +49,7 @@ from sidecar.inbound.indexing import Indexer
 from sidecar.inbound.rebuild import Rebuilder
 from sidecar.inbound.receiver import Receiver
 from sidecar.kafka_io import LIBRDKAFKA, Connectivity, consume_batch, consumer_config
-from sidecar.metrics import Metrics
+from sidecar.metrics import BucketMetrics, Metrics
 from sidecar.outbound.delivery import Delivery
 from sidecar.outbound.records import HeaderForm
 from sidecar.outbound.writer import Writer
@@ -165,7 +165,11 @@ class Sidecar:
             else None
         )
         self._checkpoints = Checkpoints(
-            writer, self._consumer, self._state_topic, index_storage.sync if index_storage else None, metrics
+            writer,
+            self._consumer,
+            self._state_topic,
+            index_storage.sync if index_storage is not None else None,
+            BucketMetrics(metrics),
         )
         retention = self._admin.retention_ms
         self._ahead_reader = LogReader(client_config, self._stop)

@@ -245,3 +245,15 @@ def _most_ms_within(bound: float) -> int:
     while most / 1000 > bound:
         most -= 1
     return most
+
+
+class BucketMetrics:
+    """The bucket tracker's storage operations, and the checkpoint's fsync of its store, as
+    Prometheus counts and latencies."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self._metrics = metrics
+
+    def on_op(self, op: str, ok: bool, seconds: float) -> None:
+        self._metrics.bucket_ops.labels(op, "succeed" if ok else "failed").inc()
+        self._metrics.bucket_op_latency.labels(op).observe(seconds)
