@@ -271,11 +271,14 @@ class SidecarApp:
         """
         backoff = RESTART_BACKOFF_S
         while not self._stop.is_set():
-            self.sidecar = sidecar = build()
-            if self._stop.is_set():
-                return
             started = time.monotonic()
+            sidecar: Sidecar | None = None
             try:
+                # Building is part of the attempt: in exactly-once mode it fences the earlier
+                # transactional.id, which fails while the brokers are still away.
+                self.sidecar = sidecar = build()
+                if self._stop.is_set():
+                    return
                 sidecar.run()
                 return
             except ConfigError:
@@ -283,7 +286,8 @@ class SidecarApp:
             except Exception as e:
                 if self._stop.is_set():
                     return
-                if sidecar.assigned.is_set() or time.monotonic() - started > RESTART_BACKOFF_MAX_S:
+                served = sidecar is not None and sidecar.assigned.is_set()
+                if served or time.monotonic() - started > RESTART_BACKOFF_MAX_S:
                     backoff = RESTART_BACKOFF_S  # it got as far as serving: this is a new fault
                 self.metrics.engine_restarts.inc()
                 self._recovering = f"recovering from {type(e).__name__}: {e}"
@@ -334,7 +338,7 @@ class SidecarApp:
                 details["policy_error"] = str(self.policies.last_error)
         sidecar = self.sidecar
         if sidecar is None:
-            return False, ["starting"], details
+            return False, [self._recovering or "starting"], details
         if self._recovering is not None and not sidecar.running:
             return False, [self._recovering], details
         if sidecar.degraded:

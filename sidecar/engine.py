@@ -156,7 +156,11 @@ class Sidecar:
         if idle_fetch_pause_ms:
             group["enable.partition.eof"] = True  # what IdleFetch paces by
         self._consumer = Consumer(consumer_config(client_config, **group), logger=librdkafka)
-        self._writer = writer = Writer(client_config, librdkafka, transactional_ids, producer)
+        try:  # exactly-once: fencing the earlier transactional.id fails while the brokers are away
+            self._writer = writer = Writer(client_config, librdkafka, transactional_ids, producer)
+        except BaseException:
+            self._consumer.close()  # the engine is built again, after a pause: not one consumer per attempt
+            raise
         self._admin = TopicAdmin(client_config, new_topic_partitions)
         self._nacks = LatestNacks(changelog=bool(state_topic and mirror))
         self._state_topic = (
@@ -315,7 +319,7 @@ class Sidecar:
                         self._removed.adopt()  # partitions of removed topics just assigned: before intake
                     self._intake(records)
                     self._drains.turn()  # a slice of dead-lettering for removed topics
-                    self._watch_connectivity(records)
+                    self._connectivity.watch(bool(records), self._admin.reachable)
                     checkpoints = self._checkpoints
                     if checkpoints.settle(self._assignment.states.values()):
                         self.metrics.commits.inc()
@@ -355,12 +359,6 @@ class Sidecar:
         if self.running and stuck > STUCK_S:
             reasons.append(f"Kafka unreachable: no answer for {stuck:.0f} s (the loop is waiting on it)")
         return reasons
-
-    def _watch_connectivity(self, records: list[Any]) -> None:
-        """The brokers are back at the first records or the first metadata answer."""
-        connectivity = self._connectivity
-        if connectivity.reason is not None and (records or (connectivity.probe_due() and self._admin.reachable())):
-            connectivity.up()
 
     def _current_routes(self) -> dict[str, Routes]:
         return self._routes

@@ -3,6 +3,7 @@
 import logging
 import re
 import time
+from collections.abc import Callable
 from typing import Any
 
 from confluent_kafka import Consumer, KafkaError, Message
@@ -123,11 +124,14 @@ _NONE_DOWN = re.compile(r"0/\d+ brokers are down")
 class Connectivity:
     """Whether the cluster answers, as the clients report it, for /healthz and one log line per change.
 
-    librdkafka reports losing the brokers (error_cb) but not finding them again, so the loop asks
-    for metadata while they are away (`probe_due`), and `up()` clears the state on the first answer.
+    librdkafka reports losing the brokers (error_cb) but not finding them again, so while they are
+    away the loop asks for metadata (`watch`), and the first answer clears the state. Records
+    consumed are no proof: they may have been fetched before the brokers went, or be the consumer's
+    own error events. They only make the next question come sooner.
     """
 
     PROBE_EVERY_S = 2.0
+    PROBE_ON_RECORDS_S = 0.25
 
     def __init__(self) -> None:
         self.reason: str | None = None
@@ -144,11 +148,17 @@ class Connectivity:
             self._down_since = time.monotonic()
             logger.warning("brokers unreachable error=%s", error.str())
 
-    def probe_due(self) -> bool:
-        if self.reason is None or time.monotonic() - self._probed < self.PROBE_EVERY_S:
-            return False
+    def watch(self, consumed: bool, answers: Callable[[], bool]) -> None:
+        """Once a loop turn: while the brokers are away, ask `answers` (a metadata request) every
+        PROBE_EVERY_S, or after PROBE_ON_RECORDS_S when the turn `consumed` records."""
+        if self.reason is None:
+            return
+        since = time.monotonic() - self._probed
+        if since < (self.PROBE_ON_RECORDS_S if consumed else self.PROBE_EVERY_S):
+            return
         self._probed = time.monotonic()
-        return True
+        if answers():
+            self.up()
 
     def up(self) -> None:
         if self.reason is not None:

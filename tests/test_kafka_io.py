@@ -25,22 +25,36 @@ def test_a_repeated_client_error_is_logged_once_then_with_its_count(monkeypatch:
     assert repeats.filter(again) and again.getMessage().endswith("repeated=399")
 
 
-def test_connectivity_goes_down_on_a_transport_error_and_up_on_the_first_answer(
+def test_connectivity_goes_down_on_a_transport_error_and_up_on_the_first_metadata_answer(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     now = [1000.0]
     monkeypatch.setattr("sidecar.kafka_io.time.monotonic", lambda: now[0])
+    asked: list[float] = []
+    brokers_answer = [False]
+
+    def answers() -> bool:
+        asked.append(now[0])
+        return brokers_answer[0]
+
     connectivity = Connectivity()
     connectivity.on_error(KafkaError(KafkaError._MSG_TIMED_OUT))
     connectivity.on_error(KafkaError(KafkaError._ALL_BROKERS_DOWN, "0/2 brokers are down"))  # none is
-    assert connectivity.reason is None and not connectivity.probe_due()
+    connectivity.watch(True, answers)
+    assert connectivity.reason is None and not asked
     connectivity.on_error(KafkaError(KafkaError._ALL_BROKERS_DOWN, "3/3 brokers are down"))
     assert connectivity.reason is not None and "3/3 brokers are down" in connectivity.reason
-    assert connectivity.probe_due() and not connectivity.probe_due()
+    connectivity.watch(False, answers)
+    connectivity.watch(False, answers)
+    assert asked == [1000.0]  # then every PROBE_EVERY_S
+    # Records fetched before the brokers went are no proof (before: /healthz flipped to ready on them).
+    now[0] += Connectivity.PROBE_ON_RECORDS_S
+    connectivity.watch(True, answers)
+    assert len(asked) == 2 and connectivity.reason is not None
     now[0] += Connectivity.PROBE_EVERY_S
-    assert connectivity.probe_due()
-    connectivity.up()
-    assert connectivity.reason is None
+    brokers_answer[0] = True
+    connectivity.watch(False, answers)
+    assert connectivity.reason is None and connectivity.outages == 1
 
 
 def test_a_consumers_fatal_event_is_fatal_though_its_flag_is_not_set() -> None:
