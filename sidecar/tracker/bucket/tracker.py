@@ -41,7 +41,7 @@ from sidecar.clock import Clock
 from sidecar.errors import ConfigError, StorageError
 from sidecar.tracker.base import DelayedDeliveryTracker, Due, due_of
 from sidecar.tracker.bucket.buckets import SealedBuckets
-from sidecar.tracker.bucket.immutable import NO_KEY
+from sidecar.tracker.bucket.immutable import NO_KEY, ImmutableBucket
 from sidecar.tracker.bucket.mutable import NO_AT, MutableBucket
 from sidecar.tracker.bucket.stats import NullListener, TrackerListener, TrackerStats
 from sidecar.tracker.bucket.store import PartitionStore, release_memory
@@ -216,7 +216,8 @@ class BucketTracker(DelayedDeliveryTracker):
         """Pops in key order, a run at a time: the entries of one source (a loaded segment, or the
         mutable bucket's sorted keys) that come before every other source's head are taken as one
         slice. A burst due at once pops in runs of thousands, where an entry at a time cost a heap
-        operation and a bitmap call each."""
+        operation and a bitmap call each. Delays spread over time interleave the buckets, so most
+        runs are one entry: that case takes no slices, and each bitmap is updated once per call."""
         now = self.clock.now_ms() if until_ms is None else until_ms
         limit = (now + 1) << _SHIFT
         if below_key is not None and below_key < limit:
@@ -226,59 +227,85 @@ class BucketTracker(DelayedDeliveryTracker):
             mutable.merge_unsorted()
         heap, queue, by_id = sealed.heap, mutable.sorted_keys, sealed.by_id
         due: list[Due] = []
-        while len(due) < max_messages:
-            mutable_head = queue[0] if queue else NO_KEY
-            if heap and heap[0][0] < mutable_head:
-                key, bucket_id = heap[0]
-                if key >= limit:
-                    break
-                bucket = by_id[bucket_id]
-                if bucket.blocked:
-                    if now < store.retry_at and "load" in store.failing:
+        gone: dict[ImmutableBucket, list[int]] = {}
+        """Offsets popped per sealed bucket, out of its pending bitmap at the end (activate does not read it)."""
+        popped_keys: list[int] = []
+        mutable_head = queue[0] if queue else NO_KEY  # a SortedList lookup: read again only after its pops
+        try:
+            while len(due) < max_messages:
+                if heap and heap[0][0] < mutable_head:
+                    key, bucket_id = heap[0]
+                    if key >= limit:
                         break
-                    try:
-                        head = bucket.activate(self._popped, store.load_segment)
-                    except StorageError:
-                        break
-                    sealed.replace_head(bucket, head)
-                    continue
-                # The run: this segment's entries below the limit, the mutable head and the next bucket's head.
-                bound = min(limit, mutable_head, min(heap[1:3])[0] if len(heap) > 1 else NO_KEY)
-                at, offsets, pos = bucket.at, bucket.offsets, bucket.pos
-                end = _run_end(at, offsets, pos, min(len(offsets), pos + max_messages - len(due)), bound)
-                run_offsets = offsets[pos:end]
-                due += map(due_of, zip(at[pos:end], run_offsets, strict=True))
-                bucket.bitmap.difference_update(BitMap64(run_offsets))
-                taken = end - pos
-                bucket.pending -= taken
-                bucket.popped_since_bitmap += taken
-                bucket.pos = end
-                self._popped = at[end - 1] << _SHIFT | offsets[end - 1]
-                if end < len(offsets):
-                    heapq.heapreplace(heap, (at[end] << _SHIFT | offsets[end], bucket_id))
+                    bucket = by_id[bucket_id]
+                    if bucket.blocked:
+                        if now < store.retry_at and "load" in store.failing:
+                            break
+                        try:
+                            head = bucket.activate(self._popped, store.load_segment)
+                        except StorageError:
+                            break
+                        sealed.replace_head(bucket, head)
+                        continue
+                    # The run: this segment's entries below the limit, the mutable head and the next bucket's head.
+                    if len(heap) > 2:
+                        second = heap[1][0] if heap[1][0] < heap[2][0] else heap[2][0]
+                    else:
+                        second = heap[1][0] if len(heap) > 1 else NO_KEY
+                    bound = min(limit, mutable_head, second)
+                    at, offsets, pos = bucket.at, bucket.offsets, bucket.pos
+                    stop = min(len(offsets), pos + max_messages - len(due))
+                    end = pos + 1
+                    taken_offsets = gone.get(bucket)
+                    if taken_offsets is None:
+                        taken_offsets = gone[bucket] = []
+                    if end < stop and (at[end] << _SHIFT | offsets[end]) < bound:
+                        end = _run_end(at, offsets, pos, stop, bound)
+                        run_offsets = offsets[pos:end]
+                        due += map(due_of, zip(at[pos:end], run_offsets, strict=True))
+                        taken_offsets += run_offsets
+                    else:  # a run of one entry
+                        offset = offsets[pos]
+                        due.append(due_of((at[pos], offset)))
+                        taken_offsets.append(offset)
+                    taken = end - pos
+                    bucket.pending -= taken
+                    bucket.popped_since_bitmap += taken
+                    bucket.pos = end
+                    self._popped = at[end - 1] << _SHIFT | offsets[end - 1]
+                    if end < len(offsets):
+                        heapq.heapreplace(heap, (at[end] << _SHIFT | offsets[end], bucket_id))
+                    else:
+                        bucket.segment += 1
+                        try:
+                            head = bucket.activate(self._popped, store.load_segment)
+                        except StorageError:
+                            head = bucket.head()
+                        sealed.replace_head(bucket, head)
                 else:
-                    bucket.segment += 1
-                    try:
-                        head = bucket.activate(self._popped, store.load_segment)
-                    except StorageError:
-                        head = bucket.head()
-                    sealed.replace_head(bucket, head)
-            else:
-                if mutable_head >= limit:
-                    break
-                # The run: keys below the limit, and up to the next bucket's head (the mutable bucket wins ties).
-                end = queue.bisect_left(limit)
-                if heap:
-                    end = min(end, queue.bisect_right(heap[0][0]))
-                end = min(end, max_messages - len(due))
-                keys = queue[:end]
-                del queue[:end]
-                mutable.count -= end
-                popped_offsets = [k & _MASK for k in keys]
-                due += map(due_of, zip([k >> _SHIFT for k in keys], popped_offsets, strict=True))
-                mutable.bitmap.difference_update(BitMap64(popped_offsets))
-                mutable.popped += keys
-                self._popped = keys[-1]
+                    if mutable_head >= limit:
+                        break
+                    # The run: keys below the limit, and up to the next bucket's head (the mutable bucket wins ties).
+                    if not heap or (len(queue) > 1 and queue[1] < heap[0][0] and queue[1] < limit):
+                        end = queue.bisect_left(limit)
+                        if heap:
+                            end = min(end, queue.bisect_right(heap[0][0]))
+                        end = min(end, max_messages - len(due))
+                        keys = queue[:end]
+                        del queue[:end]
+                    else:  # a run of one key
+                        keys = [queue.pop(0)]
+                    mutable_head = queue[0] if queue else NO_KEY
+                    mutable.count -= len(keys)
+                    due += map(due_of, zip([k >> _SHIFT for k in keys], [k & _MASK for k in keys], strict=True))
+                    popped_keys += keys
+                    self._popped = keys[-1]
+        finally:
+            for bucket, offsets_gone in gone.items():
+                bucket.bitmap.difference_update(BitMap64(offsets_gone))
+            if popped_keys:
+                mutable.bitmap.difference_update(BitMap64([k & _MASK for k in popped_keys]))
+                mutable.popped += popped_keys
         self._count -= len(due)
         self._popped_at = self._popped >> _SHIFT
         return due
