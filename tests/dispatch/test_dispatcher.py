@@ -174,6 +174,21 @@ def test_wake_time_follows_deliveries_and_read_ahead(clock: ManualClock) -> None
     assert s.ahead.reads == [[1]]  # nothing new: the peek starts after what was already read
 
 
+def test_a_window_served_by_the_payload_cache_is_topped_up_at_every_look(clock: ManualClock, tmp_path: Path) -> None:
+    """Before: a new pass started only once less than half the window was read ahead, as for the
+    log, so the cache's payloads were read half a window at a time (the delayed bench's peaks)."""
+    entries = [(offset, 4_000 + offset * 100) for offset in range(1, 30)]  # one every 100 ms from +4.1 s
+    s = Setup(clock, read_ahead_ms=1000, payloads=cached(tmp_path, clock, *entries))
+    now = s.add(*entries)
+    clock.advance(3_200)
+    s.turn()
+    assert s.dispatcher.next_wake_ms({P: s.tracker}) == now + 3_300  # the next look, not half a window on
+    clock.advance(100)
+    s.turn()
+    assert s.dispatcher.next_wake_ms({P: s.tracker}) == now + 3_400
+    assert s.ahead.reads == [] and s.reads("cache") == 3  # +4.1 and +4.2 s, then +4.3 s at the second look
+
+
 class StalledTracker(InMemoryTracker):
     """A due entry it cannot pop yet, like a bucket tracker whose next segment failed to load."""
 

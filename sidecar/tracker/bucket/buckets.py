@@ -7,6 +7,7 @@ writes those batches itself and hands a new bucket over with `add`.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import logging
 import time
@@ -16,9 +17,10 @@ from sidecar.errors import StorageError
 from sidecar.tracker.bucket.immutable import NO_KEY, ImmutableBucket
 from sidecar.tracker.bucket.merge import best_run, merge_buckets
 from sidecar.tracker.bucket.store import PartitionStore, release_memory
-from sidecar.tracker.storage.base import KEY_SHIFT, Segment, SnapshotBatch
+from sidecar.tracker.storage.base import KEY_SHIFT, OFFSET_MASK, Segment, SnapshotBatch
 
 _SHIFT = KEY_SHIFT
+_MASK = OFFSET_MASK
 
 
 class SealedBuckets:
@@ -84,15 +86,25 @@ class SealedBuckets:
             heapq.heapreplace(self.heap, (head, bucket.bucket_id))
 
     def peek_loaded(self, low: int, limit: int, found: list[int]) -> None:
-        """Append to `found` the keys of the loaded segments above `low` and below `limit`."""
+        """Append to `found` the keys of the loaded segments above `low` and below `limit`.
+
+        Bisected on the deliver-at column: the read-ahead asks for the next second beyond what it
+        has seen, and a pass from each segment's pop position went through up to ten seconds of
+        entries it had seen already (20 to 50 ms a call in the delayed bench)."""
+        low_at, low_offset = low >> _SHIFT, low & _MASK
+        limit_at = limit >> _SHIFT
         for bucket in self.buckets:
-            at, offsets = bucket.at, bucket.offsets
-            for pos in range(bucket.pos, len(offsets)):
-                key = at[pos] << _SHIFT | offsets[pos]
-                if key >= limit:
-                    break
-                if key > low:
-                    found.append(key)
+            at, offsets, end = bucket.at, bucket.offsets, len(bucket.offsets)
+            start = bucket.pos
+            if low >= 0:
+                start = bisect.bisect_left(at, low_at, start, end)
+                while start < end and at[start] == low_at and offsets[start] <= low_offset:
+                    start += 1
+            stop = bisect.bisect_left(at, limit_at, start, end)
+            while stop < end and (at[stop] << _SHIFT | offsets[stop]) < limit:
+                stop += 1
+            if stop > start:
+                found += [a << _SHIFT | o for a, o in zip(at[start:stop], offsets[start:stop], strict=True)]
 
     # -- deletes ----------------------------------------------------------------------------
 
