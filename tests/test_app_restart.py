@@ -13,7 +13,7 @@ from sidecar.settings import RunSettings
 
 
 class Served:
-    """Stands in for the engine: runs until told, assigned once it runs."""
+    """Stands in for the engine: assigned once it runs, and its run returns at once, as after a stop."""
 
     def __init__(self) -> None:
         self.assigned = threading.Event()
