@@ -6,7 +6,7 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 
-from confluent_kafka import Consumer, TopicPartition
+from confluent_kafka import Consumer, KafkaException, TopicPartition
 
 from sidecar.errors import BrokerError, ConfigError, SidecarError
 from sidecar.partitions.metadata import CommitMetadata
@@ -76,7 +76,17 @@ class Assignment:
     def on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         starts = []
         assigned: list[PartitionState] = []
-        for tp, commit in self._commits(consumer, partitions):
+        try:
+            commits = self._commits(consumer, partitions)
+        except KafkaException as e:  # raised by the engine after poll, not into librdkafka (see `error`)
+            # Seen when a rebalance reached a member inside its close(): the handle was being destroyed.
+            self.failed = True
+            self.error = BrokerError(
+                f"reading the commits of the assigned partitions failed ({e.args[0]}); "
+                "the engine starts again from the last commit"
+            )
+            return
+        for tp, commit in commits:
             key = (tp.topic, tp.partition)
             state = self.states.get(key)
             if state is None:
