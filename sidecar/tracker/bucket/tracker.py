@@ -248,11 +248,7 @@ class BucketTracker(DelayedDeliveryTracker):
                         sealed.replace_head(bucket, head)
                         continue
                     # The run: this segment's entries below the limit, the mutable head and the next bucket's head.
-                    if len(heap) > 2:
-                        second = heap[1][0] if heap[1][0] < heap[2][0] else heap[2][0]
-                    else:
-                        second = heap[1][0] if len(heap) > 1 else NO_KEY
-                    bound = min(limit, mutable_head, second)
+                    bound = min(limit, mutable_head, min(heap[1:3])[0] if len(heap) > 1 else NO_KEY)
                     at, offsets, pos = bucket.at, bucket.offsets, bucket.pos
                     stop = min(len(offsets), pos + max_messages - len(due))
                     end = pos + 1
