@@ -34,24 +34,58 @@ if "TieredStopAtLevel" not in os.environ.get("SPARK_SUBMIT_OPTS", ""):
     os.environ["SPARK_SUBMIT_OPTS"] = f"{os.environ.get('SPARK_SUBMIT_OPTS', '')} -XX:TieredStopAtLevel=1".strip()
 
 
-SPARK_FILES = ("tests/spark/", "tests/test_chaos.py")
-"""The tests that run Spark in the worker's own JVM (a session per worker) or start JVMs of their own."""
+SPARK_SESSION_FILES = "tests/spark/"
+"""The tests that share one worker's SparkSession: one unit of work (one JVM warmed up once)."""
+OWN_UNITS = ("tests/spark/test_audit_cli.py",)
+"""Spark tests that start JVMs of their own instead: a unit each, on another worker."""
+LONGEST_FIRST = (
+    "spark",
+    "tests/spark/test_audit_cli.py",
+    "tests/test_chaos.py",
+    "tests/tracker/test_recovery_broker.py",
+    "tests/test_state_topic.py",
+    "tests/test_faults.py",
+    "tests/control/test_cancel.py",
+    "tests/test_topic_removal.py",
+    "tests/bench/test_e2e_quick.py",
+    "tests/inbound/test_decide_once.py",
+    "tests/test_supervisor.py",
+    "tests/test_checkpoint.py",
+    "tests/policy/test_headers_fuzz.py",
+    "tests/test_scale.py",
+)
+"""The units of work that took longest in CI runs here, longest first. They are handed out before
+the rest: xdist orders units by their number of tests, so a long file of three tests (the chaos
+run) started last and the suite waited on it. The rest follow in collection order."""
+
+
+def work_unit(nodeid: str) -> str:
+    path = nodeid.split("::", 1)[0]
+    return "spark" if path.startswith(SPARK_SESSION_FILES) and path not in OWN_UNITS else path
 
 
 class _SparkTogether(LoadFileScheduling):
-    """A test file per unit of work, as `--dist loadfile`, except that every Spark test file is one
-    unit: they share one worker's SparkSession (one JVM warmed up once, not one per worker), and no
-    two workers compile Spark's code at once on the two shared cores."""
+    """A test file per unit of work, as `--dist loadfile`, except that the Spark test files that
+    share a session are one unit: one worker's SparkSession (one JVM warmed up once, not one per
+    worker). Units are handed out in the order of the collection (see LONGEST_FIRST)."""
+
+    def __init__(self, config: pytest.Config, log: object) -> None:
+        super().__init__(config, log)  # type: ignore[arg-type]
+        config.option.loadscopereorder = False
 
     def _split_scope(self, nodeid: str) -> str:
-        path = nodeid.split("::", 1)[0]
-        return "spark" if path.startswith(SPARK_FILES) else path
+        return work_unit(nodeid)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {unit: i for i, unit in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(work_unit(item.nodeid), len(rank)))  # stable: the rest keep their order
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> LoadFileScheduling | None:
     if config.getvalue("dist") != "loadfile":
         return None
-    return _SparkTogether(config, log)  # type: ignore[arg-type]
+    return _SparkTogether(config, log)
 
 
 _LAUNCHER: list[BrokerLauncher] = []
