@@ -541,8 +541,8 @@ def run(plan: Plan, workdir: Path, log: Any = print, spark: SparkSession | None 
             outcome.notes.append(f"nacker failed: {nacks.error!r}")
         if cancels.error is not None:
             outcome.notes.append(f"canceller failed: {cancels.error!r}")
-        if sidecar.stop() != 0:
-            outcome.notes.append(f"the sidecar did not exit 0; see {sidecar.log}")
+        if (code := sidecar.stop()) != 0:
+            outcome.notes.append(f"the sidecar did not exit 0 (exit {code}); see {sidecar.log}")
         outcome.audit = audit(bootstrap, plan.records, nacks.sent, cancels.sent, positions)
         uncommitted = {s: read_all(bootstrap, f"{TOPIC}.{s}", committed_only=False) for s in SUBSCRIPTIONS}
         for sub, found in uncommitted.items():

@@ -49,14 +49,32 @@ class Child:
         return self.process.poll() is None
 
     def stop(self, timeout_s: float = 60.0) -> int:
+        """SIGTERM, then SIGKILL after `timeout_s`; a child that did not stop leaves its Python stacks
+        in its log first (py-spy dump), so the run that found it also says where it was stuck."""
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
             try:
                 self.process.wait(timeout_s)
             except subprocess.TimeoutExpired:
+                self._dump_stacks(timeout_s)
                 self.process.kill()
                 self.process.wait()
         return self.process.returncode
+
+    def _dump_stacks(self, waited_s: float) -> None:
+        binary = py_spy()
+        with self.log.open("ab") as out:
+            heading = f"\n[bench] pid {self.pid} running {waited_s:.0f} s after SIGTERM; its stacks (py-spy dump):\n"
+            out.write(heading.encode())
+            out.flush()  # before py-spy writes to the same file
+            if binary is None:
+                out.write(b"[bench] py-spy is not installed\n")
+                return
+            try:
+                dump = [binary, "dump", "--pid", str(self.pid)]
+                subprocess.run(dump, stdout=out, stderr=out, timeout=30, check=False)
+            except subprocess.TimeoutExpired:
+                out.write(b"[bench] py-spy dump timed out\n")
 
     def tail(self, chars: int = 2000) -> str:
         return self.log.read_text(errors="replace")[-chars:] if self.log.exists() else ""
