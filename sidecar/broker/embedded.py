@@ -17,6 +17,7 @@ import errno
 import json
 import logging
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -42,7 +43,29 @@ TAKEOVER_WAIT_S = 30.0
 CONTROL_FILE = "noida.control.json"
 
 
+LOWEST_FREE_PORT = 20_000
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
+
 def free_port() -> int:
+    """A port nothing listens on, below the kernel's range of ephemeral ports where it can.
+
+    A port from bind(0) lies in that range: once its listener goes (a broker restarted on its
+    port), any outgoing connection on the host may take it as its local port, and the restart finds
+    it in use. That failed a test by chance (tests/broker/test_orphans.py, in CI). A port below the
+    range is only ever taken by a listener or an explicit bind."""
+    try:
+        low = int(EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 0
+    for _ in range(100 if low > LOWEST_FREE_PORT else 0):
+        port = random.randrange(LOWEST_FREE_PORT, low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
