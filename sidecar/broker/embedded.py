@@ -58,15 +58,16 @@ def free_port() -> int:
         low = int(EPHEMERAL_RANGE.read_text().split()[0])
     except (OSError, ValueError, IndexError):
         low = 0
-    for _ in range(100 if low > LOWEST_FREE_PORT else 0):
-        port = random.randrange(LOWEST_FREE_PORT, low)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    with socket.socket() as s:
+    if low > LOWEST_FREE_PORT:
+        for _ in range(100):
+            port = random.randrange(LOWEST_FREE_PORT, low)
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+                return port
+    with socket.socket() as s:  # no range to stay below, or nothing free below it: the kernel's choice
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
