@@ -8,7 +8,7 @@ import logging
 from collections import Counter, defaultdict
 from collections.abc import Callable
 
-from confluent_kafka import Message
+from confluent_kafka import KafkaException, Message
 
 from sidecar.clock import Clock
 from sidecar.control.acceptance import Acceptance
@@ -22,12 +22,14 @@ from sidecar.dispatch.reader import LogReader
 from sidecar.dispatch.recent import RecentRecords
 from sidecar.errors import RejectedRecord
 from sidecar.metrics import Metrics
-from sidecar.outbound.records import HeaderForm, outbound_headers
+from sidecar.outbound.records import DELIVER_AT, ORIGIN, REDELIVERY_COUNT, HeaderForm, OutHeaders, outbound_headers
 from sidecar.outbound.writer import Writer
 from sidecar.partitions import TopicPartitionKey
+from sidecar.partitions.metadata import RuleHistory
 from sidecar.partitions.state import PartitionState
-from sidecar.policy.intake import Judge
-from sidecar.policy.routes import Routes
+from sidecar.policy.headers import Headers
+from sidecar.policy.intake import Fate, Judge
+from sidecar.policy.routes import IntakeRule, Routes
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +39,19 @@ MAX_NACK_DISPATCH = 50_000
 # assignment and a fetch round trip (20 to 100 ms here), so 90,000 nacks due when judged after a
 # restart were redelivered at about 6,000 a second, one read per slice of 250 commands.
 READ_BACK_BATCH = 5_000
+
+
+Payloads = dict[TopicPartitionKey, dict[int, Message | None]]
+"""Payloads read for redelivery, per inbound partition by offset (None: gone from the log)."""
+_LEFT = "the subscription left the policies before redelivery"
+_GONE = "the message is no longer in the inbound log (retention)"
+
+
+def _payloads_of(records: Payloads, partition: TopicPartitionKey) -> dict[int, Message | None]:
+    found = records.get(partition)
+    if found is None:
+        found = records[partition] = {}
+    return found
 
 
 class Redelivery:
@@ -102,12 +117,15 @@ class Redelivery:
             return
         found, missing = self._recent.take(wanted)
         self._count_reads(found, missing)
-        records = {(key, offset): message for key, offset, message in found}
+        records: Payloads = {}
+        for key, offset, message in found:
+            _payloads_of(records, key)[offset] = message
         if missing and hold_reads:
             ready: list[AcceptedNack] = []
             for nack in out:
                 command = nack.command
-                (ready if ((command.topic, command.partition), command.offset) in records else self._held).append(nack)
+                kept = records.get((command.topic, command.partition), {})
+                (ready if command.offset in kept else self._held).append(nack)
             for key, offsets in missing.items():
                 self._held_wanted.setdefault(key, []).extend(offsets)
             self._send(ready, records)
@@ -115,7 +133,8 @@ class Redelivery:
                 self.release()
             return
         if missing:
-            records.update(((key, offset), message) for key, offset, message in self._reader.read(missing))
+            for key, offset, message in self._reader.read(missing):
+                _payloads_of(records, key)[offset] = message
         self._send(out, records)
 
     def release(self) -> None:
@@ -124,7 +143,10 @@ class Redelivery:
             return
         held, wanted = self._held, self._held_wanted
         self._held, self._held_wanted = [], {}
-        self._send(held, {(key, offset): message for key, offset, message in self._reader.read(wanted)})
+        records: Payloads = {}
+        for key, offset, message in self._reader.read(wanted):
+            _payloads_of(records, key)[offset] = message
+        self._send(held, records)
 
     def _claim(
         self, accepted: list[tuple[int, AcceptedNack]]
@@ -148,25 +170,130 @@ class Redelivery:
             offsets[command.offset] = None
         return out, {key: list(offsets) for key, offsets in wanted.items()}
 
-    def _send(self, out: list[AcceptedNack], records: dict[tuple[TopicPartitionKey, int], Message | None]) -> None:
-        """Write each nack's redelivery (or dead-letter its command); counted and observed once per
-        batch: a burst of nacks redelivers tens of thousands at once."""
+    def _send(self, out: list[AcceptedNack], records: Payloads) -> None:
+        """Write each nack's redelivery (or dead-letter its command), in order within each inbound
+        partition; counted and observed once per batch. What is the same for a partition's nacks (its
+        routes, rules, outbound partition and origin prefix) is looked up once: a burst of nacks
+        redelivers tens of thousands at once."""
         sent: Counter[tuple[str, str]] = Counter()
         deliver_ats: dict[str, list[int]] = defaultdict(list)
-        routes = self._routes()
+        by_partition: dict[TopicPartitionKey, list[AcceptedNack]] = {}
         for nack in out:
             command = nack.command
-            message = records.get(((command.topic, command.partition), command.offset))
-            if self._redeliver(nack, message, routes.get(command.topic)):
-                sent[(command.topic, command.subscription)] += 1
-                deliver_ats[command.topic].append(nack.deliver_at)
+            key = (command.topic, command.partition)
+            nacks = by_partition.get(key)
+            if nacks is None:
+                nacks = by_partition[key] = []
+            nacks.append(nack)
+        routes = self._routes()
+        for key, nacks in by_partition.items():
+            self._send_partition(key, nacks, routes.get(key[0]), records.get(key, {}), sent, deliver_ats[key[0]])
         metrics = self._metrics
         for (topic, subscription), count in sent.items():
             metrics.child(metrics.redeliveries, subscription).inc(count)
             metrics.child(metrics.delivered, topic, subscription).inc(count)
         now = self._clock.now_ms()  # after the last write: no redelivery counts as less late than it was
         for topic, ats in deliver_ats.items():
-            metrics.observe_many(metrics.child(metrics.lateness, topic), [max(now - at, 0) / 1000 for at in ats])
+            if ats:
+                metrics.observe_many(metrics.child(metrics.lateness, topic), [max(now - at, 0) / 1000 for at in ats])
+
+    def _send_partition(
+        self,
+        partition: TopicPartitionKey,
+        nacks: list[AcceptedNack],
+        routes: Routes | None,
+        records: dict[int, Message | None],
+        sent: Counter[tuple[str, str]],
+        deliver_ats: list[int],
+    ) -> None:
+        """The redeliveries of one inbound partition's messages. A message is judged again under the
+        rule it was taken with, so one that went to the dead-letter topic is never delivered."""
+        if routes is None:
+            for nack in nacks:
+                self._refuse(nack, RejectedRecord(UNKNOWN_SUBSCRIPTION, _LEFT))
+            return
+        topic, number = partition
+        writer = self._writer
+        produce = writer.producer.produce
+        owner = self._partitions.get(partition)
+        rules = owner.rules if owner is not None else None
+        current = routes.rule(self._retention_ms.get(topic))
+        compact = self._header_form == "compact"
+        prefix = f"{topic}/{number}/".encode()
+        found = self._sendable(partition, nacks, routes, records)
+        judged = [(message.headers(), max(message.timestamp()[1], 0)) for _, _, message in found]
+        fates = self._fates(rules, current, [nack for nack, _, _ in found], judged)
+        for (nack, (outbound, target), message), (original, _), fate in zip(found, judged, fates, strict=True):
+            command = nack.command
+            subscription, offset = command.subscription, command.offset
+            if fate.rejected is not None:
+                reason = f"the message went to the dead-letter topic ({fate.rejected.code}), never to {subscription!r}"
+                self._refuse(nack, RejectedRecord(UNKNOWN_MESSAGE, reason))
+                continue
+            count = command.redelivery_count + 1
+            headers: OutHeaders
+            if compact:  # outbound_headers' compact form, inlined: the count is always above 0 here
+                headers = [(k, v if v is not None else b"") for k, v in original] if original else []
+                headers.append((ORIGIN, prefix + b"%d" % offset))
+                headers.append((DELIVER_AT, b"%d" % nack.deliver_at))
+                headers.append((REDELIVERY_COUNT, b"%d" % count))
+            else:
+                headers = outbound_headers(original, topic, number, offset, nack.deliver_at, count, "v1")
+            key, value = message.key(), message.value()
+            try:
+                produce(outbound, value, key, headers=headers, partition=target)
+            except (BufferError, KafkaException):  # a full queue waits; a fenced producer raises Fenced
+                writer.send(outbound, key, value, headers, target)
+            sent[(topic, subscription)] += 1
+            deliver_ats.append(nack.deliver_at)
+
+    def _sendable(
+        self,
+        partition: TopicPartitionKey,
+        nacks: list[AcceptedNack],
+        routes: Routes,
+        records: dict[int, Message | None],
+    ) -> list[tuple[AcceptedNack, tuple[str, int], Message]]:
+        """(nack, (outbound topic, outbound partition), message) of the nacks whose subscription is
+        still in the policies and whose message was found; the others are refused here."""
+        outs: dict[str, tuple[str, int] | None] = {}
+        found: list[tuple[AcceptedNack, tuple[str, int], Message]] = []
+        for nack in nacks:
+            command = nack.command
+            subscription = command.subscription
+            if subscription in outs:
+                out = outs[subscription]
+            else:
+                sub = routes.route.subscription(subscription)
+                out = None if sub is None else (sub.outbound, self._writer.target(sub.outbound, partition[1]))
+                outs[subscription] = out
+            message = records.get(command.offset)
+            if out is None:
+                self._refuse(nack, RejectedRecord(UNKNOWN_SUBSCRIPTION, _LEFT))
+            elif message is None:
+                self._refuse(nack, RejectedRecord(UNKNOWN_MESSAGE, _GONE))
+            else:
+                found.append((nack, out, message))
+        return found
+
+    def _fates(
+        self,
+        rules: RuleHistory | None,
+        current: IntakeRule,
+        nacks: list[AcceptedNack],
+        judged: list[tuple[Headers, int]],
+    ) -> list[Fate]:
+        """The messages judged again, each under the rule it was taken with: as one list when one
+        rule covers the whole partition (the common case)."""
+        if rules is None:
+            return self._judge.many(current, judged)
+        if rules.single is not None:
+            return self._judge.many(rules.single, judged)
+        return [self._judge(rules.at(n.command.offset) or current, *j) for n, j in zip(nacks, judged, strict=True)]
+
+    def _refuse(self, nack: AcceptedNack, rejected: RejectedRecord) -> None:
+        self._reject(nack, rejected)
+        self._metrics.nacks.labels(nack.command.subscription, rejected.code.lower()).inc()
 
     def _count_reads(
         self, found: list[tuple[TopicPartitionKey, int, Message]], missing: dict[TopicPartitionKey, list[int]]
@@ -178,44 +305,6 @@ class Redelivery:
             metrics.child(metrics.payload_reads, topic, "recent").inc(count)
         for (topic, _), offsets in missing.items():
             metrics.child(metrics.payload_reads, topic, "log").inc(len(offsets))
-
-    def _redeliver(self, nack: AcceptedNack, message: Message | None, routes: Routes | None) -> bool:
-        """Write one redelivery; False when it was rejected instead (dead-lettered with its command)."""
-        command = nack.command
-        sub = routes.route.subscription(command.subscription) if routes is not None else None
-        try:
-            if routes is None or sub is None:
-                raise RejectedRecord(UNKNOWN_SUBSCRIPTION, "the subscription left the policies before redelivery")
-            if message is None:
-                raise RejectedRecord(UNKNOWN_MESSAGE, "the message is no longer in the inbound log (retention)")
-            owner = self._partitions.get((command.topic, command.partition))
-            rule = owner.rules.at(command.offset) if owner is not None else None
-            rule = rule or routes.rule(self._retention_ms.get(command.topic))
-            fate = self._judge(rule, message.headers(), max(message.timestamp()[1], 0))
-            if fate.rejected is not None:
-                raise RejectedRecord(
-                    UNKNOWN_MESSAGE,
-                    f"the message went to the dead-letter topic ({fate.rejected.code}), never to "
-                    f"{command.subscription!r}",
-                )
-        except RejectedRecord as rejected:
-            self._reject(nack, rejected)
-            self._metrics.nacks.labels(command.subscription, rejected.code.lower()).inc()
-            return False
-        headers = outbound_headers(
-            message.headers(),
-            command.topic,
-            command.partition,
-            command.offset,
-            nack.deliver_at,
-            command.redelivery_count + 1,
-            self._header_form,
-        )
-        outbound = sub.outbound
-        self._writer.send(
-            outbound, message.key(), message.value(), headers, self._writer.target(outbound, command.partition)
-        )
-        return True
 
     def _reject(self, nack: AcceptedNack, rejected: RejectedRecord) -> None:
         """The command, unchanged, to the control dead-letter topic (read back: this path is rare)."""

@@ -160,6 +160,37 @@ def test_invalid_commands_get_their_own_code_and_the_sidecar_keeps_serving(
         assert samples("delay_sidecar_nack_total", {"subscription": "(unknown)", "result": "unknown_subscription"}) == 1
 
 
+def test_a_nack_of_a_dead_lettered_message_is_refused_when_it_falls_due_and_the_others_come_back(
+    kafka: str, kafka_helper: KafkaHelper, topic_factory: TopicFactory, policy_file: PolicyFile, tmp_path: Path
+) -> None:
+    """A nack is accepted for any offset the log holds; when it falls due, its message is judged
+    again, so one that went to the dead-letter topic never reaches the subscription (README,
+    UNKNOWN_MESSAGE). Nacks of one batch for the same partition are redelivered around it."""
+    topic, control = topic_factory("deadnack"), f"ctl-{uuid.uuid4().hex[:8]}"
+    settings = settings_for(kafka, setup(topic, policy_file, max_delay="1m"), tmp_path, control_topic=control)
+    with ThreadedSidecar(settings) as sidecar:
+        kafka_helper.produce(topic, b"ok-0")
+        kafka_helper.produce(topic, b"too-far", headers=[("deliver-after", "2h")])
+        kafka_helper.produce(topic, b"ok-2")
+        kafka_helper.flush()
+        kafka_helper.read(f"{topic}.billing", 2)
+        [dead_letter] = kafka_helper.read(f"{topic}.dlt", 1)
+        assert dead_letter.headers[ERROR_CODE] == b"EXCEEDS_MAX_DELAY"
+        for offset in (0, 1, 2):
+            body = {"v": 1, "type": "nack", "subscription": "billing", "topic": topic, "partition": 0,
+                    "offset": offset, "delay_ms": 500}  # fmt: skip
+            kafka_helper.produce(control, json.dumps(body).encode(), key=f"{topic}/0/{offset}".encode(), partition=0)
+        kafka_helper.flush()
+        [refused] = kafka_helper.read(f"{control}.dlt", 1, extra_s=1.0)
+        assert (refused.headers[ERROR_CODE], json.loads(refused.value)["offset"]) == (b"UNKNOWN_MESSAGE", 1)
+        wait_for(lambda: len(kafka_helper.read_to_end(f"{topic}.billing")) == 4, 30, "both redelivered")
+        delivered = Counter(
+            (r.value, r.headers[REDELIVERY_COUNT]) for r in kafka_helper.read_to_end(f"{topic}.billing")
+        )
+        assert delivered == Counter({(b"ok-0", b"0"): 1, (b"ok-2", b"0"): 1, (b"ok-0", b"1"): 1, (b"ok-2", b"1"): 1})
+        assert sidecar.metric("delay_sidecar_nack_total", subscription="billing", result="unknown_message") == 1
+
+
 def test_1000_nacks_survive_kill_9_and_a_lost_state_dir_through_the_state_topic(
     kafka: str, kafka_helper: KafkaHelper, topic_factory: TopicFactory, policy_file: PolicyFile, tmp_path: Path
 ) -> None:
