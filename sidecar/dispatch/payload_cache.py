@@ -26,15 +26,14 @@ from __future__ import annotations
 import bisect
 import logging
 import marshal
-import shutil
 import struct
-import time
 from collections.abc import Container, Iterator, Mapping
 from pathlib import Path
 
 import rocksdict
 from confluent_kafka import Message
 
+from sidecar.dispatch.cache_store import META_CLEAN, close_quietly, one_line, open_store
 from sidecar.partitions import TopicPartitionKey
 from sidecar.tracker.base import Due
 
@@ -47,10 +46,6 @@ Entry = tuple[int, int, int, int, bytes | None, bytes | None, list[tuple[str, by
 # output is only promised to be readable by the same format version.
 FORMAT = f"2/marshal{marshal.version}".encode()
 DATA = b"d"
-META_OWNER = b"m/owner"
-META_FORMAT = b"m/format"
-META_CLEAN = b"m/clean"
-"""Written last by a clean close, with the byte counts; its absence at open means a crash."""
 MAX_DELIVER_AT = (1 << 64) - 1
 # Deliver-at time covered by one entry. It divides a second, so deleting whole seconds deletes
 # whole entries and the byte count per second stays exact.
@@ -60,8 +55,6 @@ SLOT_MS = 100
 RESUME_AT = 0.9
 # Payloads looked up per pass: a chunk of whole slots takes a few milliseconds to read.
 CHUNK = 2_000
-LOCK_TIMEOUT_S = 10.0
-LOCK_RETRY_INTERVAL_S = 0.2
 
 _U64 = struct.Struct(">Q")
 _U32 = struct.Struct(">I")
@@ -360,36 +353,10 @@ class PayloadCache:
     def open(cls, path: Path, *, owner: str, budget_bytes: int, horizon_ms: int) -> PayloadCache | None:
         if budget_bytes <= 0:
             return None
-        db: rocksdict.Rdict | None
-        try:
-            db = _open(path)
-        except _Locked as exc:
-            logger.error(
-                "payload cache locked by another process; running without it path=%s error=%s "
-                "(give each sidecar its own --state-dir)",
-                path,
-                exc,
-            )
+        opened = open_store(path, owner, FORMAT)
+        if opened is None:
             return None
-        except Exception as exc:  # corrupt or not a RocksDB: it is only a cache
-            logger.warning("payload cache cannot be opened; dropping it path=%s error=%s", path, _one_line(exc))
-            db = _recreate(path, None)
-        else:
-            try:
-                reason = _unusable(db, owner)
-            except Exception as exc:
-                reason = f"unreadable ({_one_line(exc)})"
-            if reason is not None:
-                logger.warning("payload cache dropped path=%s reason=%s", path, reason)
-                db = _recreate(path, db)
-        if db is None:
-            return None
-        try:
-            counts = _start(db, owner)
-        except Exception as exc:
-            logger.error("payload cache unusable; running without it path=%s error=%s", path, _one_line(exc))
-            _close_quietly(db)
-            return None
+        db, counts = opened
         cache = cls(path, db, ByteBudget(budget_bytes, counts), horizon_ms)
         logger.info(
             "payload cache open path=%s used_bytes=%d budget_bytes=%d horizon_ms=%d",
@@ -412,7 +379,7 @@ class PayloadCache:
             self._db.put(META_CLEAN, marshal.dumps(self.budget.by_second), synced)
         except Exception as exc:  # the next start drops it: only timing is lost
             logger.warning("payload cache not closed cleanly; it is dropped at the next start error=%s", exc)
-        _close_quietly(self._db)
+        close_quietly(self._db)
 
     # ----------------------------------------------------------------- the three operations
 
@@ -467,100 +434,5 @@ class PayloadCache:
                 "(check free disk space; deleting the cache directory while stopped is safe)",
                 operation,
                 self.path,
-                _one_line(exc),
+                one_line(exc),
             )
-
-
-class _Locked(Exception):
-    pass
-
-
-def _options() -> rocksdict.Options:
-    options = rocksdict.Options(raw_mode=True)
-    options.create_if_missing(True)
-    options.set_write_buffer_size(16 << 20)
-    options.set_max_write_buffer_number(2)
-    options.set_compression_type(rocksdict.DBCompressionType.lz4())
-    options.set_keep_log_file_num(2)
-    table = rocksdict.BlockBasedOptions()
-    table.set_block_cache(rocksdict.Cache(8 << 20))
-    options.set_block_based_table_factory(table)
-    return options
-
-
-def _open(path: Path) -> rocksdict.Rdict:
-    """Open, waiting a while for a previous sidecar that still holds the lock."""
-    if path.exists() and not path.is_dir():
-        raise ValueError(f"{path} is a file")
-    deadline = time.monotonic() + LOCK_TIMEOUT_S
-    while True:
-        try:
-            return rocksdict.Rdict(str(path), _options())
-        except Exception as exc:
-            if "lock" not in str(exc).lower():
-                raise
-            if time.monotonic() >= deadline:
-                raise _Locked(_one_line(exc)) from exc
-            time.sleep(LOCK_RETRY_INTERVAL_S)
-
-
-def _unusable(db: rocksdict.Rdict, owner: str) -> str | None:
-    """Why an existing cache must not be used, or None. A new, empty cache is usable."""
-    stored_owner = db.get(META_OWNER)
-    if stored_owner is None:
-        return None if _empty(db) else "no owner recorded"
-    if stored_owner != owner.encode():
-        return f"written for another cluster or group ({stored_owner.decode(errors='replace')})"
-    if db.get(META_FORMAT) != FORMAT:
-        return "written by another version"
-    if db.get(META_CLEAN) is None:
-        return "the last run did not stop cleanly"
-    return None
-
-
-def _empty(db: rocksdict.Rdict) -> bool:
-    for _ in db.keys():  # noqa: SIM118 - keys() reads no values
-        return False
-    return True
-
-
-def _start(db: rocksdict.Rdict, owner: str) -> dict[int, int]:
-    """Record the owner, take the byte counts of the last clean close and remove the clean mark
-    (synced), so a crash from here on is noticed at the next start."""
-    clean = db.get(META_CLEAN)
-    counts: dict[int, int] = marshal.loads(clean) if clean is not None else {}
-    synced = rocksdict.WriteOptions()
-    synced.sync = True
-    batch = rocksdict.WriteBatch(raw_mode=True)
-    batch.put(META_OWNER, owner.encode())
-    batch.put(META_FORMAT, FORMAT)
-    batch.delete(META_CLEAN)
-    db.write(batch, synced)
-    return counts
-
-
-def _recreate(path: Path, db: rocksdict.Rdict | None) -> rocksdict.Rdict | None:
-    if db is not None:
-        _close_quietly(db)
-    try:
-        shutil.rmtree(path, ignore_errors=False) if path.is_dir() else path.unlink(missing_ok=True)
-        return rocksdict.Rdict(str(path), _options())
-    except Exception as exc:
-        logger.error(
-            "payload cache cannot be created; running without it path=%s error=%s "
-            "(check the state dir's permissions and free space)",
-            path,
-            _one_line(exc),
-        )
-        return None
-
-
-def _close_quietly(db: rocksdict.Rdict) -> None:
-    try:
-        db.close()
-    except Exception as exc:
-        logger.debug("payload cache close failed error=%s", exc)
-
-
-def _one_line(exc: BaseException) -> str:
-    return str(exc).replace("\n", " ")
