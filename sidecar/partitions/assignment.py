@@ -113,7 +113,8 @@ class Assignment:
             consumer.assign(starts)
         if starts:
             # librdkafka keeps a partition paused across a revoke and a new assignment: whoever paused
-            # it (IdleFetch, a removed topic's drain) lost track of it with the revoke.
+            # it (IdleFetch, a removed topic's drain) lost track of it with the revoke. What holds is
+            # the resume as it leaves (`_release`): this one can be dropped (see there), a second chance.
             consumer.resume(starts)
         self.assigned.set()
         self._handoff("assigned", len(starts))
@@ -182,6 +183,7 @@ class Assignment:
                 self._checkpoint()
             except Exception as e:  # a fenced producer, a broker gone: the engine raises it after poll
                 self.failed, self.error = True, e
+        _release(consumer, partitions)
         self._drop(partitions)
         self._handoff("revoked", len(partitions))
         logger.info("partitions revoked partitions=%s", _names(partitions))
@@ -196,6 +198,7 @@ class Assignment:
                 "partitions were lost to the group (this member was away longer than the session timeout); "
                 "their transaction was aborted and the engine starts again from the commit"
             )
+        _release(consumer, partitions)
         self._drop(partitions)
         self._handoff("lost", len(partitions))
         logger.warning("partitions lost partitions=%s", _names(partitions))
@@ -210,6 +213,21 @@ class Assignment:
             if state is not None:
                 self._forget(state)
                 state.tracker.close()
+
+
+def _release(consumer: Consumer, partitions: list[TopicPartition]) -> None:
+    """Resume the partitions leaving this member, whoever paused them (IdleFetch, a removed topic's
+    drain). librdkafka keeps a partition paused through an unassign and a later assign, and the
+    resume that `on_assign` sends then can be dropped as outdated, by the version barrier of the
+    assignment's own fetch start (librdkafka#5591): the partition would stay paused with nobody to
+    resume it, and its records would never be read. Resumed while still assigned, it is not paused
+    when it comes back."""
+    if not partitions:
+        return
+    try:
+        consumer.resume(partitions)
+    except KafkaException as e:  # the consumer is closing: nothing comes back to this handle
+        logger.debug("leaving partitions not resumed partitions=%s error=%s", _names(partitions), e)
 
 
 def _decoded(commits: list[TopicPartition]) -> list[tuple[TopicPartition, CommitMetadata]]:

@@ -176,6 +176,39 @@ def test_a_partition_paused_when_it_was_revoked_fetches_again_once_assigned_agai
     assert got == [b"after"]
 
 
+@pytest.mark.parametrize("leaving", ["revoked", "lost"])
+def test_a_partition_paused_when_it_leaves_is_not_paused_when_it_comes_back(
+    kafka: str, kafka_helper: KafkaHelper, topic_factory: Callable[..., str], clock: ManualClock, leaving: str
+) -> None:
+    """The resume sent with an assignment can be dropped by librdkafka (librdkafka#5591; a CI run
+    saw a member never read a control partition it kept through a rebalance). A partition IdleFetch
+    paused is resumed as it leaves, so it comes back unpaused even when nothing resumes it then:
+    here it is assigned again by the consumer alone."""
+    topic = topic_factory("leaving")
+    consumer = Consumer({"bootstrap.servers": kafka, "group.id": f"g-{topic}", "auto.offset.reset": "earliest"})
+    assignment = Assignment(
+        lambda t, p: InMemoryTracker(clock), lambda t: False, lambda: None, lambda s: None, end_of=lambda t, p: 0
+    )
+    tp = TopicPartition(topic, 0, 0)
+    try:
+        consumer.assign([tp])
+        consumer.pause([tp])  # at its end when the group took it away
+        consumer.poll(0.5)
+        (assignment.on_revoke if leaving == "revoked" else assignment.on_lost)(consumer, [TopicPartition(topic, 0)])
+        consumer.unassign()
+        consumer.poll(0.5)
+        consumer.assign([tp])  # no resume of its own
+        kafka_helper.produce(topic, b"after", partition=0)
+        kafka_helper.flush()
+        got: list[bytes] = []
+        deadline = time.monotonic() + 15
+        while not got and time.monotonic() < deadline:
+            got += [r.value() for r in consumer.consume(10, 0.2) if r.error() is None]
+    finally:
+        consumer.close()
+    assert got == [b"after"]
+
+
 def test_while_a_seek_hides_the_position_the_end_reached_stands_for_it_until_the_partition_is_revoked() -> None:
     """The engine's holds end on the consumer's position: after a seek librdkafka reports none until a
     record comes, and the hold past an open transaction never ended (a test in test_cancel.py)."""
