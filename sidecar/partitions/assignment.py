@@ -114,7 +114,7 @@ class Assignment:
         if starts:
             # librdkafka keeps a partition paused across a revoke and a new assignment: whoever paused
             # it (IdleFetch, a removed topic's drain) lost track of it with the revoke. What holds is
-            # the resume as it leaves (`_release`): this one can be dropped (see there), a second chance.
+            # the resume as it leaves (`_release`): this one can be lost (see there), a second chance.
             consumer.resume(starts)
         self.assigned.set()
         self._handoff("assigned", len(starts))
@@ -217,11 +217,11 @@ class Assignment:
 
 def _release(consumer: Consumer, partitions: list[TopicPartition]) -> None:
     """Resume the partitions leaving this member, whoever paused them (IdleFetch, a removed topic's
-    drain). librdkafka keeps a partition paused through an unassign and a later assign, and the
-    resume that `on_assign` sends then can be dropped as outdated, by the version barrier of the
-    assignment's own fetch start (librdkafka#5591): the partition would stay paused with nobody to
-    resume it, and its records would never be read. Resumed while still assigned, it is not paused
-    when it comes back."""
+    drain). librdkafka keeps a partition paused through an unassign and a later assign, and a resume
+    sent around an assignment can be lost in a race with the assignment's own operations (reported
+    as librdkafka#5591; not reproduced here): the partition then stays paused with nobody to resume
+    it, and its records are never read. Resumed while still assigned, it is not paused when it comes
+    back, whatever happens to the resume that `on_assign` sends."""
     if not partitions:
         return
     try:
