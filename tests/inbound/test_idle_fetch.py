@@ -147,32 +147,47 @@ def test_a_real_consumer_is_paused_at_its_end_and_reads_what_came_meanwhile_once
     assert seen == Counter({f"{x}{i}".encode(): 1 for x in "ab" for i in range(3)})
 
 
+Hook = Callable[[Consumer, list[TopicPartition]], object]
+
+
+def read_after_a_paused_rebalance(
+    kafka: str, kafka_helper: KafkaHelper, topic: str, leave: Hook, back: Hook
+) -> list[bytes]:
+    """Partition 0 of `topic`, paused at its end, leaves the consumer (`leave`, then an unassign) and
+    comes back (`back`); what the consumer reads then of a record written after."""
+    consumer = Consumer({"bootstrap.servers": kafka, "group.id": f"g-{topic}", "auto.offset.reset": "earliest"})
+    got: list[bytes] = []
+    try:
+        consumer.assign([TopicPartition(topic, 0, 0)])
+        consumer.pause([TopicPartition(topic, 0, 0)])  # at its end when the group took it away
+        consumer.poll(0.5)  # librdkafka applies pauses and assignments in turn, on its own thread
+        leave(consumer, [TopicPartition(topic, 0)])
+        consumer.unassign()
+        consumer.poll(0.5)
+        back(consumer, [TopicPartition(topic, 0)])
+        kafka_helper.produce(topic, b"after", partition=0)
+        kafka_helper.flush()
+        deadline = time.monotonic() + 30
+        while not got and time.monotonic() < deadline:
+            got += [r.value() for r in consumer.consume(10, 0.2) if r.error() is None]
+    finally:
+        consumer.close()
+    return got
+
+
+def assignment_of(clock: ManualClock) -> Assignment:
+    return Assignment(
+        lambda t, p: InMemoryTracker(clock), lambda t: False, lambda: None, lambda s: None, end_of=lambda t, p: 0
+    )
+
+
 def test_a_partition_paused_when_it_was_revoked_fetches_again_once_assigned_again(
     kafka: str, kafka_helper: KafkaHelper, topic_factory: Callable[..., str], clock: ManualClock
 ) -> None:
     """librdkafka keeps a partition paused across unassign and assign; IdleFetch forgets it at the
     revoke. Before Assignment resumed what it assigns, the partition never read again."""
     topic = topic_factory("reassigned")
-    consumer = Consumer({"bootstrap.servers": kafka, "group.id": f"g-{topic}", "auto.offset.reset": "earliest"})
-    assignment = Assignment(
-        lambda t, p: InMemoryTracker(clock), lambda t: False, lambda: None, lambda s: None, end_of=lambda t, p: 0
-    )
-    tp = TopicPartition(topic, 0, 0)
-    try:
-        consumer.assign([tp])
-        consumer.pause([tp])  # at its end when the group took it away
-        consumer.poll(0.5)  # librdkafka applies pauses and assignments in turn, on its own thread
-        consumer.unassign()
-        consumer.poll(0.5)
-        assignment.on_assign(consumer, [TopicPartition(topic, 0)])
-        kafka_helper.produce(topic, b"after", partition=0)
-        kafka_helper.flush()
-        got: list[bytes] = []
-        deadline = time.monotonic() + 30
-        while not got and time.monotonic() < deadline:
-            got += [r.value() for r in consumer.consume(10, 0.2) if r.error() is None]
-    finally:
-        consumer.close()
+    got = read_after_a_paused_rebalance(kafka, kafka_helper, topic, lambda c, ps: None, assignment_of(clock).on_assign)
     assert got == [b"after"]
 
 
@@ -180,32 +195,13 @@ def test_a_partition_paused_when_it_was_revoked_fetches_again_once_assigned_agai
 def test_a_partition_paused_when_it_leaves_is_not_paused_when_it_comes_back(
     kafka: str, kafka_helper: KafkaHelper, topic_factory: Callable[..., str], clock: ManualClock, leaving: str
 ) -> None:
-    """The resume sent with an assignment can be dropped by librdkafka (librdkafka#5591; a CI run
-    saw a member never read a control partition it kept through a rebalance). A partition IdleFetch
-    paused is resumed as it leaves, so it comes back unpaused even when nothing resumes it then:
-    here it is assigned again by the consumer alone."""
-    topic = topic_factory("leaving")
-    consumer = Consumer({"bootstrap.servers": kafka, "group.id": f"g-{topic}", "auto.offset.reset": "earliest"})
-    assignment = Assignment(
-        lambda t, p: InMemoryTracker(clock), lambda t: False, lambda: None, lambda s: None, end_of=lambda t, p: 0
-    )
-    tp = TopicPartition(topic, 0, 0)
-    try:
-        consumer.assign([tp])
-        consumer.pause([tp])  # at its end when the group took it away
-        consumer.poll(0.5)
-        (assignment.on_revoke if leaving == "revoked" else assignment.on_lost)(consumer, [TopicPartition(topic, 0)])
-        consumer.unassign()
-        consumer.poll(0.5)
-        consumer.assign([tp])  # no resume of its own
-        kafka_helper.produce(topic, b"after", partition=0)
-        kafka_helper.flush()
-        got: list[bytes] = []
-        deadline = time.monotonic() + 15
-        while not got and time.monotonic() < deadline:
-            got += [r.value() for r in consumer.consume(10, 0.2) if r.error() is None]
-    finally:
-        consumer.close()
+    """The resume sent with an assignment can be lost in librdkafka (librdkafka#5591; a CI run saw a
+    member never read a control partition it kept through a rebalance). A partition IdleFetch paused
+    is resumed as it leaves, so it comes back unpaused even when nothing resumes it then: here the
+    consumer alone assigns it again."""
+    topic, assignment = topic_factory("leaving"), assignment_of(clock)
+    leave = assignment.on_revoke if leaving == "revoked" else assignment.on_lost
+    got = read_after_a_paused_rebalance(kafka, kafka_helper, topic, leave, lambda c, ps: c.assign(ps))
     assert got == [b"after"]
 
 
