@@ -3,9 +3,15 @@
 Usage: .venv/bin/python -m bench [--quick] [--records N] [--scenarios ceiling,relay-2,passthrough,...]
                                  [--fixed-rate R] [--plot] [--profile delayed,...] [--out bench/results/e2e.json]
 
-Starts a fresh embedded broker (noida-db), runs the scenarios in order, prints a markdown table and
-writes it with every figure to bench/results/e2e.json (and a lateness chart with --plot). The
-sidecar and the relay run as processes of their own; see bench/scenarios.py for what is timed.
+Runs the scenarios in order, each on a fresh embedded broker (noida-db) of its own, prints a
+markdown table and writes it with every figure to bench/results/e2e.json (and a lateness chart with
+--plot). The sidecar and the relay run as processes of their own; see bench/scenarios.py for what
+is timed.
+
+A broker of its own per scenario, because noida-db keeps every record in memory and writes all of
+them to one file about once a second: after five scenarios that file held 2 GB, and writing it took
+CPU from the scenario then running, while the relay it is compared with ran first, on an empty
+broker. `--one-broker` runs every scenario on one broker, as runs before 2026-11-27 13:00 UTC did.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -50,6 +57,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--profile", default="", help="scenarios whose sidecar py-spy samples (py-spy installed)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON results file")
     parser.add_argument("--keep", action="store_true", help="keep the work dir (broker data, logs, profiles)")
+    parser.add_argument(
+        "--one-broker", action="store_true", help="run every scenario on one broker (each gets its own by default)"
+    )
     args = parser.parse_args(argv)
     unknown = {s for s in args.scenarios.split(",") if s} - set(SCENARIOS) - set(EXTRA_SCENARIOS)
     if unknown:
@@ -76,6 +86,18 @@ def _interrupt(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
+def _run(name: str, ctx: Context) -> Result:
+    print(f"[bench] {name} ...", file=sys.stderr, flush=True)
+    t0 = time.monotonic()
+    result = RUNNERS[name](ctx)
+    print(
+        f"[bench] {name} done in {time.monotonic() - t0:.1f}s completed={result.completed} {result.figures}",
+        file=sys.stderr,
+        flush=True,
+    )
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     # SIGTERM, and SIGINT in a background job (where the shell ignores it), must still stop the
@@ -89,22 +111,23 @@ def main(argv: list[str] | None = None) -> int:
     results: list[Result] = []
     started = time.monotonic()
     try:
-        with EmbeddedBroker(workdir / "broker", port=free_port()) as broker:
-            env = environment(broker.bootstrap_servers, command)
-            ctx = Context(broker.bootstrap_servers, workdir, sizes, profile=set(args.profile.split(",")) - {""})
-            for name in wanted:
-                print(f"[bench] {name} ...", file=sys.stderr, flush=True)
-                t0 = time.monotonic()
-                result = RUNNERS[name](ctx)
-                results.append(result)
-                print(
-                    f"[bench] {name} done in {time.monotonic() - t0:.1f}s completed={result.completed} "
-                    f"{result.figures}",
-                    file=sys.stderr,
-                    flush=True,
-                )
-            if ctx.watermarks is not None:
-                ctx.watermarks.close()
+        groups = [wanted] if args.one_broker else [[name] for name in wanted]
+        ctx = Context("", workdir, sizes, profile=set(args.profile.split(",")) - {""})
+        env: dict[str, Any] = {}
+        for i, group in enumerate(groups):
+            data = workdir / f"broker-{i}"
+            with EmbeddedBroker(data, port=free_port()) as broker:
+                ctx.bootstrap = broker.bootstrap_servers
+                env = env or environment(broker.bootstrap_servers, command)
+                for name in group:
+                    results.append(_run(name, ctx))
+                if ctx.watermarks is not None:
+                    ctx.watermarks.close()
+                    ctx.watermarks = None
+            if not args.keep:
+                shutil.rmtree(data, ignore_errors=True)  # a scenario's broker file can take gigabytes
+        if not args.one_broker:
+            env["broker"] = f"{env['broker']}, a fresh one for each scenario"
         env["duration_s"] = round(time.monotonic() - started, 1)
         table = markdown(env, results)
         print(table)
