@@ -6,7 +6,7 @@ partition's delivered watermark covers it once it is redelivered, superseded or 
 
 import logging
 from collections import Counter, defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from confluent_kafka import KafkaException, Message
 
@@ -47,11 +47,14 @@ _LEFT = "the subscription left the policies before redelivery"
 _GONE = "the message is no longer in the inbound log (retention)"
 
 
-def _payloads_of(records: Payloads, partition: TopicPartitionKey) -> dict[int, Message | None]:
-    found = records.get(partition)
-    if found is None:
-        found = records[partition] = {}
-    return found
+def _add(records: Payloads, read: Iterable[tuple[TopicPartitionKey, int, Message | None]]) -> Payloads:
+    """`records` with the (partition, offset, record) of a read (or of those kept since intake) added."""
+    for partition, offset, message in read:
+        found = records.get(partition)
+        if found is None:
+            found = records[partition] = {}
+        found[offset] = message
+    return records
 
 
 class Redelivery:
@@ -117,9 +120,7 @@ class Redelivery:
             return
         found, missing = self._recent.take(wanted)
         self._count_reads(found, missing)
-        records: Payloads = {}
-        for key, offset, message in found:
-            _payloads_of(records, key)[offset] = message
+        records = _add({}, found)
         if missing and hold_reads:
             ready: list[AcceptedNack] = []
             for nack in out:
@@ -133,8 +134,7 @@ class Redelivery:
                 self.release()
             return
         if missing:
-            for key, offset, message in self._reader.read(missing):
-                _payloads_of(records, key)[offset] = message
+            _add(records, self._reader.read(missing))
         self._send(out, records)
 
     def release(self) -> None:
@@ -143,10 +143,7 @@ class Redelivery:
             return
         held, wanted = self._held, self._held_wanted
         self._held, self._held_wanted = [], {}
-        records: Payloads = {}
-        for key, offset, message in self._reader.read(wanted):
-            _payloads_of(records, key)[offset] = message
-        self._send(held, records)
+        self._send(held, _add({}, self._reader.read(wanted)))
 
     def _claim(
         self, accepted: list[tuple[int, AcceptedNack]]
