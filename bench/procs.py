@@ -119,12 +119,13 @@ def start_sidecar(
     raise RuntimeError(f"the sidecar's metrics endpoint did not answer within 60 s:\n{child.tail()}")
 
 
-def start_relay(bootstrap: str, inbound: str, outbound: list[str], group: str, log: Path) -> Child:
+def start_relay(
+    bootstrap: str, inbound: str, outbound: list[str], group: str, log: Path, contract_headers: bool = False
+) -> Child:
     each = [arg for topic in outbound for arg in ("--outbound", topic)]
-    return Child(
-        [sys.executable, "-m", "bench.relay", "--bootstrap", bootstrap, "--inbound", inbound, *each, "--group", group],
-        log,
-    )
+    extra = ["--contract-headers"] if contract_headers else []
+    argv = [sys.executable, "-m", "bench.relay", "--bootstrap", bootstrap, "--inbound", inbound, "--group", group]
+    return Child([*argv, *each, *extra], log)
 
 
 def load_argv(

@@ -3,6 +3,9 @@
 * ceiling: each inbound record to one topic, the leanest relay (the bare ceiling);
 * relay-2: each inbound record to one topic per subscription, key, value and headers copied, with the
   same producer settings: the same I/O as the sidecar with its two subscriptions (issue 13's relay).
+* relay-2-headers: relay-2 with what the contract asks of every delivery, the inbound partition kept and
+  the compact form's two headers. No sidecar that honours the contract in one Python process can pass
+  it, so pass-through is also reported against it (`x_contract_floor`).
 
 Their rates are timed from the first outbound record to the last by watermarks (bench/probe.py).
 """
@@ -17,7 +20,7 @@ from bench.probe import RssSampler, create_topic, wait_for_outbound
 from bench.procs import load_argv, run_load, start_relay
 
 
-def _relay(ctx: Context, name: str, outputs: int) -> tuple[Result, float | None]:
+def _relay(ctx: Context, name: str, outputs: int, contract_headers: bool = False) -> tuple[Result, float | None]:
     """bench/relay.py writing each inbound record to `outputs` topics; its per-topic rate."""
     n = ctx.sizes.ceiling
     result = Result(name, n, outputs)
@@ -28,7 +31,8 @@ def _relay(ctx: Context, name: str, outputs: int) -> tuple[Result, float | None]
     load = run_load(load_argv(ctx.bootstrap, inbound, n), ctx.log(f"{name}-load"))
     result.figures["produce_rate"] = round(load["rate"])
     started = time.monotonic()
-    relay = start_relay(ctx.bootstrap, inbound, outbound, f"bench-{name}-{uuid.uuid4().hex[:6]}", ctx.log(name))
+    group = f"bench-{name}-{uuid.uuid4().hex[:6]}"
+    relay = start_relay(ctx.bootstrap, inbound, outbound, group, ctx.log(name), contract_headers)
     rss = RssSampler(relay.pid).start()
     # Polled 5x as often as the sidecar: a relay carries 100,000 records in a few tenths of a second,
     # so 50 ms steps would make its rate, which every target is set against, a guess.
@@ -57,4 +61,11 @@ def relay_2(ctx: Context) -> Result:
     ctx.ratios(result, ctx.relay_rate)
     if ctx.relay_rate:
         result.figures["same_io_relay_1m_s"] = round(1_000_000 / ctx.relay_rate, 2)
+    return result
+
+
+def relay_2_headers(ctx: Context) -> Result:
+    """relay-2 paying the contract's per-delivery cost: the floor for pass-through."""
+    result, ctx.floor_rate = _relay(ctx, "relay-2-headers", len(SUBSCRIPTIONS), contract_headers=True)
+    ctx.ratios(result, ctx.floor_rate)
     return result

@@ -136,6 +136,22 @@ def targets(results: list[Result]) -> list[dict[str, Any]]:
     return out
 
 
+def _floor(results: list[Result]) -> str:
+    """How far the contract alone puts pass-through from the relay, and pass-through from the contract."""
+    by_name = {r.name: r for r in results}
+    floor = by_name.get("relay-2-headers")
+    if floor is None or floor.figures.get("x_same_io_relay") is None:
+        return ""
+    text = (
+        f"The contract's floor (relay-2-headers: relay-2 with the inbound partition kept and the two compact "
+        f"headers) ran at {floor.figures['x_same_io_relay']:.2f}x relay-2"
+    )
+    passthrough = by_name.get("passthrough")
+    if passthrough is not None and passthrough.figures.get("x_contract_floor") is not None:
+        text += f"; pass-through at {passthrough.figures['x_contract_floor']:.2f}x that floor"
+    return text + "."
+
+
 def _target(name: str, measured: str, met: bool | None) -> dict[str, Any]:
     return {"target": name, "measured": measured, "met": met}
 
@@ -182,6 +198,9 @@ def markdown(env: dict[str, Any], results: list[Result]) -> str:
         for t in checks:
             met = "yes" if t["met"] else "**no**"
             lines.append(f"| {t['target']} | {t['measured']} | {met} |")
+    floor = _floor(results)
+    if floor:
+        lines += ["", floor]
     notes = [f"- {r.name}: {note}" for r in results for note in r.notes]
     extras = [
         f"- {r.name}: "
@@ -208,6 +227,7 @@ def markdown(env: dict[str, Any], results: list[Result]) -> str:
                 "target_produce_rate",
                 "same_io_relay_s",
                 "same_io_relay_1m_s",
+                "x_contract_floor",
             }
         )
         for r in results

@@ -40,13 +40,14 @@ from bench.procs import (
     start_profiler,
     start_sidecar,
 )
-from bench.relays import ceiling, relay_2
+from bench.relays import ceiling, relay_2, relay_2_headers
 from sidecar.broker.embedded import free_port
 
 # Issue 13's set; the relays first, since every later scenario is reported as a ratio to them.
 SCENARIOS = (
     "ceiling",
     "relay-2",
+    "relay-2-headers",
     "passthrough",
     "delayed",
     "delayed-small-cache",
@@ -327,6 +328,7 @@ def fixed_paced(ctx: Context) -> Result:
 RUNNERS: dict[str, Callable[[Context], Result]] = {
     "ceiling": ceiling,
     "relay-2": relay_2,
+    "relay-2-headers": relay_2_headers,
     "passthrough": passthrough,
     "delayed": delayed,
     "delayed-small-cache": delayed_small_cache,
