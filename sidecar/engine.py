@@ -13,8 +13,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future
-from queue import SimpleQueue
 from typing import Any
 
 from confluent_kafka import Consumer, Message
@@ -56,7 +54,7 @@ from sidecar.outbound.writer import Writer
 from sidecar.partitions.assignment import Assignment
 from sidecar.partitions.gauges import publish_due_gauges, publish_index_gauges
 from sidecar.partitions.holds import Holds
-from sidecar.partitions.lookup import Whereabouts, locate
+from sidecar.partitions.lookup import Questions, Whereabouts
 from sidecar.partitions.metadata import CommitMetadata
 from sidecar.partitions.state import PartitionState
 from sidecar.policy import PolicySet
@@ -135,7 +133,6 @@ class Sidecar:
         self._subscribed: frozenset[str] = frozenset()
         self._stalled_until = 0.0
         self._due_gauges_at = 0.0
-        self._questions: SimpleQueue[tuple[str, int, int, Future[Whereabouts]]] = SimpleQueue()
         librdkafka = LIBRDKAFKA
         self._connectivity = Connectivity()
         self._outages_seen = 0
@@ -248,6 +245,10 @@ class Sidecar:
             Rebuilder(self._delivery, retention, metrics, commands),
             ControlIntake(self._acceptance, self._redelivery), writer.poll, self._recent.keep,
         )  # fmt: skip
+        self._questions = Questions(
+            states, self._current_routes, retention, self._reader.read_one, self._nacks.pending_for,
+            lambda: self._consumer.memberid() or "",
+        )  # fmt: skip
         self.assigned = assignment.assigned
         """Set once the group gave this member partitions: it is serving."""
         self.degraded: list[str] = []
@@ -261,26 +262,7 @@ class Sidecar:
 
     def where_is(self, topic: str, partition: int, offset: int, timeout_s: float = 10.0) -> Whereabouts:
         """GET /messages/...: asked from the HTTP thread, answered by the loop between two turns."""
-        question: Future[Whereabouts] = Future()
-        self._questions.put((topic, partition, offset, question))
-        return question.result(timeout_s)
-
-    def _answer_questions(self) -> None:
-        while not self._questions.empty():
-            topic, partition, offset, question = self._questions.get_nowait()
-            state = self._assignment.states.get((topic, partition))
-            routes = self._routes.get(topic)
-            try:
-                # A nack lies with its control partition's owner, which need not own the message.
-                subs = [s.name for s in routes.route.subscriptions] if routes is not None else []
-                nacks = self._nacks.pending_for(topic, partition, offset, subs)
-                answer = None
-                if state is not None and not state.control and routes is not None:
-                    retention = self._admin.retention_ms.get(topic)
-                    answer = locate(state, routes, retention, offset, self._reader.read_one, nacks)
-                question.set_result(Whereabouts(answer, nacks, self._consumer.memberid() or ""))
-            except Exception as e:  # the asker gets the error; the loop goes on
-                question.set_exception(e)
+        return self._questions.ask(topic, partition, offset, timeout_s)
 
     def _paced(self, partition: tuple[str, int]) -> bool:
         """Served, and not paused by the engine itself (a removed topic's drain): IdleFetch may pause it."""
@@ -312,7 +294,7 @@ class Sidecar:
                     collector.between_turns(wait, idle=not records)
                     wait = self._idle.wait_s(min(wait, MAX_WAIT_S))
                     records = self._idle.take(consume_batch(self._consumer, self._batch_size, wait))
-                    self._answer_questions()
+                    self._questions.answer()
                     if self._assignment.error is not None:
                         raise self._assignment.error
                     if self._removed:

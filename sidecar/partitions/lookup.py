@@ -7,11 +7,14 @@ judged again with the rule it was taken in with, as a rebuild would.
 """
 
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future
+from queue import SimpleQueue
 from typing import Any, NamedTuple
 
 from confluent_kafka import Message
 
 from sidecar.control.cancels import is_marked
+from sidecar.partitions import TopicPartitionKey
 from sidecar.partitions.state import PartitionState
 from sidecar.policy.intake import judge
 from sidecar.policy.routes import Routes
@@ -31,6 +34,55 @@ class Whereabouts(NamedTuple):
     """Its nacks pending here: this member owns the control partitions they came on."""
     member_id: str
     """This member's id in the consumer group, to tell itself apart from the others."""
+
+
+class Questions:
+    """Questions asked from the HTTP thread, answered on the engine's thread between two turns:
+    the index and the nack table are the loop's own, and are read only from it."""
+
+    def __init__(
+        self,
+        states: Mapping[TopicPartitionKey, PartitionState],
+        routes: Callable[[], Mapping[str, Routes]],
+        retention_ms: Mapping[str, int | None],
+        read: ReadOne,
+        nacks: Callable[[str, int, int, list[str]], Nacks],
+        member_id: Callable[[], str],
+    ) -> None:
+        """`nacks`: (topic, partition, offset, subscriptions) to the message's nacks pending here."""
+        self._states = states
+        self._routes = routes
+        self._retention_ms = retention_ms
+        self._read = read
+        self._nacks = nacks
+        self._member_id = member_id
+        self._asked: SimpleQueue[tuple[str, int, int, Future[Whereabouts]]] = SimpleQueue()
+
+    def ask(self, topic: str, partition: int, offset: int, timeout_s: float) -> Whereabouts:
+        """From any thread: waits for the loop's answer (TimeoutError when it is stuck)."""
+        question: Future[Whereabouts] = Future()
+        self._asked.put((topic, partition, offset, question))
+        return question.result(timeout_s)
+
+    def answer(self) -> None:
+        """On the engine's thread: every question asked since the last turn."""
+        while not self._asked.empty():
+            topic, partition, offset, question = self._asked.get_nowait()
+            try:
+                question.set_result(self._where(topic, partition, offset))
+            except Exception as e:  # the asker gets the error; the loop goes on
+                question.set_exception(e)
+
+    def _where(self, topic: str, partition: int, offset: int) -> Whereabouts:
+        state = self._states.get((topic, partition))
+        routes = self._routes().get(topic)
+        # A nack lies with its control partition's owner, which need not own the message.
+        subs = [s.name for s in routes.route.subscriptions] if routes is not None else []
+        nacks = self._nacks(topic, partition, offset, subs)
+        answer = None
+        if state is not None and not state.control and routes is not None:
+            answer = locate(state, routes, self._retention_ms.get(topic), offset, self._read, nacks)
+        return Whereabouts(answer, nacks, self._member_id())
 
 
 def locate(
