@@ -93,19 +93,19 @@ class Redelivery:
 
         What an entry stands for is in `LatestNacks`, which holds every nack in force: the control
         log is not read back (an entry that stands for nothing in force was superseded)."""
-        found: list[tuple[int, AcceptedNack]] = []
+        settled: list[AcceptedNack] = []
         stalled = False
+        settle = self._nacks.settle_due
         for state in controls:
             if state.tracker.has_message_available():
                 due = state.tracker.pop_due(MAX_NACK_DISPATCH)
                 if not due:
                     stalled = True
+                topic, partition = state.topic, state.partition
                 for entry in due:
-                    found += [
-                        (entry.offset, nack) for nack in self._nacks.due(state.topic, state.partition, entry.offset)
-                    ]
-        if found:
-            self.redeliver(found)
+                    settled += settle(topic, partition, entry.offset)
+        if settled:
+            self._redeliver_settled(settled)
         return not stalled
 
     def redeliver(self, accepted: list[tuple[int, AcceptedNack]], hold_reads: bool = False) -> None:
@@ -115,7 +115,11 @@ class Redelivery:
         (or until READ_BACK_BATCH are held) and read back in one read. For the commands of a
         consumed batch that were due when judged, which after a restart would otherwise read their
         payloads back a slice of 250 at a time. The caller releases them before anything is committed."""
-        out, wanted = self._claim(accepted)
+        self._redeliver_settled([nack for offset, nack in accepted if self._nacks.claim(nack, offset)], hold_reads)
+
+    def _redeliver_settled(self, settled: list[AcceptedNack], hold_reads: bool = False) -> None:
+        """`redeliver` of nacks claimed already (superseded ones left out)."""
+        out, wanted = self._payloads_wanted(settled)
         if not out:
             return
         found, missing = self._recent.take(wanted)
@@ -145,16 +149,13 @@ class Redelivery:
         self._held, self._held_wanted = [], {}
         self._send(held, _add({}, self._reader.read(wanted)))
 
-    def _claim(
-        self, accepted: list[tuple[int, AcceptedNack]]
+    def _payloads_wanted(
+        self, settled: list[AcceptedNack]
     ) -> tuple[list[AcceptedNack], dict[TopicPartitionKey, list[int]]]:
-        """The nacks still in force, settled now, and the inbound offsets they redeliver."""
-        claim = self._nacks.claim
+        """The settled nacks that redeliver (not a cancel's), and the inbound offsets they redeliver."""
         out: list[AcceptedNack] = []
         wanted: dict[TopicPartitionKey, dict[int, None]] = {}
-        for offset, nack in accepted:
-            if not claim(nack, offset):
-                continue  # superseded (counted when it was)
+        for nack in settled:
             command = nack.command
             if nack.cancelled:  # the pending nack it superseded is taken back: nothing goes out
                 self._metrics.nacks.labels(command.subscription, "cancelled").inc()

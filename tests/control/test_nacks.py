@@ -127,7 +127,7 @@ def test_a_reschedule_moving_two_subscriptions_nacks_keeps_an_entry_for_each() -
     assert dead == [(10, "billing"), (11, "fraud")]
     latest.accept(nack(5, (0, 30)), 30)  # billing nacked again: only billing's moved nack goes
     assert latest.take(C0, -1) == ([((30, "billing"), nack(5, (0, 30)).encode())], [(20, "billing")])
-    [found] = latest.due("control", 0, 20)
+    [found] = latest.settle_due("control", 0, 20)
     assert (found.command.message_key, found.deliver_at, found.source) == (
         moved[1].command.message_key,
         9_000,
@@ -141,15 +141,16 @@ def test_a_due_index_entry_stands_for_the_nacks_in_force_there_and_no_others() -
     assert not latest.accept(nack(5, (0, 10)), 10)
     assert latest.accept(nack(5, (0, 11)), 11), "supersedes a pending nack"
     assert not latest.accept(nack(6, (0, 12)), 12)
-    assert latest.due("control", 0, 10) == []
-    [due] = latest.due("control", 0, 11)
+    assert latest.settle_due("control", 0, 10) == []
+    [due] = latest.settle_due("control", 0, 11)
     assert (due.command.offset, due.source, due.deliver_at) == (5, ("control", 0, 11), 5_000)
-    assert latest.claim(due, 11) and latest.due("control", 0, 11) == []
+    assert not latest.claim(due, 11) and latest.settle_due("control", 0, 11) == [], "settled once"
+    assert latest.pending_for("orders", 0, 5, ["billing"]) == {}
     cancel = AcceptedNack(NackCommand("billing", "orders", 0, 6, None, 6_000, 0), 6_000, ("control", 0, 13), True)
     assert latest.accept(cancel, 13)
     assert not latest.accept(nack(6, (0, 14)), 14), "a cancelled acceptance is no pending nack"
     latest.forget_partition(C0)
-    assert latest.due("control", 0, 14) == [] and len(latest) == 0
+    assert latest.settle_due("control", 0, 14) == [] and len(latest) == 0
 
 
 def test_a_nack_settled_before_any_checkpoint_wrote_it_is_never_written() -> None:
@@ -163,3 +164,29 @@ def test_a_nack_settled_before_any_checkpoint_wrote_it_is_never_written() -> Non
     assert nacks.take(C0, -1) == ([((11, "billing"), slow.encode())], [])
     assert nacks.claim(slow, 11)
     assert nacks.take(C0, pack(10**12, 0)) == ([], [(11, "billing")])
+
+
+def test_settling_a_due_entry_keeps_the_changelog_as_claiming_does() -> None:
+    """settle_due is what Redelivery settles a popped entry with: the same changelog as `claim`,
+    one entry per subscription indexed at that offset, cancelled acceptances included."""
+    nacks = LatestNacks(changelog=True)
+    written, quick = nack(5, (0, 10)), nack(6, (0, 10), sub="fraud")
+    nacks.accept(written, 10)
+    assert nacks.take(C0, -1) == ([((10, "billing"), written.encode())], [])
+    nacks.accept(quick, 10)
+    cancel = AcceptedNack(NackCommand("billing", "orders", 0, 7, None, 6_000, 0), 6_000, ("control", 0, 12), True)
+    nacks.accept(nack(7, (0, 11)), 11)
+    nacks.accept(cancel, 12)
+    settled = nacks.settle_due("control", 0, 10)
+    assert sorted(_named(n) for n in settled) == sorted(_named(n) for n in (written, quick)) and len(nacks) == 1
+    [cancelled] = nacks.settle_due("control", 0, 12)
+    assert _named(cancelled) == _named(cancel) and len(nacks) == 0
+    # The written one is tombstoned once a commit covers it; the others were never written.
+    assert nacks.take(C0, -1) == ([], [(11, "billing")])
+    assert nacks.take(C0, pack(10**12, 0)) == ([], [(10, "billing")])
+
+
+def _named(accepted: AcceptedNack) -> tuple[object, ...]:
+    """What identifies an acceptance and what it redelivers (the command's delay is spent by then)."""
+    c = accepted.command
+    return (c.message_key, c.redelivery_count, accepted.deliver_at, accepted.source, accepted.cancelled)
