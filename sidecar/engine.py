@@ -441,6 +441,7 @@ class Sidecar:
         self._drains.forget(key)
         self._forget_dispatch(key)
         self._recent.forget(key)
+        self._redelivery.forget(key)
         if state.control:
             self._nacks.forget_partition(key)
         if self._state_topic is not None:

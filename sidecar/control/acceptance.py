@@ -81,6 +81,8 @@ class Acceptance:
         self._clock = clock
         self._high_watermarks: dict[TopicPartitionKey, int] = {}
         self._accepted: Counter[str] = Counter()
+        self._later: list[AcceptedNack] = []
+        """Nacks judged and indexed for later since the last `indexed` (their redelivery can be built)."""
         """Nacks accepted per subscription, not counted in the metrics yet (see `count`)."""
         self._unwritten: dict[TopicPartitionKey, tuple[PartitionState, list[tuple[bytes | None, int, bytes]]]] = {}
         """Control partition -> its state and the acceptances judged but not written yet: (command
@@ -181,12 +183,18 @@ class Acceptance:
         if state.tracker.add(key, accepted.deliver_at):
             # The accepted record is the durable word for a restart; read back by this member, it is skipped.
             self._write_accepted(record, accepted, state)
+            self._later.append(accepted)
         else:
             # Due already (a backlog): redelivered in this slice, before any checkpoint commits the
             # command's offset, so it needs no accepted record. A crash before that commit judges
             # the command again (its offset is not below the committed one).
             due_now.append((key, accepted))
         self._accepted[subscription] += 1
+
+    def indexed(self) -> list[AcceptedNack]:
+        """The nacks judged and indexed for later since the last call."""
+        later, self._later = self._later, []
+        return later
 
     def count(self) -> None:
         """nack_total{result="accepted"} for the commands judged since the last call: once per batch."""

@@ -1,6 +1,7 @@
 """The control partitions' records in a consumed batch: commands judged and accepted records
-indexed (acceptance.py); at the slice's end, the accepted records are written, and the accepted
-nacks already due are redelivered (those whose payloads must be read back from the log, at the
+indexed (acceptance.py); at the slice's end, the accepted records are written, the redeliveries of
+the nacks accepted for soon are built (redelivery.py, `prepare`), and the accepted nacks already
+due are redelivered (those whose payloads must be read back from the log, at the
 end of the consumed batch: the engine releases them).
 """
 
@@ -29,6 +30,7 @@ class ControlIntake:
     def settle(self) -> None:
         self._acceptance.write()
         self._acceptance.count()
+        self._redelivery.prepare(self._acceptance.indexed())
         if self._due:
             due, self._due = self._due, []
             self._redelivery.redeliver(due, hold_reads=True)  # released at the end of the consumed batch

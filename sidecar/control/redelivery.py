@@ -16,6 +16,7 @@ from sidecar.control.commands import (
     UNKNOWN_MESSAGE,
     UNKNOWN_SUBSCRIPTION,
     AcceptedNack,
+    ControlPosition,
 )
 from sidecar.control.nacks import LatestNacks
 from sidecar.dispatch.reader import LogReader
@@ -39,12 +40,41 @@ MAX_NACK_DISPATCH = 50_000
 # assignment and a fetch round trip (20 to 100 ms here), so 90,000 nacks due when judged after a
 # restart were redelivered at about 6,000 a second, one read per slice of 250 commands.
 READ_BACK_BATCH = 5_000
+# Nacks accepted this long or less before their deliver-at have their redelivery built at acceptance
+# (`prepare`), so at due time only the write is left: a burst of nacks is accepted ahead of its due
+# time, and the due path is what must keep up with the rate they fall due at.
+PREPARE_AHEAD_MS = 5_000
+# Redeliveries built ahead and held, at most (each holds its message's key, value and headers).
+MAX_PREPARED = 100_000
+# A built redelivery still held this long after its deliver-at was superseded or cancelled: dropped.
+PREPARED_GRACE_MS = 5_000
 
 
+Out = tuple[str, int, bytes | None, bytes | None, OutHeaders]
+"""A redelivery as it is written: (outbound topic, outbound partition, key, value, headers)."""
+Acceptance_ = tuple[ControlPosition, str]
+"""An acceptance: its command's position and its subscription (a reschedule has one per subscription)."""
 Payloads = dict[TopicPartitionKey, dict[int, Message | None]]
 """Payloads read for redelivery, per inbound partition by offset (None: gone from the log)."""
 _LEFT = "the subscription left the policies before redelivery"
 _GONE = "the message is no longer in the inbound log (retention)"
+
+
+def _gone() -> RejectedRecord:
+    return RejectedRecord(UNKNOWN_MESSAGE, _GONE)
+
+
+def _by_partition(nacks: list[AcceptedNack]) -> dict[TopicPartitionKey, list[AcceptedNack]]:
+    """Nacks grouped by the inbound partition of their messages, in order."""
+    grouped: dict[TopicPartitionKey, list[AcceptedNack]] = {}
+    for nack in nacks:
+        command = nack.command
+        key = (command.topic, command.partition)
+        group = grouped.get(key)
+        if group is None:
+            group = grouped[key] = []
+        group.append(nack)
+    return grouped
 
 
 def _add(records: Payloads, read: Iterable[tuple[TopicPartitionKey, int, Message | None]]) -> Payloads:
@@ -87,6 +117,12 @@ class Redelivery:
         self._held: list[AcceptedNack] = []
         """Nacks claimed and waiting for their payloads to be read back (see `redeliver`)."""
         self._held_wanted: dict[TopicPartitionKey, list[int]] = {}
+        self._ready: dict[Acceptance_, tuple[int, TopicPartitionKey, Out]] = {}
+        """Redeliveries built at acceptance (`prepare`): acceptance -> (deliver-at, the message's
+        inbound partition, what to write)."""
+        self._ready_for: dict[str, Routes] | None = None
+        """The routes they were built with: a policy change drops them all."""
+        self._sweep_at = 0
 
     def dispatch_due(self, controls: list[PartitionState]) -> bool:
         """Redeliver due nacks; False when a tracker reported a due entry it could not pop.
@@ -106,7 +142,57 @@ class Redelivery:
                     settled += settle(topic, partition, entry.offset)
         if settled:
             self._redeliver_settled(settled)
+        if self._ready:
+            self._sweep()
         return not stalled
+
+    def prepare(self, accepted: list[AcceptedNack]) -> None:
+        """Nacks just accepted and indexed for later: the redeliveries of those due within
+        PREPARE_AHEAD_MS, whose messages are still kept since intake, are built now (message found,
+        judged again, headers made) and written at due time if the acceptance is still in force
+        then. Anything not built here (refused, not kept, too far ahead) is built at due time."""
+        ready = self._prepared_for(self._routes())
+        room = MAX_PREPARED - len(ready)
+        if room <= 0 or not accepted:
+            return
+        until = self._clock.now_ms() + PREPARE_AHEAD_MS
+        soon = [nack for nack in accepted if nack.deliver_at <= until and not nack.cancelled][:room]
+        if not soon:
+            return
+        wanted = self._offsets(soon)
+        found, _ = self._recent.take(wanted)
+        records = _add({}, found)
+        routes = self._routes()
+        for partition, nacks in _by_partition(soon).items():
+            kept = records.get(partition)
+            if kept:
+                for nack, out in self._build(partition, nacks, routes.get(partition[0]), kept, refuse=False):
+                    ready[(nack.source, nack.command.subscription)] = (nack.deliver_at, partition, out)
+
+    def _prepared_for(self, routes: dict[str, Routes]) -> dict[Acceptance_, tuple[int, TopicPartitionKey, Out]]:
+        """The redeliveries built ahead, unless the policies changed since (then none)."""
+        if routes is not self._ready_for:
+            self._ready.clear()
+            self._ready_for = routes
+        return self._ready
+
+    def _sweep(self) -> None:
+        """Drop what was built for acceptances that will never be redelivered: superseded or
+        cancelled before due, or whose control partition left. Once a second at most."""
+        now = self._clock.now_ms()
+        if now < self._sweep_at:
+            return
+        self._sweep_at = now + 1000
+        gone = now - PREPARED_GRACE_MS
+        stale = [key for key, (deliver_at, _, _) in self._ready.items() if deliver_at < gone]
+        for key in stale:
+            del self._ready[key]
+
+    def forget(self, partition: TopicPartitionKey) -> None:
+        """An inbound partition gone to another member: what was built from its records goes (as the
+        records kept since intake go), since its topic may even be deleted and created again."""
+        if self._ready:
+            self._ready = {k: v for k, v in self._ready.items() if v[1] != partition}
 
     def redeliver(self, accepted: list[tuple[int, AcceptedNack]], hold_reads: bool = False) -> None:
         """[(index key, nack)]: the ones still in force go out now, in that order.
@@ -119,21 +205,25 @@ class Redelivery:
 
     def _redeliver_settled(self, settled: list[AcceptedNack], hold_reads: bool = False) -> None:
         """`redeliver` of nacks claimed already (superseded ones left out)."""
-        out, wanted = self._payloads_wanted(settled)
+        out = self._redelivering(settled)
         if not out:
             return
+        ready = self._prepared_for(self._routes())
+        wanted = self._offsets([n for n in out if (n.source, n.command.subscription) not in ready] if ready else out)
         found, missing = self._recent.take(wanted)
         self._count_reads(found, missing)
         records = _add({}, found)
         if missing and hold_reads:
-            ready: list[AcceptedNack] = []
+            now: list[AcceptedNack] = []
             for nack in out:
                 command = nack.command
                 kept = records.get((command.topic, command.partition), {})
-                (ready if command.offset in kept else self._held).append(nack)
+                (now if command.offset in kept or (nack.source, command.subscription) in ready else self._held).append(
+                    nack
+                )
             for key, offsets in missing.items():
                 self._held_wanted.setdefault(key, []).extend(offsets)
-            self._send(ready, records)
+            self._send(now, records)
             if len(self._held) >= READ_BACK_BATCH:
                 self.release()
             return
@@ -149,24 +239,27 @@ class Redelivery:
         self._held, self._held_wanted = [], {}
         self._send(held, _add({}, self._reader.read(wanted)))
 
-    def _payloads_wanted(
-        self, settled: list[AcceptedNack]
-    ) -> tuple[list[AcceptedNack], dict[TopicPartitionKey, list[int]]]:
-        """The settled nacks that redeliver (not a cancel's), and the inbound offsets they redeliver."""
-        out: list[AcceptedNack] = []
-        wanted: dict[TopicPartitionKey, dict[int, None]] = {}
+    def _redelivering(self, settled: list[AcceptedNack]) -> list[AcceptedNack]:
+        """The settled nacks that redeliver: not a cancel's, which takes back the nack it superseded."""
+        if not any(nack.cancelled for nack in settled):
+            return settled
         for nack in settled:
+            if nack.cancelled:
+                self._metrics.nacks.labels(nack.command.subscription, "cancelled").inc()
+        return [nack for nack in settled if not nack.cancelled]
+
+    @staticmethod
+    def _offsets(nacks: list[AcceptedNack]) -> dict[TopicPartitionKey, list[int]]:
+        """The inbound offsets these nacks redeliver, per inbound partition."""
+        wanted: dict[TopicPartitionKey, dict[int, None]] = {}
+        for nack in nacks:
             command = nack.command
-            if nack.cancelled:  # the pending nack it superseded is taken back: nothing goes out
-                self._metrics.nacks.labels(command.subscription, "cancelled").inc()
-                continue
-            out.append(nack)
             key = (command.topic, command.partition)
             offsets = wanted.get(key)
             if offsets is None:
                 offsets = wanted[key] = {}
             offsets[command.offset] = None
-        return out, {key: list(offsets) for key, offsets in wanted.items()}
+        return {key: list(offsets) for key, offsets in wanted.items()}
 
     def _send(self, out: list[AcceptedNack], records: Payloads) -> None:
         """Write each nack's redelivery (or dead-letter its command), in order within each inbound
@@ -175,16 +268,9 @@ class Redelivery:
         redelivers tens of thousands at once."""
         sent: Counter[tuple[str, str]] = Counter()
         deliver_ats: dict[str, list[int]] = defaultdict(list)
-        by_partition: dict[TopicPartitionKey, list[AcceptedNack]] = {}
-        for nack in out:
-            command = nack.command
-            key = (command.topic, command.partition)
-            nacks = by_partition.get(key)
-            if nacks is None:
-                nacks = by_partition[key] = []
-            nacks.append(nack)
         routes = self._routes()
-        for key, nacks in by_partition.items():
+        self._prepared_for(routes)
+        for key, nacks in _by_partition(out).items():
             self._send_partition(key, nacks, routes.get(key[0]), records.get(key, {}), sent, deliver_ats[key[0]])
         metrics = self._metrics
         for (topic, subscription), count in sent.items():
@@ -204,29 +290,78 @@ class Redelivery:
         sent: Counter[tuple[str, str]],
         deliver_ats: list[int],
     ) -> None:
-        """The redeliveries of one inbound partition's messages. A message is judged again under the
-        rule it was taken with, so one that went to the dead-letter topic is never delivered."""
-        if routes is None:
-            for nack in nacks:
-                self._refuse(nack, RejectedRecord(UNKNOWN_SUBSCRIPTION, _LEFT))
-            return
-        topic, number = partition
+        """The redeliveries of one inbound partition's messages, in order: built at acceptance
+        (`prepare`), or now."""
+        ready = self._ready
+        outs: list[Out | None] = []
+        todo: list[AcceptedNack] = []
+        for nack in nacks:
+            held = ready.pop((nack.source, nack.command.subscription), None) if ready else None
+            outs.append(None if held is None else held[2])
+            if held is None:
+                todo.append(nack)
+        prepared = len(nacks) - len(todo)
+        if todo:  # built now; those refused are left out
+            built = {id(n): out for n, out in self._build(partition, todo, routes, records)}
+            outs = [out if out is not None else built.get(id(n)) for n, out in zip(nacks, outs, strict=True)]
+        topic = partition[0]
         writer = self._writer
         produce = writer.producer.produce
+        by_sub: dict[str, int] = {}
+        for nack, out in zip(nacks, outs, strict=True):
+            if out is None:
+                continue  # refused
+            outbound, target, key, value, headers = out
+            try:
+                produce(outbound, value, key, headers=headers, partition=target)
+            except (BufferError, KafkaException):  # a full queue waits; a fenced producer raises Fenced
+                writer.send(outbound, key, value, headers, target)
+            subscription = nack.command.subscription
+            by_sub[subscription] = by_sub.get(subscription, 0) + 1
+            deliver_ats.append(nack.deliver_at)
+        for subscription, count in by_sub.items():
+            sent[(topic, subscription)] += count
+        if prepared:
+            self._metrics.child(self._metrics.payload_reads, topic, "recent").inc(prepared)
+
+    def _build(
+        self,
+        partition: TopicPartitionKey,
+        nacks: list[AcceptedNack],
+        routes: Routes | None,
+        records: dict[int, Message | None],
+        refuse: bool = True,
+    ) -> list[tuple[AcceptedNack, Out]]:
+        """The redeliveries of one inbound partition's messages, as they are written. A message is
+        judged again under the rule it was taken with, so one that went to the dead-letter topic is
+        never delivered. `refuse`: the nacks that cannot be redelivered are refused (at due time),
+        else only left out (when built ahead)."""
+        if not nacks:
+            return []
+        if routes is None:
+            if refuse:
+                for nack in nacks:
+                    self._refuse(nack, RejectedRecord(UNKNOWN_SUBSCRIPTION, _LEFT))
+            return []
+        topic, number = partition
         owner = self._partitions.get(partition)
         rules = owner.rules if owner is not None else None
         current = routes.rule(self._retention_ms.get(topic))
         compact = self._header_form == "compact"
         prefix = f"{topic}/{number}/".encode()
-        found = self._sendable(partition, nacks, routes, records)
+        found = self._sendable(partition, nacks, routes, records, refuse)
         judged = [(message.headers(), max(message.timestamp()[1], 0)) for _, _, message in found]
         fates = self._fates(rules, current, [nack for nack, _, _ in found], judged)
+        built: list[tuple[AcceptedNack, Out]] = []
         for (nack, (outbound, target), message), (original, _), fate in zip(found, judged, fates, strict=True):
             command = nack.command
             subscription, offset = command.subscription, command.offset
             if fate.rejected is not None:
-                reason = f"the message went to the dead-letter topic ({fate.rejected.code}), never to {subscription!r}"
-                self._refuse(nack, RejectedRecord(UNKNOWN_MESSAGE, reason))
+                if refuse:
+                    reason = (
+                        f"the message went to the dead-letter topic ({fate.rejected.code}), never to {subscription!r}"
+                    )
+                    self._refuse(nack, RejectedRecord(UNKNOWN_MESSAGE, reason))
                 continue
             count = command.redelivery_count + 1
             headers: OutHeaders
@@ -237,13 +372,8 @@ class Redelivery:
                 headers.append((REDELIVERY_COUNT, b"%d" % count))
             else:
                 headers = outbound_headers(original, topic, number, offset, nack.deliver_at, count, "v1")
-            key, value = message.key(), message.value()
-            try:
-                produce(outbound, value, key, headers=headers, partition=target)
-            except (BufferError, KafkaException):  # a full queue waits; a fenced producer raises Fenced
-                writer.send(outbound, key, value, headers, target)
-            sent[(topic, subscription)] += 1
-            deliver_ats.append(nack.deliver_at)
+            built.append((nack, (outbound, target, message.key(), message.value(), headers)))
+        return built
 
     def _sendable(
         self,
@@ -251,9 +381,10 @@ class Redelivery:
         nacks: list[AcceptedNack],
         routes: Routes,
         records: dict[int, Message | None],
+        refuse: bool,
     ) -> list[tuple[AcceptedNack, tuple[str, int], Message]]:
         """(nack, (outbound topic, outbound partition), message) of the nacks whose subscription is
-        still in the policies and whose message was found; the others are refused here."""
+        still in the policies and whose message was found; the others are refused here (`refuse`)."""
         outs: dict[str, tuple[str, int] | None] = {}
         found: list[tuple[AcceptedNack, tuple[str, int], Message]] = []
         for nack in nacks:
@@ -266,12 +397,10 @@ class Redelivery:
                 out = None if sub is None else (sub.outbound, self._writer.target(sub.outbound, partition[1]))
                 outs[subscription] = out
             message = records.get(command.offset)
-            if out is None:
-                self._refuse(nack, RejectedRecord(UNKNOWN_SUBSCRIPTION, _LEFT))
-            elif message is None:
-                self._refuse(nack, RejectedRecord(UNKNOWN_MESSAGE, _GONE))
-            else:
+            if out is not None and message is not None:
                 found.append((nack, out, message))
+            elif refuse:
+                self._refuse(nack, RejectedRecord(UNKNOWN_SUBSCRIPTION, _LEFT) if out is None else _gone())
         return found
 
     def _fates(

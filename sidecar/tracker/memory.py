@@ -54,11 +54,12 @@ class InMemoryTracker(DelayedDeliveryTracker):
         if below_key is not None and below_key < limit:
             limit = below_key
         heap, due = self._heap, list[Due]()
+        pop, discard, new = heapq.heappop, self._pending.discard, tuple.__new__
         while heap and heap[0] < limit and len(due) < max_messages:
-            key = heapq.heappop(heap)
+            key = pop(heap)
             offset = key & _OFFSET_MASK
-            self._pending.discard(offset)
-            due.append(Due(key >> _OFFSET_BITS, offset))
+            discard(offset)
+            due.append(new(Due, (key >> _OFFSET_BITS, offset)))  # not Due(...): its __new__ is Python code
         if due:
             self._popped = max(self._popped, due[-1].deliver_at << _OFFSET_BITS | due[-1].offset)
         return due

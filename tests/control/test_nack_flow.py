@@ -14,6 +14,7 @@ from confluent_kafka import Producer
 
 from sidecar.broker.embedded import free_port
 from sidecar.client import Nacker
+from sidecar.control import redelivery
 from sidecar.dispatch.reader import LogReader
 from sidecar.engine import CONTROL_SLICE
 from sidecar.outbound.records import DELIVER_AT, ERROR_CODE, ORIGIN_OFFSET, ORIGIN_PARTITION, REDELIVERY_COUNT
@@ -189,6 +190,39 @@ def test_a_nack_of_a_dead_lettered_message_is_refused_when_it_falls_due_and_the_
         )
         assert delivered == Counter({(b"ok-0", b"0"): 1, (b"ok-2", b"0"): 1, (b"ok-0", b"1"): 1, (b"ok-2", b"1"): 1})
         assert sidecar.metric("delay_sidecar_nack_total", subscription="billing", result="unknown_message") == 1
+
+
+def test_a_nack_whose_subscription_leaves_the_policies_before_it_falls_due_is_refused_then(
+    kafka: str,
+    kafka_helper: KafkaHelper,
+    topic_factory: TopicFactory,
+    policy_file: PolicyFile,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A nack accepted shortly before its deliver-at has its redelivery built at acceptance
+    (control/redelivery.py, `prepare`). A policy change before it falls due drops what was built: the
+    nack is judged against the policies in force at its deliver-at, so with its subscription gone it
+    is refused with UNKNOWN_SUBSCRIPTION, and nothing reaches that subscription's outbound topic."""
+    # Built ahead even at 8 s, so the policy edit has seconds to land before the nack falls due.
+    monkeypatch.setattr(redelivery, "PREPARE_AHEAD_MS", 60_000)
+    topic, control = topic_factory("leftnack"), f"ctl-{uuid.uuid4().hex[:8]}"
+    policies = setup(topic, policy_file)
+    with ThreadedSidecar(settings_for(kafka, policies, tmp_path, control_topic=control)) as sidecar:
+        kafka_helper.produce(topic, b"v0")
+        kafka_helper.flush()
+        kafka_helper.read(f"{topic}.billing", 1)
+        body = {"v": 1, "type": "nack", "subscription": "billing", "topic": topic, "partition": 0, "offset": 0,
+                "delay_ms": 8_000}  # fmt: skip
+        kafka_helper.produce(control, json.dumps(body).encode(), key=f"{topic}/0/0".encode(), partition=0)
+        kafka_helper.flush()
+        sidecar.wait_for_metric("delay_sidecar_nack_total", subscription="billing", result="accepted")
+        policies.write_text(f"topics:\n  {topic}:\n    subscriptions: {{fraud: {{}}}}\n")
+        assert sidecar.wait_for_metric("delay_sidecar_policy_generation", at_least=2) == 2
+        [refused] = kafka_helper.read(f"{control}.dlt", 1, timeout_s=60)
+        assert refused.headers[ERROR_CODE] == b"UNKNOWN_SUBSCRIPTION"
+        assert sidecar.metric("delay_sidecar_nack_total", subscription="billing", result="unknown_subscription") == 1
+    assert [r.headers.get(REDELIVERY_COUNT, b"0") for r in kafka_helper.read_to_end(f"{topic}.billing")] == [b"0"]
 
 
 def test_1000_nacks_survive_kill_9_and_a_lost_state_dir_through_the_state_topic(
