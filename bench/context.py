@@ -118,8 +118,6 @@ class Context:
         """
         result.figures["x_ceiling"] = rounded(rate / self.ceiling_rate, 3) if rate and self.ceiling_rate else None
         result.figures["x_same_io_relay"] = rounded(rate / self.relay_rate, 3) if rate and self.relay_rate else None
-        if self.floor_rate:
-            result.figures["x_contract_floor"] = rounded(rate / self.floor_rate, 3) if rate else None
         if self.relay_rate:
             result.figures["same_io_relay_s"] = round(result.records / self.relay_rate, 2)
 

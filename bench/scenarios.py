@@ -208,6 +208,8 @@ def passthrough(ctx: Context) -> Result:
     if rate is not None and progress.first_s is not None:
         result.figures["delivery_rate_per_sub"] = round(rate)
         ctx.ratios(result, rate)
+        if ctx.floor_rate:  # what pass-through is set against: the contract's floor (bench/relays.py)
+            result.figures["x_contract_floor"] = round(rate / ctx.floor_rate, 3)
         result.figures["startup_s"] = round(progress.first_s - sidecar.started, 2)
     return result
 

@@ -1,7 +1,9 @@
 """Due nacks out: the nacked message read back, to one subscription.
 
 A nack leaves its tracker in (deliver-at, offset) order like any delivery, so the control
-partition's delivered watermark covers it once it is redelivered, superseded or rejected.
+partition's delivered watermark covers it once it is redelivered, superseded or rejected. The
+redelivery of a nack accepted shortly before its deliver-at is built when it is accepted
+(`prepare`, prepared.py), so at due time only the write is left.
 """
 
 import logging
@@ -16,9 +18,9 @@ from sidecar.control.commands import (
     UNKNOWN_MESSAGE,
     UNKNOWN_SUBSCRIPTION,
     AcceptedNack,
-    ControlPosition,
 )
 from sidecar.control.nacks import LatestNacks
+from sidecar.control.prepared import PREPARE_AHEAD_MS, Out, Prepared
 from sidecar.dispatch.reader import LogReader
 from sidecar.dispatch.recent import RecentRecords
 from sidecar.errors import RejectedRecord
@@ -40,28 +42,12 @@ MAX_NACK_DISPATCH = 50_000
 # assignment and a fetch round trip (20 to 100 ms here), so 90,000 nacks due when judged after a
 # restart were redelivered at about 6,000 a second, one read per slice of 250 commands.
 READ_BACK_BATCH = 5_000
-# Nacks accepted this long or less before their deliver-at have their redelivery built at acceptance
-# (`prepare`), so at due time only the write is left: a burst of nacks is accepted ahead of its due
-# time, and the due path is what must keep up with the rate they fall due at.
-PREPARE_AHEAD_MS = 5_000
-# Redeliveries built ahead and held, at most (each holds its message's key, value and headers).
-MAX_PREPARED = 100_000
-# A built redelivery still held this long after its deliver-at was superseded or cancelled: dropped.
-PREPARED_GRACE_MS = 5_000
 
 
-Out = tuple[str, int, bytes | None, bytes | None, OutHeaders]
-"""A redelivery as it is written: (outbound topic, outbound partition, key, value, headers)."""
-Acceptance_ = tuple[ControlPosition, str]
-"""An acceptance: its command's position and its subscription (a reschedule has one per subscription)."""
 Payloads = dict[TopicPartitionKey, dict[int, Message | None]]
 """Payloads read for redelivery, per inbound partition by offset (None: gone from the log)."""
 _LEFT = "the subscription left the policies before redelivery"
 _GONE = "the message is no longer in the inbound log (retention)"
-
-
-def _gone() -> RejectedRecord:
-    return RejectedRecord(UNKNOWN_MESSAGE, _GONE)
 
 
 def _by_partition(nacks: list[AcceptedNack]) -> dict[TopicPartitionKey, list[AcceptedNack]]:
@@ -117,12 +103,8 @@ class Redelivery:
         self._held: list[AcceptedNack] = []
         """Nacks claimed and waiting for their payloads to be read back (see `redeliver`)."""
         self._held_wanted: dict[TopicPartitionKey, list[int]] = {}
-        self._ready: dict[Acceptance_, tuple[int, TopicPartitionKey, Out]] = {}
-        """Redeliveries built at acceptance (`prepare`): acceptance -> (deliver-at, the message's
-        inbound partition, what to write)."""
-        self._ready_for: dict[str, Routes] | None = None
-        """The routes they were built with: a policy change drops them all."""
-        self._sweep_at = 0
+        self._prepared = Prepared(clock)
+        """Redeliveries built at acceptance (`prepare`)."""
 
     def dispatch_due(self, controls: list[PartitionState]) -> bool:
         """Redeliver due nacks; False when a tracker reported a due entry it could not pop.
@@ -142,57 +124,34 @@ class Redelivery:
                     settled += settle(topic, partition, entry.offset)
         if settled:
             self._redeliver_settled(settled)
-        if self._ready:
-            self._sweep()
+        self._prepared.sweep()
         return not stalled
 
     def prepare(self, accepted: list[AcceptedNack]) -> None:
         """Nacks just accepted and indexed for later: the redeliveries of those due within
-        PREPARE_AHEAD_MS, whose messages are still kept since intake, are built now (message found,
-        judged again, headers made) and written at due time if the acceptance is still in force
-        then. Anything not built here (refused, not kept, too far ahead) is built at due time."""
-        ready = self._prepared_for(self._routes())
-        room = MAX_PREPARED - len(ready)
+        PREPARE_AHEAD_MS whose messages are still kept since intake are built now, and written at
+        due time if the acceptance is still in force then (prepared.py). Anything not built here
+        (refused, not kept, further ahead) is built at due time."""
+        routes, prepared = self._routes(), self._prepared
+        prepared.under(routes)
+        room = prepared.room
         if room <= 0 or not accepted:
             return
         until = self._clock.now_ms() + PREPARE_AHEAD_MS
         soon = [nack for nack in accepted if nack.deliver_at <= until and not nack.cancelled][:room]
         if not soon:
             return
-        wanted = self._offsets(soon)
-        found, _ = self._recent.take(wanted)
+        found, _ = self._recent.take(self._offsets(soon))
         records = _add({}, found)
-        routes = self._routes()
         for partition, nacks in _by_partition(soon).items():
             kept = records.get(partition)
             if kept:
                 for nack, out in self._build(partition, nacks, routes.get(partition[0]), kept, refuse=False):
-                    ready[(nack.source, nack.command.subscription)] = (nack.deliver_at, partition, out)
-
-    def _prepared_for(self, routes: dict[str, Routes]) -> dict[Acceptance_, tuple[int, TopicPartitionKey, Out]]:
-        """The redeliveries built ahead, unless the policies changed since (then none)."""
-        if routes is not self._ready_for:
-            self._ready.clear()
-            self._ready_for = routes
-        return self._ready
-
-    def _sweep(self) -> None:
-        """Drop what was built for acceptances that will never be redelivered: superseded or
-        cancelled before due, or whose control partition left. Once a second at most."""
-        now = self._clock.now_ms()
-        if now < self._sweep_at:
-            return
-        self._sweep_at = now + 1000
-        gone = now - PREPARED_GRACE_MS
-        stale = [key for key, (deliver_at, _, _) in self._ready.items() if deliver_at < gone]
-        for key in stale:
-            del self._ready[key]
+                    prepared.put(nack, partition, out)
 
     def forget(self, partition: TopicPartitionKey) -> None:
-        """An inbound partition gone to another member: what was built from its records goes (as the
-        records kept since intake go), since its topic may even be deleted and created again."""
-        if self._ready:
-            self._ready = {k: v for k, v in self._ready.items() if v[1] != partition}
+        """An inbound partition gone to another member."""
+        self._prepared.forget(partition)
 
     def redeliver(self, accepted: list[tuple[int, AcceptedNack]], hold_reads: bool = False) -> None:
         """[(index key, nack)]: the ones still in force go out now, in that order.
@@ -208,8 +167,9 @@ class Redelivery:
         out = self._redelivering(settled)
         if not out:
             return
-        ready = self._prepared_for(self._routes())
-        wanted = self._offsets([n for n in out if (n.source, n.command.subscription) not in ready] if ready else out)
+        prepared = self._prepared
+        prepared.under(self._routes())
+        wanted = self._offsets([n for n in out if n not in prepared] if prepared else out)
         found, missing = self._recent.take(wanted)
         self._count_reads(found, missing)
         records = _add({}, found)
@@ -218,9 +178,7 @@ class Redelivery:
             for nack in out:
                 command = nack.command
                 kept = records.get((command.topic, command.partition), {})
-                (now if command.offset in kept or (nack.source, command.subscription) in ready else self._held).append(
-                    nack
-                )
+                (now if command.offset in kept or nack in prepared else self._held).append(nack)
             for key, offsets in missing.items():
                 self._held_wanted.setdefault(key, []).extend(offsets)
             self._send(now, records)
@@ -269,7 +227,7 @@ class Redelivery:
         sent: Counter[tuple[str, str]] = Counter()
         deliver_ats: dict[str, list[int]] = defaultdict(list)
         routes = self._routes()
-        self._prepared_for(routes)
+        self._prepared.under(routes)
         for key, nacks in _by_partition(out).items():
             self._send_partition(key, nacks, routes.get(key[0]), records.get(key, {}), sent, deliver_ats[key[0]])
         metrics = self._metrics
@@ -292,14 +250,8 @@ class Redelivery:
     ) -> None:
         """The redeliveries of one inbound partition's messages, in order: built at acceptance
         (`prepare`), or now."""
-        ready = self._ready
-        outs: list[Out | None] = []
-        todo: list[AcceptedNack] = []
-        for nack in nacks:
-            held = ready.pop((nack.source, nack.command.subscription), None) if ready else None
-            outs.append(None if held is None else held[2])
-            if held is None:
-                todo.append(nack)
+        outs = [self._prepared.pop(nack) for nack in nacks]
+        todo = [nack for nack, out in zip(nacks, outs, strict=True) if out is None]
         prepared = len(nacks) - len(todo)
         if todo:  # built now; those refused are left out
             built = {id(n): out for n, out in self._build(partition, todo, routes, records)}
@@ -399,8 +351,10 @@ class Redelivery:
             message = records.get(command.offset)
             if out is not None and message is not None:
                 found.append((nack, out, message))
+            elif refuse and out is None:
+                self._refuse(nack, RejectedRecord(UNKNOWN_SUBSCRIPTION, _LEFT))
             elif refuse:
-                self._refuse(nack, RejectedRecord(UNKNOWN_SUBSCRIPTION, _LEFT) if out is None else _gone())
+                self._refuse(nack, RejectedRecord(UNKNOWN_MESSAGE, _GONE))
         return found
 
     def _fates(
