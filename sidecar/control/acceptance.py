@@ -81,9 +81,9 @@ class Acceptance:
         self._clock = clock
         self._high_watermarks: dict[TopicPartitionKey, int] = {}
         self._accepted: Counter[str] = Counter()
+        """Nacks accepted per subscription, not counted in the metrics yet (see `count`)."""
         self._later: list[AcceptedNack] = []
         """Nacks judged and indexed for later since the last `indexed` (their redelivery can be built)."""
-        """Nacks accepted per subscription, not counted in the metrics yet (see `count`)."""
         self._unwritten: dict[TopicPartitionKey, tuple[PartitionState, list[tuple[bytes | None, int, bytes]]]] = {}
         """Control partition -> its state and the acceptances judged but not written yet: (command
         key, command offset, the line)."""
