@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -38,6 +39,7 @@ STOP_GRACE_S = 120.0
 # After the data is saved, the process itself exits within milliseconds.
 EXIT_GRACE_S = 10.0
 START_TIMEOUT_S = 30.0
+_ALREADY_RUNNING = re.compile(r"noida-db is already running for .* \(pid (\d+)\)")
 # A broker whose parent was killed gets SIGTERM and saves before it exits: wait for that much.
 TAKEOVER_WAIT_S = 30.0
 CONTROL_FILE = "noida.control.json"
@@ -255,11 +257,7 @@ class EmbeddedBroker(BrokerLauncher):
                     f"for broker), or give --bootstrap-servers to use a broker that is already running"
                 )
             if time.monotonic() >= deadline:
-                raise BrokerError(
-                    f"another noida-db broker (pid {previous}) serves {self.data_dir}: another run or broker command "
-                    f"on the same directory, or one left from an earlier run. Stop it with: noida-db down --data-dir "
-                    f"{self.data_dir} (or kill {previous}), or use another --state-dir; then start again"
-                )
+                raise BrokerError(self._taken(previous))
             if not waiting_logged:
                 logger.warning(
                     "waiting for the previous broker of this data dir to stop pid=%d data_dir=%s wait_s=%.0f",
@@ -270,6 +268,13 @@ class EmbeddedBroker(BrokerLauncher):
                 waiting_logged = True
             time.sleep(0.2)
 
+    def _taken(self, previous: int) -> str:
+        return (
+            f"another noida-db broker (pid {previous}) serves {self.data_dir}: another run or broker command "
+            f"on the same directory, or one left from an earlier run. Stop it with: noida-db down --data-dir "
+            f"{self.data_dir} (or kill {previous}), or use another --state-dir; then start again"
+        )
+
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + START_TIMEOUT_S
         process = self._process
@@ -277,6 +282,10 @@ class EmbeddedBroker(BrokerLauncher):
         while time.monotonic() < deadline:
             if process.poll() is not None:
                 tail = (self.data_dir / "broker.log").read_text(errors="replace")[-2000:]
+                # One that started between `_claim`'s look and ours: noida-db names it as it refuses.
+                running = _ALREADY_RUNNING.search(tail)
+                if running is not None:
+                    raise BrokerError(self._taken(int(running[1])))
                 raise BrokerError(
                     f"the embedded broker exited with code {process.returncode} before it was ready; is port "
                     f"{self.port} already in use? Pick another port (--broker-port for run, --port for broker). "

@@ -248,6 +248,19 @@ def test_a_broker_left_on_the_same_data_dir_is_named_with_how_to_stop_it(
     assert process.poll() is None, "the launcher must not touch a broker that is not its own"
 
 
+def test_a_broker_that_took_the_data_dir_after_the_launchers_look_is_named_the_same_way(
+    tmp_path: Path, foreign_broker: tuple[int, subprocess.Popen[bytes]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The look before the start can miss a broker that is starting on the same data dir (seen in CI
+    under load); noida-db then refuses to start, naming it, and the error says what the look would."""
+    _, process = foreign_broker
+    monkeypatch.setattr(embedded, "previous_broker", lambda data_dir: None)  # the look saw nothing
+    broker = EmbeddedBroker(tmp_path / "foreign", port=free_port())
+    with pytest.raises(BrokerError, match=rf"pid {process.pid}\) serves .*noida-db down --data-dir"):
+        broker.start()
+    assert process.poll() is None, "the launcher must not touch a broker that is not its own"
+
+
 def test_parent_death_signal_reaches_a_plain_child(tmp_path: Path) -> None:
     """die_with_parent on its own: a grandchild of this test dies when its parent is killed."""
     script = (
