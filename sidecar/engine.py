@@ -161,7 +161,7 @@ class Sidecar:
         self._admin = TopicAdmin(client_config, new_topic_partitions)
         self._nacks = LatestNacks(changelog=bool(state_topic and mirror))
         self._state_topic = (
-            StateTopic(state_topic, client_config, self._admin, writer, mirror, self._nacks, metrics, clock)
+            StateTopic(state_topic, client_config, self._admin, writer, mirror, self._nacks, metrics)
             if state_topic and mirror
             else None
         )

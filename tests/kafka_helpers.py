@@ -22,7 +22,6 @@ from bench import probe
 from sidecar.app import SidecarApp
 from sidecar.broker.base import wait_for_metadata
 from sidecar.broker.lifeline import die_with_parent
-from sidecar.clock import Clock
 from sidecar.outbound.records import (
     DELIVER_AT,
     ORIGIN,
@@ -230,8 +229,8 @@ class LiveReader:
 class ThreadedSidecar:
     """The sidecar in this process, for tests that need its metrics or a fake clock."""
 
-    def __init__(self, settings: RunSettings, clock: Clock | None = None) -> None:
-        self.app = SidecarApp(settings, clock)
+    def __init__(self, settings: RunSettings) -> None:
+        self.app = SidecarApp(settings)
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, daemon=True)
 

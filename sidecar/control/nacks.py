@@ -16,11 +16,6 @@ An entry is written when its accepted record is read and tombstoned when it stop
   it: a restore takes the committed watermark, and must still find every nack it does not cover.
   One settled before any checkpoint wrote it is never written at all (a burst's nacks mostly are).
 
-A nack due within moments of a checkpoint is not written by it either (`take`'s `defer_until`): it is
-about to be settled, and writing a burst of 90,000 short nacks stalled the loop for 0.4 s, enough to
-make their redeliveries late. The state topic's manifest then sends a restore back to the control log
-from the earliest nack not written (`unwritten_from`), where its accepted record is.
-
 An entry is named by its index offset *and* its subscription: a cancel or a reschedule indexes one
 acceptance per subscription at its own offset, and each lives or dies on its own.
 """
@@ -32,9 +27,6 @@ from dataclasses import dataclass, field
 from sidecar.control.commands import AcceptedNack, NackCommand
 from sidecar.partitions import TopicPartitionKey
 from sidecar.tracker.base import pack
-
-UNJOURNALED_MS = 2_000
-"""A nack due within this long of a checkpoint is not written by it (`take`'s `defer_until`)."""
 
 Entry = tuple[int, str]
 """A changelog entry's name: (index offset, subscription)."""
@@ -125,14 +117,11 @@ class LatestNacks:
                 heapq.heappush(changes.settled, (pack(deliver_at, offset), (offset, sub)))
         return found
 
-    def take(
-        self, partition: TopicPartitionKey, covered: int, defer_until: int | None = None
-    ) -> tuple[list[tuple[Entry, bytes]], list[Entry]]:
+    def take(self, partition: TopicPartitionKey, covered: int) -> tuple[list[tuple[Entry, bytes]], list[Entry]]:
         """(entries to write with their accepted record, entries to tombstone) for a control partition.
 
         `covered`: the delivered watermark that the commit going with these records (exactly
-        once), or the last commit before them (at least once), makes durable. `defer_until`: the
-        nacks due by then are left for a later call (see the module's docstring).
+        once), or the last commit before them (at least once), makes durable.
         """
         changes = self._changes.get(partition) if self._changes is not None else None
         if changes is None:
@@ -140,24 +129,10 @@ class LatestNacks:
         settled = changes.settled
         while settled and settled[0][0] <= covered:
             changes.dead.add(heapq.heappop(settled)[1])
-        kept: dict[Entry, AcceptedNack] = {}
-        if defer_until is None:
-            written = changes.upserts
-        else:
-            written = {}
-            for entry, nack in changes.upserts.items():
-                (kept if nack.deliver_at <= defer_until else written)[entry] = nack
-        upserts = sorted((entry, nack.encode()) for entry, nack in written.items())
+        upserts = sorted((entry, nack.encode()) for entry, nack in changes.upserts.items())
         dead = sorted(changes.dead)
-        changes.upserts, changes.dead = kept, set()
+        changes.upserts, changes.dead = {}, set()
         return upserts, dead
-
-    def unwritten_from(self, partition: TopicPartitionKey) -> int | None:
-        """The lowest index offset of the pending nacks `take` has not handed out yet, or None."""
-        changes = self._changes.get(partition) if self._changes is not None else None
-        if not changes or not changes.upserts:
-            return None
-        return min(offset for offset, _ in changes.upserts)
 
     def drop_later(self, partition: TopicPartitionKey, entries: list[Entry]) -> None:
         """Tombstone these entries at the next checkpoint (found covered at a restore)."""

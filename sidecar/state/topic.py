@@ -29,8 +29,7 @@ from typing import Any
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
 from sidecar.broker.admin import TopicAdmin
-from sidecar.clock import Clock
-from sidecar.control.nacks import UNJOURNALED_MS, LatestNacks
+from sidecar.control.nacks import LatestNacks
 from sidecar.errors import BrokerError, StorageError
 from sidecar.kafka_io import consume_batch, log_reader
 from sidecar.metrics import Metrics
@@ -79,11 +78,9 @@ class StateTopic:
         mirror: MirroredStorage,
         nacks: LatestNacks,
         metrics: Metrics,
-        clock: Clock,
     ) -> None:
         """`nacks`: the pending nacks of the control partitions, kept with a changelog for here."""
         self.name = name
-        self._clock = clock
         self._nacks = nacks
         self._admin = admin
         self._client_config = client_config
@@ -148,22 +145,17 @@ class StateTopic:
     def _publish_nacks(self, state: PartitionState, cursor: int) -> None:
         """A control partition: the nacks accepted, superseded or settled since the last checkpoint.
 
-        Every accepted record below the cursor is journaled by then, but for the nacks due within
-        UNJOURNALED_MS (control/nacks.py): the manifest's tail is the cursor, or the earliest of
-        those, whose accepted records a restore then reads again. A settled nack is tombstoned only
-        once a commit covers it: exactly once, the one this transaction holds; at least once, the
-        last one made (these records are not waited for).
+        Every accepted record below the cursor is journaled by then, so the manifest's tail is the
+        cursor. A settled nack is tombstoned only once a commit covers it: exactly once, the one
+        this transaction holds; at least once, the last one made (these records are not waited for).
         """
         covered = state.tracker.delivered_through() if self._writer.transactional else state.committed_through
-        key = (state.topic, state.partition)
-        entries, dead = self._nacks.take(key, covered, defer_until=self._clock.now_ms() + UNJOURNALED_MS)
-        unwritten = self._nacks.unwritten_from(key)
-        tail = cursor if unwritten is None else min(unwritten, cursor)
+        entries, dead = self._nacks.take((state.topic, state.partition), covered)
         last = self._manifests.get(state.name)
-        if not entries and not dead and last is not None and last.tail == tail:
-            return  # (a moved tail is written even so: a restore reads the log again only from it)
+        if not entries and not dead and last is not None and last.tail == cursor:
+            return  # (a moved cursor is written even so: a restore reads the log again only from it)
         records, tombstones = nack_records(state.name, entries, dead)
-        self._send(state.name, records, Manifest((), 1, tail, cursor), tombstones)
+        self._send(state.name, records, Manifest((), 1, cursor, cursor), tombstones)
 
     def publish_rules(self, state: PartitionState) -> bool:
         """The rule history the partition's commit point names, when the metadata cannot hold it

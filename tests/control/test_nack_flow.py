@@ -14,7 +14,6 @@ from confluent_kafka import Producer
 
 from sidecar.broker.embedded import free_port
 from sidecar.client import Nacker
-from sidecar.clock import ManualClock
 from sidecar.control import redelivery
 from sidecar.dispatch.reader import LogReader
 from sidecar.engine import CONTROL_SLICE
@@ -288,44 +287,6 @@ def test_1000_nacks_survive_kill_9_and_a_lost_state_dir_through_the_state_topic(
     assert all(again[origin(r)][0] >= sent_ms + 10_000 for r in delivered[:100])
     assert all(again[origin(r)][0] <= flushed_ms + 6_000 for r in delivered[100:200])
     assert all(sent_ms + 8_000 <= again[origin(r)][0] <= flushed_ms + 8_000 for r in delivered[200:])
-
-
-def test_nacks_due_within_moments_of_a_checkpoint_are_not_journaled_and_a_restore_reads_them_from_the_log(
-    kafka: str, kafka_helper: KafkaHelper, topic_factory: TopicFactory, policy_file: PolicyFile, tmp_path: Path
-) -> None:
-    """A checkpoint leaves out of the state topic the nacks due within UNJOURNALED_MS (a burst's short
-    nacks stalled the loop while they were written), and its manifest sends a restore back to the
-    control log from the earliest of them. With the sidecar's clock held, 30 short nacks stay pending
-    across a stop; a new member with an empty state dir loads the long ones from the state topic, reads
-    the short ones' accepted records from the log, and redelivers each once when the clock moves on."""
-    clock = ManualClock(start_ms=int(time.time() * 1000))
-    topic, control = topic_factory("shortnack"), f"ctl-{uuid.uuid4().hex[:8]}"
-    policies = setup(topic, policy_file)
-    settings = settings_for(kafka, policies, tmp_path / "state", control_topic=control, commit_interval_ms=100)
-    with ThreadedSidecar(settings, clock) as sidecar:
-        for i in range(40):
-            kafka_helper.produce(topic, f"v{i}".encode())
-        kafka_helper.flush()
-        delivered = kafka_helper.read(f"{topic}.billing", 40)
-        nacker = Nacker(Producer({"bootstrap.servers": kafka}), control_topic=control, subscription="billing")
-        clock.set(int(time.time() * 1000))  # then held: none falls due until it moves
-        for i, record in enumerate(delivered):
-            nacker.nack(RecordView(record), 1_000 if i < 30 else 600_000)  # type: ignore[arg-type]
-        nacker.flush()
-        sidecar.wait_for_metric("delay_sidecar_nack_total", at_least=40, subscription="billing", result="accepted")
-        wait_for(lambda: settled_control(kafka, kafka_helper, settings.group_id, control, 40), 30, "the nacks accepted")
-    commits = [o for o, _ in committed(kafka, settings.group_id, control, 3)]
-    tails = _manifest_tails(kafka_helper, f"{settings.group_id}.state", control)
-    assert any(0 <= tail < commit for tail, commit in zip(tails, commits, strict=True)), (tails, commits)
-    clock.advance(2_000)
-    shutil.rmtree(tmp_path / "state")  # lost; the same path, so the same static member takes its place at once
-    with ThreadedSidecar(settings, clock) as sidecar:
-        sidecar.wait_for_metric("delay_sidecar_redeliveries_total", at_least=30, subscription="billing")
-        assert sidecar.metric("delay_sidecar_state_restores_total", result="state-topic") == 3
-        time.sleep(1.0)  # anything extra would come now
-    records = kafka_helper.read_to_end(f"{topic}.billing")
-    redelivered = Counter(int(r.headers[ORIGIN_OFFSET]) for r in records if r.headers[REDELIVERY_COUNT] == b"1")
-    assert redelivered == Counter(int(r.headers[ORIGIN_OFFSET]) for r in delivered[:30])
 
 
 def _manifest_tails(kafka_helper: KafkaHelper, state_topic: str, control: str) -> list[int]:

@@ -190,19 +190,3 @@ def _named(accepted: AcceptedNack) -> tuple[object, ...]:
     """What identifies an acceptance and what it redelivers (the command's delay is spent by then)."""
     c = accepted.command
     return (c.message_key, c.redelivery_count, accepted.deliver_at, accepted.source, accepted.cancelled)
-
-
-def test_nacks_due_by_the_defer_time_are_left_for_a_later_take_and_never_written_once_settled() -> None:
-    """`take(defer_until=...)`: the near-due stay unwritten (their lowest index offset tells a restore
-    where to read the log from), a later take writes those still pending then, and one settled
-    meanwhile is never written nor tombstoned."""
-    nacks = LatestNacks(changelog=True)
-    soon, later, also_soon = nack(5, (0, 10), deliver_at=2_000), nack(6, (0, 11), deliver_at=90_000), nack(7, (0, 12))
-    for accepted, offset in ((soon, 10), (later, 11), (also_soon, 12)):
-        nacks.accept(accepted, offset)
-    assert nacks.take(C0, -1, defer_until=6_000) == ([((11, "billing"), later.encode())], [])
-    assert nacks.unwritten_from(C0) == 10
-    assert nacks.settle_due("control", 0, 10)
-    assert nacks.unwritten_from(C0) == 12
-    assert nacks.take(C0, pack(10**12, 0), defer_until=1_000) == ([((12, "billing"), also_soon.encode())], [])
-    assert nacks.unwritten_from(C0) is None and nacks.unwritten_from(("other", 0)) is None
