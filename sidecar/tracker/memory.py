@@ -11,7 +11,7 @@ import heapq
 from pyroaring import BitMap64
 
 from sidecar.clock import Clock
-from sidecar.tracker.base import KEY_SHIFT, NOTHING_DELIVERED, DelayedDeliveryTracker, Due
+from sidecar.tracker.base import KEY_SHIFT, NOTHING_DELIVERED, DelayedDeliveryTracker, Due, due_of
 
 _OFFSET_BITS = KEY_SHIFT
 _OFFSET_MASK = (1 << _OFFSET_BITS) - 1
@@ -54,12 +54,12 @@ class InMemoryTracker(DelayedDeliveryTracker):
         if below_key is not None and below_key < limit:
             limit = below_key
         heap, due = self._heap, list[Due]()
-        pop, discard, new = heapq.heappop, self._pending.discard, tuple.__new__
+        pop, discard = heapq.heappop, self._pending.discard
         while heap and heap[0] < limit and len(due) < max_messages:
             key = pop(heap)
             offset = key & _OFFSET_MASK
             discard(offset)
-            due.append(new(Due, (key >> _OFFSET_BITS, offset)))  # not Due(...): its __new__ is Python code
+            due.append(due_of((key >> _OFFSET_BITS, offset)))
         if due:
             self._popped = max(self._popped, due[-1].deliver_at << _OFFSET_BITS | due[-1].offset)
         return due
