@@ -7,7 +7,8 @@ rebuilds this table too.
 
 With a state topic, this table also keeps a changelog per control partition, as a Kafka Streams
 store does: the accepted nacks still pending, keyed by their accepted record's offset, so a new
-owner loads them from the state topic instead of reading the control log again (state/topic.py).
+owner loads them from the state topic instead of reading the control log again (state/journal.py
+writes them there, in chunks).
 An entry is written when its accepted record is read and tombstoned when it stops mattering:
 
 - at once when a later command supersedes it (the later one's entry is written first, in the same
@@ -134,12 +135,6 @@ class LatestNacks:
         changes.upserts, changes.dead = {}, set()
         return upserts, dead
 
-    def drop_later(self, partition: TopicPartitionKey, entries: list[Entry]) -> None:
-        """Tombstone these entries at the next checkpoint (found covered at a restore)."""
-        changes = self._of(partition)
-        if changes is not None:
-            changes.dead.update(entries)
-
     def forget_partition(self, partition: TopicPartitionKey) -> None:
         """A control partition went to another sidecar: its commands are not ours to settle."""
         self._latest = {k: v for k, v in self._latest.items() if v[:2] != partition}
@@ -203,8 +198,7 @@ class LatestNacks:
 
     def _dead(self, partition: TopicPartitionKey, entry: Entry) -> None:
         changes = self._of(partition)
-        if changes is not None:
-            changes.upserts.pop(entry, None)
+        if changes is not None and changes.upserts.pop(entry, None) is None:  # (never written: nothing to undo)
             changes.dead.add(entry)
 
     def _of(self, partition: TopicPartitionKey) -> _Changes | None:

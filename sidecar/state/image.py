@@ -5,10 +5,10 @@ Keys name what they hold, so an operator can read the topic with any console con
     <topic>/<partition>/manifest                    Manifest (JSON)
     <topic>/<partition>/bucket/<id>/meta            a sealed bucket's metadata (the RocksDB encoding)
     <topic>/<partition>/bucket/<id>/segment/<n>     segment n of the bucket (the RocksDB encoding)
-    <control topic>/<partition>/nack/<offset>/<sub> a pending accepted nack: its accepted record
+    <control topic>/<partition>/nacks/<seq>[/dead]  a control partition's pending nacks (state/journal.py)
 
-A control partition's manifest names no bucket: its nacks are the `nack/` entries, and its tail is
-the control offset up to which they are complete (control/nacks.py keeps them).
+A control partition's manifest names its nack chunks where an inbound one names buckets, and its
+tail is the control offset up to which they are complete.
 
 A bucket is published as it was sealed or merged, and never rewritten: the local store's later
 bitmap rewrites only save recovery time, and the commit's delivered watermark says which of its
@@ -28,10 +28,7 @@ from typing import Any
 
 from pyroaring import BitMap64
 
-from sidecar.control.commands import AcceptedNack, parse_accepted
-from sidecar.control.nacks import Entry
 from sidecar.errors import SidecarError
-from sidecar.tracker.base import pack
 from sidecar.tracker.storage.base import BucketWrite, Segment
 from sidecar.tracker.storage.kv import decode_bucket_meta, decode_segment, encode_bucket_meta, encode_segment
 
@@ -103,22 +100,6 @@ def _bucket_key(partition: str, bucket_id: int) -> str:
     return f"{partition}/bucket/{bucket_id}"
 
 
-def nack_records(
-    partition: str, pending: list[tuple[Entry, bytes]], dead: list[Entry]
-) -> tuple[list[Record], list[Record]]:
-    """(records, tombstones) of a control partition's nacks, keyed by index offset and subscription."""
-    records: list[Record] = [(_nack_key(partition, entry), value) for entry, value in pending]
-    return records, [(_nack_key(partition, entry), None) for entry in dead]
-
-
-def _nack_key(partition: str, entry: Entry) -> bytes:
-    """`<offset>/<subscription>`; an entry named by its offset alone (written before cancels and
-    reschedules indexed one acceptance per subscription) has the subscription ""."""
-    offset, subscription = entry
-    name = f"{offset}/{subscription}" if subscription else str(offset)
-    return f"{partition}/nack/{name}".encode()
-
-
 def bucket_records(partition: str, write: BucketWrite) -> list[Record]:
     """A sealed or merged bucket, as records: its segments first, its metadata last."""
     prefix = _bucket_key(partition, write.meta.bucket_id)
@@ -163,33 +144,6 @@ class PartitionImage:
         except ImageError:
             manifest = None
         return max(max(ids, default=0) + 1, manifest.next_bucket_id if manifest is not None else 1)
-
-    def nacks(self, through: int) -> tuple[list[tuple[int, AcceptedNack]], list[Entry]]:
-        """A control partition's nacks: (pending ones by index offset, entries `through` covers).
-
-        The covered ones were settled before the commit, and their tombstones lost with the engine
-        that settled them.
-        """
-        prefix = f"{self.partition}/nack/".encode()
-        control_topic = self.partition.rsplit("/", 1)[0]
-        pending, covered = [], []
-        for key, value in self.values.items():
-            if not key.startswith(prefix):
-                continue
-            number, _, subscription = key[len(prefix) :].decode(errors="replace").partition("/")
-            try:
-                offset = _count(int(number))
-            except ValueError as exc:
-                raise ImageError(f"the nack key {key!r} names no offset") from exc
-            nack = parse_accepted(value, control_topic)
-            if nack is None:
-                raise ImageError(f"the accepted nack at control offset {offset} is unreadable")
-            if pack(nack.deliver_at, offset) <= through:
-                covered.append((offset, subscription))
-            else:
-                pending.append((offset, nack))
-        pending.sort(key=lambda entry: entry[0])
-        return pending, sorted(covered)
 
     def manifest(self) -> Manifest | None:
         raw = self.values.get(manifest_key(self.partition))

@@ -43,9 +43,9 @@ from sidecar.state.image import (
     PartitionImage,
     Record,
     manifest_key,
-    nack_records,
     rules_key,
 )
+from sidecar.state.journal import NackJournal
 from sidecar.state.mirror import MirroredStorage
 from sidecar.tracker.base import Snapshots
 
@@ -90,7 +90,9 @@ class StateTopic:
         self._metrics = metrics
         self._partitions = 0
         self._manifests: dict[str, Manifest] = {}
-        """The last manifest written per inbound partition, so an unchanged one is not written again."""
+        """The last manifest written per partition, so an unchanged one is not written again."""
+        self._journals: dict[str, NackJournal] = {}
+        """Each control partition's nacks as this member wrote or restored them."""
         self._consumer: Consumer | None = None
         self._rules: dict[str, str] = {}
         """The rule-history record each partition's commits name now (publish_rules)."""
@@ -146,16 +148,20 @@ class StateTopic:
         """A control partition: the nacks accepted, superseded or settled since the last checkpoint.
 
         Every accepted record below the cursor is journaled by then, so the manifest's tail is the
-        cursor. A settled nack is tombstoned only once a commit covers it: exactly once, the one
+        cursor. A settled nack is marked dead only once a commit covers it: exactly once, the one
         this transaction holds; at least once, the last one made (these records are not waited for).
         """
         covered = state.tracker.delivered_through() if self._writer.transactional else state.committed_through
         entries, dead = self._nacks.take((state.topic, state.partition), covered)
-        last = self._manifests.get(state.name)
-        if not entries and not dead and last is not None and last.tail == cursor:
+        name = state.name
+        journal = self._journals.get(name)
+        if journal is None:
+            journal = self._journals[name] = NackJournal(name)
+        before, after = journal.write(entries, dead)
+        manifest = journal.manifest(cursor)
+        if not before and not after and self._manifests.get(name) == manifest:
             return  # (a moved cursor is written even so: a restore reads the log again only from it)
-        records, tombstones = nack_records(state.name, entries, dead)
-        self._send(state.name, records, Manifest((), 1, cursor, cursor), tombstones)
+        self._send(name, before, manifest, after)
 
     def publish_rules(self, state: PartitionState) -> bool:
         """The rule history the partition's commit point names, when the metadata cannot hold it
@@ -207,6 +213,7 @@ class StateTopic:
 
     def forget(self, state: PartitionState) -> None:
         self._manifests.pop(state.name, None)
+        self._journals.pop(state.name, None)
         self._rules.pop(state.name, None)
         self._stale_rules.pop(state.name, None)
         self._mirror.forget(state.name)
@@ -228,7 +235,7 @@ class StateTopic:
             if manifest is None:
                 raise ImageError("it holds no manifest for this partition")
             if state.control:
-                self._restore_nacks(state, image, metadata.through)
+                self._restore_nacks(state, image, manifest, metadata.through)
             elif snapshots is not None:
                 snapshots.restore(image.buckets(manifest), manifest.next_bucket_id, metadata.through)
         except (ImageError, BrokerError, StorageError) as e:
@@ -240,6 +247,8 @@ class StateTopic:
                 e,
             )
             self._metrics.state_restores.labels("replay").inc()
+            if state.control:
+                self._journals[name] = NackJournal.unusable(name, image)
             if snapshots is not None:
                 self._fresh(snapshots, image, metadata)
             return None
@@ -258,13 +267,17 @@ class StateTopic:
         )
         return manifest.tail
 
-    def _restore_nacks(self, state: PartitionState, image: PartitionImage, through: int) -> None:
-        """A control partition's pending nacks, into its tracker and the latest-nack table."""
-        pending, covered = image.nacks(through)
-        for offset, nack in pending:
+    def _restore_nacks(self, state: PartitionState, image: PartitionImage, manifest: Manifest, through: int) -> None:
+        """A control partition's pending nacks, into its tracker and the latest-nack table. Those
+        in the old one-record-each form are accepted as new ones: the next checkpoint journals them."""
+        restored = NackJournal.restore(image, manifest, through)
+        for offset, nack in restored.pending:
             state.tracker.add(offset, nack.deliver_at, deliver_now=False)
             self._nacks.restore(nack, offset)
-        self._nacks.drop_later((state.topic, state.partition), covered)
+        for offset, nack in restored.legacy:
+            state.tracker.add(offset, nack.deliver_at, deliver_now=False)
+            self._nacks.accept(nack, offset)
+        self._journals[state.name] = restored.journal
 
     def _fresh(self, tracker: Snapshots, image: PartitionImage | None, metadata: CommitMetadata) -> None:
         """An empty index whose new buckets take ids no record in the state topic uses."""
