@@ -469,9 +469,13 @@ class Sidecar:
         while start < len(records):
             if start:
                 self._dispatch_due(read_ahead=False)
-            size = CONTROL_SLICE if self._controls.is_control(records[start].topic()) else INTAKE_SLICE
+            first = records[start]
+            control = self._controls.is_control(first.topic())
+            size = CONTROL_SLICE if control else INTAKE_SLICE
             self._receiver.take(records[start : start + size])
             start += size
+            if control:
+                self._checkpoints.journal(self._assignment.states.get((first.topic(), first.partition())))
         self._redelivery.release()  # nacks held for one read back of their payloads: before any checkpoint
 
     def _dispatch_due(self, read_ahead: bool = True) -> None:

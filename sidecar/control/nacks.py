@@ -135,6 +135,11 @@ class LatestNacks:
         changes.upserts, changes.dead = {}, set()
         return upserts, dead
 
+    def unwritten(self, partition: TopicPartitionKey) -> int:
+        """Entries a control partition accepted that the state topic has not been told of yet."""
+        changes = self._changes.get(partition) if self._changes is not None else None
+        return 0 if changes is None else len(changes.upserts)
+
     def forget_partition(self, partition: TopicPartitionKey) -> None:
         """A control partition went to another sidecar: its commands are not ours to settle."""
         self._latest = {k: v for k, v in self._latest.items() if v[:2] != partition}

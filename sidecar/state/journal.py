@@ -17,12 +17,15 @@ record per nack under `nack/<offset>/<subscription>`) are still read, and rewrit
 
 Write order at a checkpoint: new chunks (each with a tombstone for a dead set left under its key
 by a crashed owner), the manifest, then dead sets and tombstones, the order the records per nack
-had: a restore that sees a manifest sees every chunk it names.
+had: a restore that sees a manifest sees every chunk it names. Between checkpoints, new chunks
+and dead sets may be written without a manifest (`StateTopic.journal`), but no tombstone: the
+last manifest may still name the chunk.
 """
 
 from __future__ import annotations
 
 import bisect
+import sys
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -35,6 +38,10 @@ from sidecar.tracker.base import pack
 
 CHUNK_BYTES = 256 * 1024
 """Kafka's default record limit is 1 MB; an accepted record is about 200 bytes."""
+EARLY_LINES = 1_000
+"""Unwritten nacks of a partition that are written at once, not at the next checkpoint
+(`StateTopic.journal`): a checkpoint a second after a burst's start took 50 to 200 ms for them."""
+_LAST = sys.maxsize
 
 
 @dataclass
@@ -70,11 +77,15 @@ class NackJournal:
     def manifest(self, cursor: int) -> Manifest:
         return Manifest(self.live(), self._next_seq, cursor, cursor)
 
-    def write(self, pending: list[tuple[Entry, bytes]], dead: Iterable[Entry]) -> tuple[list[Record], list[Record]]:
+    def write(
+        self, pending: list[tuple[Entry, bytes]], dead: Iterable[Entry], manifest: bool = True
+    ) -> tuple[list[Record], list[Record]]:
         """(records before the manifest, records after it) for what changed since the last write.
 
         `pending`: new entries with their accepted record, sorted; `dead`: entries that stopped
-        counting. An entry no chunk holds was never journaled, and needs nothing."""
+        counting. An entry no chunk holds was never journaled, and needs nothing. `manifest`:
+        whether a manifest goes between the two lists; without one, a chunk whose every line died
+        keeps its records (the last manifest may name it) until a write with one."""
         for entry in dead:
             self.kill(entry)
         before: list[Record] = []
@@ -92,22 +103,21 @@ class NackJournal:
             before += self._new_chunk(entries, lines)
         after: list[Record] = []
         for seq, chunk in list(self._chunks.items()):
-            if not chunk.changed:
-                continue
-            chunk.changed = False
-            if len(chunk.dead) < len(chunk.entries):
+            if manifest and len(chunk.dead) == len(chunk.entries):
+                del self._chunks[seq]
+                self._firsts.remove((chunk.entries[0], seq))
+                after += [(_chunk_key(self.partition, seq), None), (_dead_key(self.partition, seq), None)]
+            elif chunk.changed:
                 after.append((_dead_key(self.partition, seq), chunk.dead.serialize()))
-                continue
-            del self._chunks[seq]
-            self._firsts.remove((chunk.entries[0], seq))
-            after += [(_chunk_key(self.partition, seq), None), (_dead_key(self.partition, seq), None)]
-        after += self._tombstones
-        self._tombstones = []
+            chunk.changed = False
+        if manifest:
+            after += self._tombstones
+            self._tombstones = []
         return before, after
 
     def kill(self, entry: Entry) -> None:
         """`entry` no longer counts: into its chunk's dead set at the next write."""
-        at = bisect.bisect_right(self._firsts, entry, key=lambda first: first[0]) - 1
+        at = bisect.bisect_right(self._firsts, (entry, _LAST)) - 1
         if at >= 0 and self._mark(self._chunks[self._firsts[at][1]], entry):
             return
         for chunk in self._chunks.values():  # chunks overlap only after an entry was journaled twice

@@ -45,7 +45,7 @@ from sidecar.state.image import (
     manifest_key,
     rules_key,
 )
-from sidecar.state.journal import NackJournal
+from sidecar.state.journal import EARLY_LINES, NackJournal
 from sidecar.state.mirror import MirroredStorage
 from sidecar.tracker.base import Snapshots
 
@@ -145,23 +145,47 @@ class StateTopic:
         self._send(name, records, manifest, tombstones)
 
     def _publish_nacks(self, state: PartitionState, cursor: int) -> None:
-        """A control partition: the nacks accepted, superseded or settled since the last checkpoint.
-
-        Every accepted record below the cursor is journaled by then, so the manifest's tail is the
-        cursor. A settled nack is marked dead only once a commit covers it: exactly once, the one
-        this transaction holds; at least once, the last one made (these records are not waited for).
-        """
-        covered = state.tracker.delivered_through() if self._writer.transactional else state.committed_through
-        entries, dead = self._nacks.take((state.topic, state.partition), covered)
+        """A control partition: the nacks accepted, superseded or settled since the last write,
+        and the manifest. Every accepted record below the cursor is journaled by then, so the
+        manifest's tail is the cursor."""
         name = state.name
-        journal = self._journals.get(name)
-        if journal is None:
-            journal = self._journals[name] = NackJournal(name)
-        before, after = journal.write(entries, dead)
-        manifest = journal.manifest(cursor)
+        before, after = self._journal_changes(state)
+        manifest = self._journals[name].manifest(cursor)
         if not before and not after and self._manifests.get(name) == manifest:
             return  # (a moved cursor is written even so: a restore reads the log again only from it)
         self._send(name, before, manifest, after)
+
+    def journal(self, state: PartitionState) -> None:
+        """Between checkpoints: a control partition's new nacks written now, once EARLY_LINES wait.
+
+        Without a manifest, which the next checkpoint writes: a restore before it does not read
+        the new chunks, and reads their nacks from the log instead, as the manifest's tail is
+        below them. The dead sets written with them are as safe: an entry superseded by one in a
+        new chunk is replaced by what the log gives again, and a covered one is covered.
+        """
+        if (
+            state.replaying
+            or state.next_offset is None
+            or self._nacks.unwritten((state.topic, state.partition)) < EARLY_LINES
+        ):
+            return
+        before, after = self._journal_changes(state, manifest=False)
+        partition = state_partition(state.name, self._partitions)
+        for key, value in [*before, *after]:
+            self._writer.send(self.name, key, value, [], partition=partition)
+        self._metrics.state_records.inc(len(before) + len(after))
+
+    def _journal_changes(self, state: PartitionState, manifest: bool = True) -> tuple[list[Record], list[Record]]:
+        """(records before the manifest, records after it) for what the partition's nacks did since
+        the last write. A settled nack is marked dead only once a commit covers it: exactly once,
+        the one this transaction holds; at least once, the last one made (state records are not
+        waited for)."""
+        covered = state.tracker.delivered_through() if self._writer.transactional else state.committed_through
+        entries, dead = self._nacks.take((state.topic, state.partition), covered)
+        journal = self._journals.get(state.name)
+        if journal is None:
+            journal = self._journals[state.name] = NackJournal(state.name)
+        return journal.write(entries, dead, manifest)
 
     def publish_rules(self, state: PartitionState) -> bool:
         """The rule history the partition's commit point names, when the metadata cannot hold it

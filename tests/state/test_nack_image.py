@@ -36,6 +36,7 @@ ops = st.lists(
         st.tuples(st.just("advance"), st.integers(1, 40), st.just(0)),
         st.tuples(st.just("checkpoint"), st.sampled_from([0, 0, 1]), st.just(0)),  # 1: a crash after the publish
         st.tuples(st.just("twice"), st.just(0), st.just(0)),  # the last acceptance written again
+        st.tuples(st.just("early"), st.just(0), st.just(0)),  # StateTopic.journal between checkpoints
     ),
     min_size=3,
     max_size=80,
@@ -54,6 +55,8 @@ class Owner:
         self.cursor = 0
         self.published = False
         self.journal = NackJournal(PARTITION)
+        self.unsettled: list[Record] = []
+        """Exactly once: records written since the last commit, in the open transaction."""
 
     def read(
         self, log: list[AcceptedNack], until: int, replay_until: int = 0, through: int = -1, hold: bool = False
@@ -76,15 +79,24 @@ class Owner:
         if self.nacks.claim(nack, offset):
             self.redelivered.append(offset)
 
+    def changes(self, manifest: bool = True) -> tuple[list[Record], list[Record]]:
+        through = self.tracker.delivered_through()
+        covered = through if self.exact else (self.commit[1] if self.commit else NOTHING_DELIVERED)
+        return self.journal.write(*self.nacks.take(CONTROL, covered), manifest)
+
+    def early(self, topic: list[Record]) -> None:
+        """StateTopic.journal: the changes without a manifest (in the transaction, exactly once)."""
+        before, after = self.changes(manifest=False)
+        (self.unsettled if self.exact else topic).extend([*before, *after])
+
     def checkpoint(self, topic: list[Record], fails: bool) -> None:
         """StateTopic._publish_nacks, then the commit, unless the owner crashes in between."""
         through = self.tracker.delivered_through()
-        covered = through if self.exact else (self.commit[1] if self.commit else NOTHING_DELIVERED)
-        pending, dead = self.nacks.take(CONTROL, covered)
-        before, after = self.journal.write(pending, dead)
-        if before or after or not self.published:
+        before, after = self.changes()
+        if before or after or self.unsettled or not self.published:
             manifest = self.journal.manifest(self.cursor)
-            written = [*before, (manifest_key(PARTITION), manifest.encode()), *after]
+            written = [*self.unsettled, *before, (manifest_key(PARTITION), manifest.encode()), *after]
+            self.unsettled = []
             if not (fails and self.exact):  # a transaction that does not commit leaves nothing visible
                 topic += written
                 self.published = True
@@ -152,6 +164,8 @@ def replay_and_compare(exact: bool, script: list[tuple[str, int, int]]) -> None:
             log.append(log[-1])
         elif op == "advance":
             clock.advance(a)
+        elif op == "early":
+            owner.early(topic)
         elif op == "checkpoint":
             owner.checkpoint(topic, fails=bool(a))
             if a:
