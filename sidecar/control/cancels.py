@@ -19,10 +19,12 @@ Every record the sidecar writes to an inbound partition starts with the header `
 naming its consumer group, so other groups, the audit and the intake skip it.
 """
 
-import json
+
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
+
+import msgspec
 
 from sidecar.control.fields import (
     INVALID_COMMAND,  # noqa: F401 - an outcome code too, listed with the others
@@ -319,12 +321,18 @@ class OutcomeRecord:
 
 
 def _dump(data: dict[str, Any]) -> bytes:
-    return json.dumps(data, separators=(",", ":")).encode()
+    """JSON, compact. msgspec rather than json: a burst of cancels encodes three documents per
+    command (request, fact, outcome), and json.dumps was a tenth of the loop."""
+    return _encode(data)
 
 
 def _load(raw: bytes | None) -> dict[str, Any]:
     try:
-        data = json.loads(raw or b"")
-    except (ValueError, UnicodeDecodeError):
+        data = _decode(raw or b"")
+    except (ValueError, UnicodeDecodeError):  # (msgspec.DecodeError is a ValueError)
         return {}
     return data if isinstance(data, dict) else {}
+
+
+_encode = msgspec.json.Encoder().encode
+_decode = msgspec.json.Decoder().decode
