@@ -19,7 +19,6 @@ Every record the sidecar writes to an inbound partition starts with the header `
 naming its consumer group, so other groups, the audit and the intake skip it.
 """
 
-
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
