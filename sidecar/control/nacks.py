@@ -9,13 +9,14 @@ With a state topic, this table also keeps a changelog per control partition, as 
 store does: the accepted nacks still pending, keyed by their accepted record's offset, so a new
 owner loads them from the state topic instead of reading the control log again (state/journal.py
 writes them there, in chunks).
-An entry is written when its accepted record is read and tombstoned when it stops mattering:
+An entry is written when its accepted record is read and marked dead when it stops mattering:
 
 - at once when a later command supersedes it (the later one's entry is written first, in the same
-  checkpoint), so a restore never revives a superseded nack;
+  write), so a restore never revives a superseded nack;
 - once redelivered (or dropped at due time), only after a commit whose delivered watermark covers
   it: a restore takes the committed watermark, and must still find every nack it does not cover.
-  One settled before any checkpoint wrote it is never written at all (a burst's nacks mostly are).
+
+One that stops mattering before any write took it is never written at all, and needs no mark.
 
 An entry is named by its index offset *and* its subscription: a cancel or a reschedule indexes one
 acceptance per subscription at its own offset, and each lives or dies on its own.

@@ -155,7 +155,7 @@ class NackJournal:
         are dead from now on, and records no manifest names are tombstoned."""
         partition = image.partition
         control_topic = partition.rsplit("/", 1)[0]
-        journal = cls(partition, max(manifest.next_bucket_id, _first_free_seq(image)))
+        journal = cls(partition, _first_free_seq(image))
         pending: dict[Entry, tuple[int, AcceptedNack]] = {}
         for seq in manifest.buckets:
             offsets, nacks = _lines(image.values.get(_chunk_key(partition, seq)), control_topic, seq)
@@ -224,9 +224,15 @@ def _journal_keys(image: PartitionImage) -> list[bytes]:
 
 
 def _first_free_seq(image: PartitionImage) -> int:
+    """Above every chunk a record or the manifest names."""
     prefix = f"{image.partition}/nacks/".encode()
     seqs = [key[len(prefix) :].split(b"/", 1)[0] for key in image.values if key.startswith(prefix)]
-    return max((int(seq) for seq in seqs if seq.isdigit()), default=0) + 1
+    try:
+        manifest = image.manifest()
+    except ImageError:
+        manifest = None
+    named = manifest.next_bucket_id if manifest is not None else 1
+    return max(max((int(seq) for seq in seqs if seq.isdigit()), default=0) + 1, named)
 
 
 def _legacy(image: PartitionImage) -> list[tuple[int, AcceptedNack]]:

@@ -184,8 +184,19 @@ class StateTopic:
         entries, dead = self._nacks.take((state.topic, state.partition), covered)
         journal = self._journals.get(state.name)
         if journal is None:
-            journal = self._journals[state.name] = NackJournal(state.name)
+            journal = self._journals[state.name] = self._fresh_journal(state.name)
         return journal.write(entries, dead, manifest)
+
+    def _fresh_journal(self, name: str) -> NackJournal:
+        """A control partition that was not restored from here, as nothing was pending at its
+        commit: its chunks must not take the seq of one an earlier owner wrote (its manifest may
+        name it), and what that owner journaled goes after the next manifest."""
+        try:
+            image: PartitionImage | None = self._read(name)
+        except (BrokerError, ImageError) as e:
+            logger.warning("state topic not read partition=%s error=%s", name, e)
+            image = None
+        return NackJournal.unusable(name, image)
 
     def publish_rules(self, state: PartitionState) -> bool:
         """The rule history the partition's commit point names, when the metadata cannot hold it

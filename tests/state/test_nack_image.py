@@ -278,3 +278,17 @@ def test_a_chunk_the_manifest_does_not_name_is_ignored_and_tombstoned() -> None:
     before, after = journal.write([((3, "s"), accepted("s", 3).encode())], [])
     assert before[0][0] == f"{PARTITION}/nacks/3".encode()  # a seq no record uses
     assert after == [(stray[0], None)]
+
+
+def test_a_journal_started_afresh_takes_seqs_above_every_chunk_and_drops_the_old_ones() -> None:
+    """Nothing was pending at the commit, so the owner did not restore: the last manifest may
+    still name chunk 1, which must not be overwritten before a manifest of the new owner replaces it."""
+    old = NackJournal(PARTITION)
+    topic = written(old, [((1, "s"), accepted("s", 1).encode())], [])
+    topic += written(old, [((2, "s"), accepted("s", 2).encode())], [])  # chunk 2
+    fresh = NackJournal.unusable(PARTITION, image_of(PARTITION, topic[:5]))  # chunk 2, its manifest lost
+    before, after = fresh.write([((5, "s"), accepted("s", 5).encode())], [])
+    assert before[0][0] == f"{PARTITION}/nacks/3".encode()
+    assert (f"{PARTITION}/nacks/1".encode(), None) in after
+    assert fresh.manifest(100).buckets == (3,)
+    assert NackJournal.unusable(PARTITION, None).manifest(0).next_bucket_id == 1
