@@ -26,8 +26,9 @@ from __future__ import annotations
 
 import bisect
 import sys
+from array import array
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from pyroaring import BitMap
 
@@ -44,12 +45,32 @@ EARLY_LINES = 1_000
 _LAST = sys.maxsize
 
 
-@dataclass
 class _Chunk:
-    entries: list[Entry]
-    """Its lines' entries, in line order (sorted)."""
-    dead: BitMap = field(default_factory=BitMap)
-    changed: bool = False
+    """Its lines' entries, in line order (sorted): the offsets in an array and the subscriptions
+    in a list, 16 bytes a line rather than a tuple's 64 or more (a million long nacks pending)."""
+
+    __slots__ = ("changed", "dead", "offsets", "subs")
+
+    def __init__(self, entries: list[Entry]) -> None:
+        self.offsets = array("q", [offset for offset, _ in entries])
+        self.subs = [sub for _, sub in entries]
+        self.dead = BitMap()
+        self.changed = False
+
+    def __len__(self) -> int:
+        return len(self.subs)
+
+    def first(self) -> int:
+        return self.offsets[0]
+
+    def line(self, entry: Entry) -> int | None:
+        offset, sub = entry
+        line = bisect.bisect_left(self.offsets, offset)
+        while line < len(self.subs) and self.offsets[line] == offset:
+            if self.subs[line] == sub:
+                return line
+            line += 1
+        return None
 
 
 @dataclass
@@ -67,8 +88,8 @@ class NackJournal:
         self.partition = partition
         self._next_seq = next_seq
         self._chunks: dict[int, _Chunk] = {}
-        self._firsts: list[tuple[Entry, int]] = []
-        """(first entry, seq) of every live chunk, sorted: where to look for an entry."""
+        self._firsts: list[tuple[int, int]] = []
+        """(first offset, seq) of every live chunk, sorted: where to look for an entry."""
         self._tombstones: list[Record] = []
 
     def live(self) -> tuple[int, ...]:
@@ -103,9 +124,9 @@ class NackJournal:
             before += self._new_chunk(entries, lines)
         after: list[Record] = []
         for seq, chunk in list(self._chunks.items()):
-            if manifest and len(chunk.dead) == len(chunk.entries):
+            if manifest and len(chunk.dead) == len(chunk):
                 del self._chunks[seq]
-                self._firsts.remove((chunk.entries[0], seq))
+                self._firsts.remove((chunk.first(), seq))
                 after += [(_chunk_key(self.partition, seq), None), (_dead_key(self.partition, seq), None)]
             elif chunk.changed:
                 after.append((_dead_key(self.partition, seq), chunk.dead.serialize()))
@@ -117,17 +138,19 @@ class NackJournal:
 
     def kill(self, entry: Entry) -> None:
         """`entry` no longer counts: into its chunk's dead set at the next write."""
-        at = bisect.bisect_right(self._firsts, (entry, _LAST)) - 1
+        at = bisect.bisect_right(self._firsts, (entry[0], _LAST)) - 1
         if at >= 0 and self._mark(self._chunks[self._firsts[at][1]], entry):
             return
-        for chunk in self._chunks.values():  # chunks overlap only after an entry was journaled twice
+        # Chunks overlap only after an entry was journaled twice, or where one offset's
+        # subscriptions (a cancel's) span two chunks.
+        for chunk in self._chunks.values():
             if self._mark(chunk, entry):
                 return
 
-    def _mark(self, chunk: _Chunk, entry: Entry) -> bool:
-        entries = chunk.entries
-        line = bisect.bisect_left(entries, entry)
-        if line == len(entries) or entries[line] != entry or line in chunk.dead:
+    @staticmethod
+    def _mark(chunk: _Chunk, entry: Entry) -> bool:
+        line = chunk.line(entry)
+        if line is None or line in chunk.dead:
             return False
         chunk.dead.add(line)
         chunk.changed = True
@@ -141,7 +164,7 @@ class NackJournal:
 
     def _add(self, seq: int, chunk: _Chunk) -> None:
         self._chunks[seq] = chunk
-        bisect.insort(self._firsts, (chunk.entries[0], seq))
+        bisect.insort(self._firsts, (chunk.first(), seq))
 
     def drop(self, keys: Iterable[bytes]) -> None:
         """Tombstone these records after the next manifest (ones no manifest names any more)."""
@@ -159,9 +182,10 @@ class NackJournal:
         pending: dict[Entry, tuple[int, AcceptedNack]] = {}
         for seq in manifest.buckets:
             offsets, nacks = _lines(image.values.get(_chunk_key(partition, seq)), control_topic, seq)
-            chunk = _Chunk([(offset, nack.command.subscription) for offset, nack in zip(offsets, nacks, strict=True)])
-            if chunk.entries != sorted(chunk.entries):
+            entries = [(offset, nack.command.subscription) for offset, nack in zip(offsets, nacks, strict=True)]
+            if entries != sorted(entries):
                 raise ImageError(f"nack chunk {seq} is not in entry order")
+            chunk = _Chunk(entries)
             dead = image.values.get(_dead_key(partition, seq))
             if dead is not None:
                 try:
@@ -169,7 +193,7 @@ class NackJournal:
                 except ValueError as exc:
                     raise ImageError(f"the dead set of nack chunk {seq} is unreadable ({exc})") from exc
             journal._add(seq, chunk)
-            for line, (entry, nack) in enumerate(zip(chunk.entries, nacks, strict=True)):
+            for line, (entry, nack) in enumerate(zip(entries, nacks, strict=True)):
                 if line in chunk.dead:
                     continue
                 if pack(nack.deliver_at, entry[0]) <= through or entry in pending:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from pyroaring import BitMap
 
 from sidecar.clock import ManualClock
 from sidecar.control.commands import AcceptedNack, NackCommand
@@ -292,3 +293,21 @@ def test_a_journal_started_afresh_takes_seqs_above_every_chunk_and_drops_the_old
     assert (f"{PARTITION}/nacks/1".encode(), None) in after
     assert fresh.manifest(100).buckets == (3,)
     assert NackJournal.unusable(PARTITION, None).manifest(0).next_bucket_id == 1
+
+
+def test_one_offsets_subscriptions_split_over_two_chunks_are_each_found() -> None:
+    """A cancel indexes one acceptance per subscription at its offset; a chunk may end among them."""
+    saved, journal_module.CHUNK_BYTES = journal_module.CHUNK_BYTES, 300
+    try:
+        journal = NackJournal(PARTITION)
+        subs = ["a", "b", "c", "d"]
+        journal.write([((9, sub), accepted(sub, 9).encode()) for sub in subs], [])
+        assert journal.live() == (1, 2)  # two lines a chunk
+        _, after = journal.write([], [(9, "c"), (9, "a"), (9, "c")], manifest=False)
+        dead = {key: BitMap.deserialize(value) for key, value in after if value is not None}
+        assert dead == {
+            f"{PARTITION}/nacks/1/dead".encode(): BitMap([0]),
+            f"{PARTITION}/nacks/2/dead".encode(): BitMap([0]),
+        }
+    finally:
+        journal_module.CHUNK_BYTES = saved
