@@ -126,6 +126,23 @@ def one_round(bootstrap: str, work: Path, n: int, due: str, timeout_s: float, sp
     }
 
 
+def table(rows: list[dict[str, object]]) -> str:
+    """The rounds as a markdown table."""
+    columns = ["round", "due", "nacks written in (s)", "redelivered", "drain (s)", "per second",
+               "late min / p50 / p99 / max (ms)", "sidecar CPU (s)"]  # fmt: skip
+    lines = ["| " + " | ".join(columns) + " |", "| ---: | --- | ---: | ---: | ---: | ---: | --- | ---: |"]
+    for i, row in enumerate(rows, 1):
+        late = row["late_ms"]
+        assert isinstance(late, dict)
+        spread = " / ".join(f"{late[k]:,.0f}" for k in ("min", "p50", "p99", "max"))
+        # A tiny round can redeliver everything within one millisecond: no rate then.
+        rate = "-" if row["per_second"] is None else f"{row['per_second']:,}"
+        cells = [i, row["due"], row["nacks_written_s"], f"{row['redelivered']:,}", row["drain_s"],
+                 rate, spread, row["sidecar_cpu_s"]]  # fmt: skip
+        lines.append("| " + " | ".join(map(str, cells)) + " |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--messages", type=int, default=90_000, metavar="N", help="records, each nacked once")
@@ -147,17 +164,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(json.dumps(rows[-1]), file=sys.stderr)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    columns = ["round", "due", "nacks written in (s)", "redelivered", "drain (s)", "per second",
-               "late min / p50 / p99 / max (ms)", "sidecar CPU (s)"]  # fmt: skip
-    print("| " + " | ".join(columns) + " |")
-    print("| ---: | --- | ---: | ---: | ---: | ---: | --- | ---: |")
-    for i, row in enumerate(rows, 1):
-        late = row["late_ms"]
-        assert isinstance(late, dict)
-        spread = " / ".join(f"{late[k]:,.0f}" for k in ("min", "p50", "p99", "max"))
-        cells = [i, row["due"], row["nacks_written_s"], f"{row['redelivered']:,}", row["drain_s"],
-                 f"{row['per_second']:,}", spread, row["sidecar_cpu_s"]]  # fmt: skip
-        print("| " + " | ".join(map(str, cells)) + " |")
+    print(table(rows))
     print(f"\n- load average at the end: {Path('/proc/loadavg').read_text().split()[0]}")
     return 0 if all(row["redelivered"] == args.messages for row in rows) else 1
 
