@@ -170,10 +170,7 @@ class StateTopic:
         ):
             return
         before, after = self._journal_changes(state, manifest=False)
-        partition = state_partition(state.name, self._partitions)
-        for key, value in [*before, *after]:
-            self._writer.send(self.name, key, value, [], partition=partition)
-        self._metrics.state_records.inc(len(before) + len(after))
+        self._send(state.name, before, None, after)
 
     def _journal_changes(self, state: PartitionState, manifest: bool = True) -> tuple[list[Record], list[Record]]:
         """(records before the manifest, records after it) for what the partition's nacks did since
@@ -239,12 +236,15 @@ class StateTopic:
         self._rules[name] = ref
         return rules
 
-    def _send(self, name: str, records: list[Record], manifest: Manifest, tombstones: list[Record]) -> None:
+    def _send(self, name: str, records: list[Record], manifest: Manifest | None, tombstones: list[Record]) -> None:
+        """`records`, the manifest (None: none this time) and `tombstones`, in that order."""
+        written = [*records, *([] if manifest is None else [(manifest_key(name), manifest.encode())]), *tombstones]
         partition = state_partition(name, self._partitions)
-        for key, value in [*records, (manifest_key(name), manifest.encode()), *tombstones]:
+        for key, value in written:
             self._writer.send(self.name, key, value, [], partition=partition)
-        self._manifests[name] = manifest
-        self._metrics.state_records.inc(len(records) + len(tombstones) + 1)
+        if manifest is not None:
+            self._manifests[name] = manifest
+        self._metrics.state_records.inc(len(written))
 
     def forget(self, state: PartitionState) -> None:
         self._manifests.pop(state.name, None)
