@@ -174,6 +174,11 @@ class CacheBatch:
     def count(self) -> int:
         return sum(len(g) for g in self._groups.values())
 
+    @property
+    def entries(self) -> int:
+        """The RocksDB entries `write()` makes: one per partition and slot (bench/cache_cost.py)."""
+        return len(self._groups)
+
     def write(self) -> None:
         if not self._groups:
             return
