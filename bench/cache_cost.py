@@ -11,8 +11,7 @@ it most of the cost. The read back is `PayloadCache.read` of every record, due-t
 read-ahead asks. Records are 100-byte values with one `deliver-at` header, as in `python -m bench`.
 Python's collector runs as in the sidecar (sidecar/collector.py): without it, full passes over
 the records held would be most of the read back. The machine is shared: compare the best rounds of
-runs made one after the other. The same code
-costs more inside the sidecar, whose broker, clients and bench share the cores and the caches
+runs made one after the other. Inside the sidecar the same steps cost 1.5 to 2 times as much
 (docs/benchmarks.md).
 """
 
@@ -105,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     best = min(rounds, key=lambda r: r.add_us + r.write_us)
     fastest_read = min(r.read_us for r in rounds)
     print(
-        "| records | partitions | spread (s) | records per entry | add (µs/record) | write (µs/record) "
+        "| records | partitions | spread (s) | records per entry | grouping (µs/record) | writing (µs/record) "
         "| read back (µs/record) |"
     )
     print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
