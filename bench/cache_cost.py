@@ -11,7 +11,7 @@ it most of the cost. The read back is `PayloadCache.read` of every record, due-t
 read-ahead asks. Records are 100-byte values with one `deliver-at` header, as in `python -m bench`.
 Python's collector runs as in the sidecar (sidecar/collector.py): without it, full passes over
 the records held would be most of the read back. The machine is shared: compare the best rounds of
-runs made one after the other. Inside the sidecar the same steps cost up to twice as much
+runs made one after the other. Inside the sidecar the same steps cost 1.6 to 2.3 times as much
 (docs/benchmarks.md).
 """
 
