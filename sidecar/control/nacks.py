@@ -78,7 +78,7 @@ class LatestNacks:
         changes = self._of(nack.source[:2])
         if changes is not None:
             entry = (offset, nack.command.subscription)
-            # One the state topic was never told of needs no tombstone either (a burst's nacks mostly):
+            # One the state topic was never told of needs no dead mark either (a burst's nacks mostly):
             # the commit after the next checkpoint covers it, and a crash before reads or judges it again.
             if changes.upserts.pop(entry, None) is None:
                 heapq.heappush(changes.settled, (pack(nack.deliver_at, offset), entry))
@@ -120,12 +120,12 @@ class LatestNacks:
         return found
 
     def take(self, partition: TopicPartitionKey, covered: int) -> tuple[list[tuple[Entry, bytes]], list[Entry]]:
-        """(entries to write with their accepted record, entries to tombstone) for a control partition.
+        """(entries to write with their accepted record, entries to mark dead) for a control partition.
 
         `covered`: the delivered watermark that the commit going with these records (exactly
         once), or the last commit before them (at least once), makes durable.
         """
-        changes = self._changes.get(partition) if self._changes is not None else None
+        changes = self._existing(partition)
         if changes is None:
             return [], []
         settled = changes.settled
@@ -138,7 +138,7 @@ class LatestNacks:
 
     def unwritten(self, partition: TopicPartitionKey) -> int:
         """Entries a control partition accepted that the state topic has not been told of yet."""
-        changes = self._changes.get(partition) if self._changes is not None else None
+        changes = self._existing(partition)
         return 0 if changes is None else len(changes.upserts)
 
     def forget_partition(self, partition: TopicPartitionKey) -> None:
@@ -206,6 +206,10 @@ class LatestNacks:
         changes = self._of(partition)
         if changes is not None and changes.upserts.pop(entry, None) is None:  # (never written: nothing to undo)
             changes.dead.add(entry)
+
+    def _existing(self, partition: TopicPartitionKey) -> _Changes | None:
+        """The partition's changes so far, without starting any (reading them must not)."""
+        return self._changes.get(partition) if self._changes is not None else None
 
     def _of(self, partition: TopicPartitionKey) -> _Changes | None:
         if self._changes is None:

@@ -8,10 +8,11 @@ pending nacks are here the same way (control/nacks.py keeps their changelog).
 
 Writes happen at the checkpoint (checkpoint.py), for each partition whose layout changed: the
 buckets sealed or merged since the last one, then the manifest, then tombstones for the buckets
-deleted. One state partition holds all of an inbound partition's records, so a reader sees them in
-that order and a manifest never names a bucket that is not there yet. In exactly-once mode they
-are written by the transactional producer, so the manifest, the snapshots and the committed
-offsets become visible together.
+deleted. (A control partition's new nack chunks may also go between checkpoints, without a
+manifest: `journal`, state/journal.py.) One state partition holds all of an inbound partition's
+records, so a reader sees them in that order and a manifest never names a bucket that is not
+there yet. In exactly-once mode they are written by the transactional producer, so the manifest,
+the snapshots and the committed offsets become visible together.
 
 Why a manifest can trail the commit and still be right: it says that every indexed entry below
 its tail is in its buckets or was delivered. Reading the log again from there (or from the
