@@ -9,7 +9,7 @@ import pytest
 from confluent_kafka import Message
 
 from sidecar.clock import ManualClock
-from sidecar.dispatch import dispatcher as dispatcher_module
+from sidecar.dispatch import read_ahead
 from sidecar.dispatch.dispatcher import MAX_POP, Dispatcher
 from sidecar.dispatch.payload_cache import PayloadCache
 from sidecar.metrics import Metrics
@@ -37,7 +37,7 @@ def whole_read_slices(monkeypatch: pytest.MonkeyPatch) -> None:
     """A turn reads ahead for 10 ms of wall clock at most (the loop's guard, not what these tests
     check): on a loaded CI machine one turn ended after the cache's chunk, before the log was read,
     and a test that counts the reads after one turn failed by chance. Here a turn reads what it starts."""
-    monkeypatch.setattr(dispatcher_module, "READ_SLICE_S", 3600.0)
+    monkeypatch.setattr(read_ahead, "READ_SLICE_S", 3600.0)
 
 
 class Setup:
