@@ -12,7 +12,7 @@ from sidecar.partitions import TopicPartitionKey
 
 # Payloads held at most (about 90 MB with 100-byte values). Raising it to 700,000, so that a burst
 # of 500,000 was held whole before its due time, did not shorten the burst's drain
-# (docs/benchmarks.md, 2026-11-27 21:20).
+# (docs/benchmarks.md, "The burst held whole before its due time").
 MAX_CACHED = 300_000
 
 
