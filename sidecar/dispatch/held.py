@@ -1,9 +1,10 @@
 """Payloads held in memory for upcoming deliveries, per partition by offset, within one bound.
 
-Three hands fill it: intake keeps the records that are near due as it reads them, the read-ahead
-reads ahead of due time, and the read at due time adds what neither brought. Delivery takes them
-out. The bound is a count, not bytes: each holds a `Message` of about 300 bytes with 100-byte
-values, and past the bound due records are read back when they fall due.
+Intake keeps the records that are near due as it reads them, the read-ahead reads ahead of due
+time, and a run's members come with their records (trail.py); delivery takes them out. The bound,
+a count, not bytes (a `Message` is about 300 bytes with 100-byte values), stops the first two: past
+it, due records are read at due time, and that read, like a run's members, adds what it needs
+whatever the bound.
 """
 
 from confluent_kafka import Message
