@@ -29,7 +29,8 @@ sys.path.insert(0, str(ROOT))
 from confluent_kafka import Producer  # noqa: E402
 from confluent_kafka.admin import AdminClient, NewTopic  # noqa: E402
 
-from sidecar.broker.embedded import EmbeddedBroker, free_port  # noqa: E402
+from sidecar.broker.embedded import EmbeddedBroker  # noqa: E402
+from sidecar.broker.ports import free_port  # noqa: E402
 from sidecar.outbound.records import outbound_headers  # noqa: E402
 from spark.audit_job import audit  # noqa: E402
 from spark.session import build_session  # noqa: E402

@@ -61,7 +61,8 @@ from confluent_kafka.admin import AdminClient, NewTopic
 from bench.probe import scrape
 from bench.procs import Child
 from sidecar.broker import embedded
-from sidecar.broker.embedded import EmbeddedBroker, free_port
+from sidecar.broker.embedded import EmbeddedBroker
+from sidecar.broker.ports import free_port
 from sidecar.client import Nacker, deliver_at, origin, redelivery_count
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -34,8 +34,9 @@ from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 
 from sidecar.broker.base import wait_for_metadata
-from sidecar.broker.embedded import EmbeddedBroker, free_port, noida_binary
+from sidecar.broker.embedded import EmbeddedBroker, noida_binary
 from sidecar.broker.lifeline import die_with_parent
+from sidecar.broker.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 TOPIC = "loss"

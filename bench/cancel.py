@@ -36,7 +36,8 @@ from confluent_kafka import Producer
 from bench import load
 from bench.drain import KeptLoad, lateness, quantile, read_all, serve, wait
 from bench.probe import Watermarks, create_topic
-from sidecar.broker.embedded import EmbeddedBroker, free_port
+from sidecar.broker.embedded import EmbeddedBroker
+from sidecar.broker.ports import free_port
 from sidecar.settings import RunSettings
 
 PENDING, KEPT, CONTROL = "cancel.pending", "cancel.kept", "cancel.control"

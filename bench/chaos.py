@@ -53,7 +53,8 @@ if __package__ in (None, ""):
 
 from bench.probe import create_topic, now_ms
 from bench.procs import Child
-from sidecar.broker.embedded import EmbeddedBroker, free_port
+from sidecar.broker.embedded import EmbeddedBroker
+from sidecar.broker.ports import free_port
 from sidecar.client import Nacker
 from sidecar.outbound.records import read_delivery
 

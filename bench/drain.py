@@ -36,7 +36,8 @@ from confluent_kafka import Consumer, Producer, TopicPartition
 from bench import load
 from bench.probe import create_topic
 from sidecar.app import SidecarApp
-from sidecar.broker.embedded import EmbeddedBroker, free_port
+from sidecar.broker.embedded import EmbeddedBroker
+from sidecar.broker.ports import free_port
 from sidecar.dispatch import drain
 from sidecar.outbound.records import DELIVER_AT, ORIGIN_OFFSET, ORIGIN_PARTITION
 from sidecar.settings import RunSettings

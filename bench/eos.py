@@ -34,7 +34,8 @@ if __package__ in (None, ""):
 from bench.probe import DELIVER_AT, create_topic, now_ms
 from bench.procs import load_argv, run_load, start_sidecar
 from bench.report import environment
-from sidecar.broker.embedded import EmbeddedBroker, free_port
+from sidecar.broker.embedded import EmbeddedBroker
+from sidecar.broker.ports import free_port
 
 SUBSCRIPTIONS = ("billing", "shipping")
 PARTITIONS = 3

@@ -35,7 +35,8 @@ from confluent_kafka import Consumer, Message, Producer, TopicPartition
 
 from bench.probe import LiveReader
 from bench.procs import ROOT, Child
-from sidecar.broker.embedded import EmbeddedBroker, free_port
+from sidecar.broker.embedded import EmbeddedBroker
+from sidecar.broker.ports import free_port
 from sidecar.outbound.records import read_delivery
 
 SUBSCRIPTIONS = ("shared", "ordered")

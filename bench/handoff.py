@@ -64,7 +64,8 @@ from confluent_kafka import Consumer, TopicPartition
 from bench.probe import Watermarks, create_topic, metric_sum, now_ms, read_records, scrape, settle, wait_for_outbound
 from bench.procs import Child, load_argv, py_spy, run_load, start_sidecar
 from bench.report import environment
-from sidecar.broker.embedded import EmbeddedBroker, free_port, free_ports
+from sidecar.broker.embedded import EmbeddedBroker
+from sidecar.broker.ports import free_port, free_ports
 from sidecar.outbound.records import read_delivery
 
 CONTROL_TOPIC = "delay-sidecar.control"

@@ -21,7 +21,8 @@ if __package__ in (None, ""):
 from confluent_kafka import Producer
 from confluent_kafka.admin import AdminClient, NewTopic
 
-from sidecar.broker.embedded import EmbeddedBroker, free_port
+from sidecar.broker.embedded import EmbeddedBroker
+from sidecar.broker.ports import free_port
 from sidecar.outbound.records import outbound_headers
 
 CONTRACT = outbound_headers(None, "orders", 3, 1_234_567, 1_795_255_200_000)

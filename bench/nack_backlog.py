@@ -47,7 +47,8 @@ from bench.bench_nack import (
     read_back,
 )
 from bench.procs import Child, start_sidecar
-from sidecar.broker.embedded import EmbeddedBroker, free_port
+from sidecar.broker.embedded import EmbeddedBroker
+from sidecar.broker.ports import free_port
 from sidecar.client import deliver_at as deliver_at_of
 from sidecar.client import redelivery_count
 

@@ -21,7 +21,8 @@ from pathlib import Path
 
 from bench.probe import create_topic
 from bench.procs import load_argv, run_load
-from sidecar.broker.embedded import EmbeddedBroker, free_port
+from sidecar.broker.embedded import EmbeddedBroker
+from sidecar.broker.ports import free_port
 from sidecar.dispatch.reader import DEFAULT_MAX_GAP, LogReader
 
 

@@ -33,7 +33,8 @@ if __package__ in (None, ""):
 from bench.context import Context, Result, Sizes
 from bench.report import environment, markdown, plot, write_json
 from bench.scenarios import EXTRA_SCENARIOS, RUNNERS, SCENARIOS
-from sidecar.broker.embedded import EmbeddedBroker, free_port
+from sidecar.broker.embedded import EmbeddedBroker
+from sidecar.broker.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = ROOT / "bench" / "results" / "e2e.json"

@@ -48,7 +48,8 @@ from bench.probe import (
 from bench.procs import load_argv, run_load, start_sidecar
 from bench.report import environment
 from bench.scenarios import SUBSCRIPTIONS
-from sidecar.broker.embedded import EmbeddedBroker, free_port, free_ports
+from sidecar.broker.embedded import EmbeddedBroker
+from sidecar.broker.ports import free_port, free_ports
 
 CONTROL_TOPIC = "delay-sidecar.control"
 FIXED_DELAY_S = 5

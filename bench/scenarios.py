@@ -41,7 +41,7 @@ from bench.procs import (
     start_sidecar,
 )
 from bench.relays import ceiling, relay_2, relay_2_headers
-from sidecar.broker.embedded import free_port
+from sidecar.broker.ports import free_port
 
 # Issue 13's set; the relays first, since every later scenario is reported as a ratio to them.
 SCENARIOS = (

@@ -12,7 +12,8 @@ from typing import Any, Protocol
 
 from confluent_kafka.admin import AdminClient
 
-from sidecar.broker import BrokerLauncher, EmbeddedBroker, ExternalBroker
+from sidecar.broker import BrokerLauncher, ExternalBroker, local_broker
+from sidecar.broker.local import default_data_dir
 from sidecar.clock import Clock, SystemClock
 from sidecar.dispatch.payload_cache import PayloadCache
 from sidecar.engine import Sidecar
@@ -40,10 +41,12 @@ RESTART_BACKOFF_MAX_S = 30.0
 
 
 def launcher_for(settings: RunSettings, stop: threading.Event | None = None) -> BrokerLauncher:
-    """The cluster the settings name, or the embedded broker under the state dir when they name none."""
+    """The cluster the settings name, or a local broker under the state dir when they name none."""
     if settings.bootstrap_servers:
         return ExternalBroker(settings.bootstrap_servers, settings.client_config(settings.bootstrap_servers), stop)
-    return EmbeddedBroker(settings.state_dir / "broker", port=settings.broker_port)
+    return local_broker(
+        settings.broker_kind, default_data_dir(settings.state_dir, settings.broker_kind), port=settings.broker_port
+    )
 
 
 STATE_TAIL_OFFSETS = 10_000

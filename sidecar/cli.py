@@ -14,7 +14,7 @@ from pydantic import Field, ValidationError
 from pydantic_settings import BaseSettings, CliApp, CliSettingsSource, CliSubCommand, SettingsConfigDict
 
 from sidecar.app import SidecarApp, run_until_signalled
-from sidecar.broker.embedded import EmbeddedBroker
+from sidecar.broker.local import KIND_HELP, BrokerKind, default_data_dir, local_broker
 from sidecar.cli_help import add_argument
 from sidecar.demo import run_demo
 from sidecar.errors import SidecarError
@@ -40,20 +40,37 @@ class RunCommand(RunSettings):
 
 
 class BrokerCommand(BaseSettings):
-    """Run the embedded Kafka-compatible broker alone, until Ctrl-C or SIGTERM."""
+    """Run a local broker alone (Apache Kafka, or the embedded noida-db), until Ctrl-C or SIGTERM."""
 
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, cli_kebab_case=True, extra="ignore")
-    port: int = Field(9092, ge=1, le=65535, description="Kafka port to listen on")
-    data_dir: Path = Field(Path(".state/broker"), description="Where the broker keeps its data")
+    port: int = Field(
+        9092,
+        ge=1,
+        le=65535,
+        description="Kafka port of the first node; node i listens on port+i-1 and its controller on port+N+i-1. "
+        "Taken: free ports, as the log says",
+    )
+    data_dir: Path | None = Field(
+        None,
+        description="Where the broker keeps its data. Default: .state/kafka (Apache Kafka), .state/broker (noida-db)",
+    )
     host: str = Field("127.0.0.1", description="Address to bind")
+    nodes: int = Field(
+        1, ge=1, le=9, description="Nodes of the cluster, each a broker and a controller (Apache Kafka only)"
+    )
+    broker_kind: BrokerKind = Field("auto", description=KIND_HELP)
 
     def cli_cmd(self) -> None:
         setup_logging("INFO")
         stop = threading.Event()
         signal.signal(signal.SIGTERM, lambda *_: stop.set())
         signal.signal(signal.SIGINT, lambda *_: stop.set())
-        with EmbeddedBroker(self.data_dir, port=self.port, host=self.host) as broker:
-            print(f"broker ready: bootstrap servers {broker.bootstrap_servers} (Ctrl-C stops)", flush=True)
+        data_dir = self.data_dir or default_data_dir(Path(".state"), self.broker_kind)
+        with local_broker(self.broker_kind, data_dir, port=self.port, host=self.host, nodes=self.nodes) as broker:
+            print(
+                f"broker ready: {broker.description}, bootstrap servers {broker.bootstrap_servers} (Ctrl-C stops)",
+                flush=True,
+            )
             stop.wait()
 
 
@@ -63,10 +80,11 @@ class DemoCommand(BaseSettings):
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, cli_kebab_case=True, extra="ignore")
     policies: Path = Field(Path("policies"), description="Policy YAML with the demo topic 'orders'")
     records: int = Field(6, ge=2, le=11, description="How many delayed records to produce")
+    broker_kind: BrokerKind = Field("auto", description=KIND_HELP)
 
     def cli_cmd(self) -> None:
         setup_logging("WARNING")
-        sys.exit(run_demo(self.policies, self.records))
+        sys.exit(run_demo(self.policies, self.records, broker_kind=self.broker_kind))
 
 
 class DelaySidecar(BaseSettings):

@@ -26,6 +26,8 @@ METAVARS: dict[str, str] = {
     "output_dir": "DIR",
     "port": "PORT",
     "broker_port": "PORT",
+    "broker_kind": "KIND",
+    "nodes": "N",
     "metrics_port": "PORT",
     "host": "HOST",
     "metrics_host": "HOST",

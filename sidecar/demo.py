@@ -1,7 +1,8 @@
 """`delay-sidecar demo`: broker, sidecar, a producer and a consumer, live, in under a minute.
 
-It runs on a fresh embedded broker in a temporary directory, with the example policies, and
-prints each record as it arrives on an outbound topic with its lateness after deliver-at.
+It runs on a fresh local broker (Apache Kafka where it can run, else noida-db) in a temporary
+directory, with the example policies, and prints each record as it arrives on an outbound topic
+with its lateness after deliver-at.
 """
 
 import random
@@ -14,7 +15,8 @@ from pathlib import Path
 from confluent_kafka import Consumer, Producer
 
 from sidecar.app import SidecarApp
-from sidecar.broker.embedded import EmbeddedBroker, free_port
+from sidecar.broker.local import BrokerKind, local_broker
+from sidecar.broker.ports import free_port
 from sidecar.errors import ConfigError, SidecarError
 from sidecar.kafka_io import LIBRDKAFKA
 from sidecar.outbound.records import DELIVER_AT, ERROR_CODE
@@ -25,7 +27,9 @@ DEMO_TOPIC = "orders"
 TIMEOUT_S = 40.0
 
 
-def run_demo(policies: Path, records: int = 6, write: Callable[[str], None] = print) -> int:
+def run_demo(
+    policies: Path, records: int = 6, write: Callable[[str], None] = print, broker_kind: BrokerKind = "auto"
+) -> int:
     """Returns 0 when every record arrived on every subscription and none early."""
     route = load_policies(policies).topics.get(DEMO_TOPIC)
     if route is None or not route.subscriptions:
@@ -33,9 +37,9 @@ def run_demo(policies: Path, records: int = 6, write: Callable[[str], None] = pr
             f"{policies}: the demo needs topic '{DEMO_TOPIC}' with subscriptions; see policies/example.yaml"
         )
     with tempfile.TemporaryDirectory(prefix="delay-sidecar-demo-") as tmp:
-        broker = EmbeddedBroker(Path(tmp) / "broker", port=free_port())
+        broker = local_broker(broker_kind, Path(tmp) / "broker", port=free_port())
         with broker:
-            write(f"broker   embedded noida-db at {broker.bootstrap_servers}")
+            write(f"broker   {broker.description} at {broker.bootstrap_servers}")
             settings = RunSettings(
                 bootstrap_servers=broker.bootstrap_servers,
                 policies=policies,

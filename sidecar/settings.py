@@ -12,6 +12,8 @@ from typing import Any, Literal
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, CliImplicitFlag, SettingsConfigDict
 
+from sidecar.broker.local import KIND_HELP, BrokerKind
+
 ENV_PREFIX = "DELAY_SIDECAR_"
 
 
@@ -56,11 +58,13 @@ def default_instance_id(state_dir: Path) -> str:
 
 class RunSettings(KafkaSettings):
     bootstrap_servers: str | None = Field(
-        None, description="Kafka bootstrap servers. Unset: start the embedded broker on --broker-port"
+        None, description="Kafka bootstrap servers. Unset: start a local broker (--broker-kind) on --broker-port"
     )
     policies: Path = Field(Path("policies"), description="Policy YAML file or directory of files")
     state_dir: Path = Field(
-        Path(".state"), description="Directory for the delayed index, the payload cache and the embedded broker's data"
+        Path(".state"),
+        description="Directory for the delayed index, the payload cache and the local broker's data "
+        "(<state-dir>/kafka for Apache Kafka, <state-dir>/broker for noida-db)",
     )
     metrics_port: int = Field(9464, ge=0, le=65535, description="Port of /metrics, /healthz, /policies (0: off)")
     metrics_host: str = Field("127.0.0.1", description="Address the metrics endpoint binds to")
@@ -95,8 +99,12 @@ class RunSettings(KafkaSettings):
         description="How long the group waits for a vanished sidecar before moving its partitions",
     )
     broker_port: int = Field(
-        9092, ge=1, le=65535, description="Port of the embedded broker (without bootstrap servers)"
+        9092,
+        ge=1,
+        le=65535,
+        description="Port of the local broker (without bootstrap servers); taken: a free one, as the log says",
     )
+    broker_kind: BrokerKind = Field("auto", description=KIND_HELP + " (without bootstrap servers)")
     tracker: Literal["bucket", "memory"] = Field(
         "bucket",
         description="Delayed index: 'bucket' (PIP-195, RocksDB snapshots under the state dir, restarts without "

@@ -36,7 +36,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from pydantic import SecretStr
 
-from sidecar.broker import EmbeddedBroker
+from sidecar.app import launcher_for
 from sidecar.broker.lifeline import die_with_parent
 from sidecar.http import StatusServer
 from sidecar.identity import InstanceLock
@@ -149,7 +149,7 @@ class Supervisor:
             stack.callback(InstanceLock(settings.state_dir, settings.group_id, base).close)  # workers lock <base>-<i>
             bootstrap = settings.bootstrap_servers
             if not bootstrap:
-                broker = EmbeddedBroker(settings.state_dir / "broker", port=settings.broker_port)
+                broker = launcher_for(settings)
                 stack.callback(broker.stop)
                 bootstrap = broker.start()
             if settings.metrics_port:

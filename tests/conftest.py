@@ -17,7 +17,7 @@ from xdist.scheduler import LoadFileScheduling
 
 from sidecar.broker import BrokerLauncher, EmbeddedBroker, ExternalBroker
 from sidecar.broker.container import ContainerBroker, docker_available
-from sidecar.broker.embedded import free_port
+from sidecar.broker.ports import free_port
 from sidecar.clock import ManualClock
 from tests.kafka_helpers import KafkaHelper
 

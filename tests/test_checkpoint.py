@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from sidecar.broker.embedded import free_port
+from sidecar.broker.ports import free_port
 from sidecar.clock import SystemClock
 from sidecar.engine import Sidecar
 from sidecar.policy import load_policies

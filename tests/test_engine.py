@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from sidecar.broker.embedded import free_port
+from sidecar.broker.ports import free_port
 from sidecar.outbound.records import (
     DELIVER_AT,
     ERROR_CODE,

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from sidecar.broker.embedded import free_port
+from sidecar.broker.ports import free_port
 from sidecar.identity import IDS_FILE
 from sidecar.inbound.rebuild import Rebuilder
 from sidecar.outbound.writer import Writer

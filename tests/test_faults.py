@@ -11,7 +11,8 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
-from sidecar.broker.embedded import EmbeddedBroker, free_port
+from sidecar.broker.embedded import EmbeddedBroker
+from sidecar.broker.ports import free_port
 from tests.kafka_helpers import (
     KafkaHelper,
     LiveReader,

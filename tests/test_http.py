@@ -6,7 +6,7 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
-from sidecar.broker.embedded import free_port
+from sidecar.broker.ports import free_port
 from tests.kafka_helpers import KafkaHelper, ThreadedSidecar, settings_for
 
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from confluent_kafka import Producer
 
-from sidecar.broker.embedded import free_port
+from sidecar.broker.ports import free_port
 from sidecar.outbound.records import ORIGIN
 from sidecar.partitions.owner import find_owner
 from tests.control.test_cancel import command, outcomes, policies

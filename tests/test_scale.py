@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from sidecar.app import member_instance_id
-from sidecar.broker.embedded import free_port
+from sidecar.broker.ports import free_port
 from sidecar.errors import BrokerError
 from sidecar.group_leave import leave_group
 from sidecar.settings import RunSettings

@@ -14,7 +14,7 @@ import os
 import time
 from pathlib import Path
 
-from sidecar.broker.embedded import free_port
+from sidecar.broker.ports import free_port
 from tests.kafka_helpers import (
     KafkaHelper,
     PolicyFile,

@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from sidecar import supervisor as supervision
-from sidecar.broker.embedded import free_port, free_ports
+from sidecar.broker.ports import free_port, free_ports
 from sidecar.settings import ENV_PREFIX, RunSettings
 from sidecar.supervisor import PER_WORKER, Supervisor, Worker, worker_environment
 from tests.kafka_helpers import (

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from sidecar.broker.embedded import free_ports
+from sidecar.broker.ports import free_ports
 from sidecar.outbound.records import ERROR_CODE, ORIGIN_OFFSET, ORIGIN_PARTITION, ORIGIN_TOPIC
 from sidecar.partitions.metadata import CommitMetadata
 from tests.kafka_helpers import (

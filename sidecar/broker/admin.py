@@ -9,7 +9,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from confluent_kafka import ConsumerGroupTopicPartitions, IsolationLevel, KafkaException, TopicPartition
+from confluent_kafka import Consumer, IsolationLevel, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic, OffsetSpec
 
 from sidecar.errors import BrokerError
@@ -26,6 +26,7 @@ RETENTION_REFRESH_S = 60.0
 class TopicAdmin:
     def __init__(self, client_config: dict[str, Any], new_partitions: int) -> None:
         self._admin = AdminClient(client_config, logger=LIBRDKAFKA)
+        self._client_config = client_config
         self._new_partitions = new_partitions
         self.partitions: dict[str, int] = {}
         """Partition count of every topic the policies name, after `ensure`."""
@@ -73,18 +74,34 @@ class TopicAdmin:
 
     def group_offsets(self, group_id: str) -> dict[tuple[str, int], tuple[int, str | None]]:
         """Every offset the group has committed, with its metadata, whatever topic it is for: a topic
-        that left the policies while the sidecar was down is found only here."""
-        futures = self._admin.list_consumer_group_offsets(
-            [ConsumerGroupTopicPartitions(group_id)], request_timeout=ADMIN_TIMEOUT_S
+        that left the policies while the sidecar was down is found only here.
+
+        Asked through a consumer of the group that never joins it, for every partition of the
+        cluster, not through the admin API: librdkafka's admin ListConsumerGroupOffsets crashes the
+        process (SIGSEGV) when the coordinator answers NOT_COORDINATOR (librdkafka issue 5040),
+        which Apache Kafka does while it creates its offsets topic or moves a coordinator."""
+        metadata = self._admin.list_topics(timeout=ADMIN_TIMEOUT_S)
+        partitions = [
+            TopicPartition(name, p)
+            for name, topic in metadata.topics.items()
+            if topic.error is None and not name.startswith("__")
+            for p in topic.partitions
+        ]
+        if not partitions:
+            return {}
+        consumer = Consumer(
+            {**self._client_config, "group.id": group_id, "enable.auto.commit": False}, logger=LIBRDKAFKA
         )
         try:
-            listed = futures[group_id].result()
-        except Exception as e:
+            listed = consumer.committed(partitions, timeout=ADMIN_TIMEOUT_S * 3)
+        except KafkaException as e:
             raise BrokerError(
-                f"cannot list the committed offsets of consumer group {group_id}: {e}; check that the brokers "
+                f"cannot read the committed offsets of consumer group {group_id}: {e}; check that the brokers "
                 "are up and that the sidecar may DESCRIBE its group"
             ) from e
-        return {(tp.topic, tp.partition): (tp.offset, tp.metadata) for tp in listed.topic_partitions or []}
+        finally:
+            consumer.close()
+        return {(tp.topic, tp.partition): (tp.offset, tp.metadata) for tp in listed if tp.offset >= 0}
 
     def end_offset(self, topic: str, partition: int) -> int:
         """The partition's high watermark, open transactions included (read_uncommitted): a

@@ -17,6 +17,11 @@ from sidecar.kafka_io import RepeatFilter
 class BrokerLauncher(ABC):
     bootstrap_servers: str
 
+    @property
+    def description(self) -> str:
+        """What kind of broker this is, for logs and reports (a test run prints it)."""
+        return f"Kafka at {self.bootstrap_servers}"
+
     @abstractmethod
     def start(self) -> str:
         """Make the cluster available and return its bootstrap servers."""

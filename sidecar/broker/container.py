@@ -7,7 +7,7 @@ imported only here.
 from typing import Any
 
 from sidecar.broker.base import BrokerLauncher, wait_for_metadata
-from sidecar.broker.embedded import free_port
+from sidecar.broker.ports import free_port
 
 IMAGE = "apache/kafka:3.9.1"
 

@@ -13,21 +13,20 @@ Three rules, each from a fault seen in a trial:
   stop command closes the Kafka listener and its connections first, then saves.
 """
 
-import errno
 import json
 import logging
 import os
-import random
 import re
 import signal
-import socket
 import subprocess
 import time
+from importlib.metadata import PackageNotFoundError, version
 from importlib.resources import files
 from pathlib import Path
 
 from sidecar.broker.base import BrokerLauncher, wait_for_metadata
 from sidecar.broker.lifeline import die_with_parent
+from sidecar.broker.ports import port_in_use
 from sidecar.errors import BrokerError
 
 logger = logging.getLogger(__name__)
@@ -45,46 +44,11 @@ TAKEOVER_WAIT_S = 30.0
 CONTROL_FILE = "noida.control.json"
 
 
-LOWEST_FREE_PORT = 20_000
-EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
-
-
-def free_port() -> int:
-    """A port nothing listens on, below the kernel's range of ephemeral ports where it can.
-
-    A port from bind(0) lies in that range: once its listener goes (a broker restarted on its
-    port), any outgoing connection on the host may take it as its local port, and the restart finds
-    it in use. That failed a test by chance (tests/broker/test_orphans.py, in CI). A port below the
-    range is only ever taken by a listener or an explicit bind."""
+def noida_version() -> str:
     try:
-        low = int(EPHEMERAL_RANGE.read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = 0
-    if low > LOWEST_FREE_PORT:
-        for _ in range(100):
-            port = random.randrange(LOWEST_FREE_PORT, low)
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", port))
-                except OSError:
-                    continue
-                return port
-    with socket.socket() as s:  # no range to stay below, or nothing free below it: the kernel's choice
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def free_ports(count: int) -> int:
-    """The first of `count` consecutive free ports (a supervisor's, then one per worker)."""
-    while True:
-        base = free_port()
-        try:
-            for port in range(base, base + count):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
+        return version("noida-db")
+    except PackageNotFoundError:
+        return "unknown"
 
 
 def noida_binary() -> Path:
@@ -94,23 +58,6 @@ def noida_binary() -> Path:
     if not os.access(binary, os.X_OK):
         binary.chmod(0o755)
     return binary
-
-
-def port_in_use(host: str, port: int) -> bool:
-    """Whether a listener holds the port; binds as noida-db does (SO_REUSEADDR), so TIME_WAIT does not count."""
-    try:
-        family, kind, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-    except OSError as e:
-        raise BrokerError(f"cannot resolve {host} for the embedded broker ({e}); check --host") from e
-    with socket.socket(family, kind) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(address)
-        except OSError as e:
-            if e.errno == errno.EADDRINUSE:
-                return True
-            raise BrokerError(f"cannot bind {host}:{port} for the embedded broker ({e}); check --host") from e
-    return False
 
 
 def _running_noida(pid: int) -> bool:
@@ -188,6 +135,10 @@ class EmbeddedBroker(BrokerLauncher):
         self.bootstrap_servers = f"{host}:{port}"
         self.takeover_wait_s = TAKEOVER_WAIT_S if takeover_wait_s is None else takeover_wait_s
         self._process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def description(self) -> str:
+        return f"noida-db {noida_version()} (embedded)"
 
     @property
     def pid(self) -> int | None:

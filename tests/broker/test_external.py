@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from sidecar.broker.embedded import free_port
 from sidecar.broker.external import ExternalBroker
+from sidecar.broker.ports import free_port
 from sidecar.errors import ConfigError
 from tests.kafka_helpers import ROOT, sidecar_process, wait_for
 

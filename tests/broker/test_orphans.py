@@ -19,8 +19,9 @@ from confluent_kafka import Consumer, Producer, TopicPartition
 
 from sidecar.broker import embedded
 from sidecar.broker.base import wait_for_metadata
-from sidecar.broker.embedded import EmbeddedBroker, free_port, noida_binary, owns_listener
+from sidecar.broker.embedded import EmbeddedBroker, noida_binary, owns_listener
 from sidecar.broker.lifeline import die_with_parent
+from sidecar.broker.ports import free_port
 from sidecar.errors import BrokerError
 from tests.kafka_helpers import ROOT
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from confluent_kafka import Producer
 
-from sidecar.broker.embedded import free_port
+from sidecar.broker.ports import free_port
 from sidecar.outbound.records import ORIGIN_OFFSET, ORIGIN_PARTITION, REDELIVERY_COUNT
 from tests.kafka_helpers import (
     KafkaHelper,

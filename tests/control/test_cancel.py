@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from confluent_kafka import Producer
 
-from sidecar.broker.embedded import free_port
+from sidecar.broker.ports import free_port
 from sidecar.client import MessageId
 from sidecar.client_cancel import Canceller, OutcomeReader
 from sidecar.outbound.records import DELIVER_AT, ORIGIN_OFFSET, ORIGIN_PARTITION, REDELIVERY_COUNT

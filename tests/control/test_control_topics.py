@@ -10,7 +10,7 @@ from pathlib import Path
 
 from confluent_kafka import Producer
 
-from sidecar.broker.embedded import free_port
+from sidecar.broker.ports import free_port
 from sidecar.outbound.records import ERROR_CODE, ORIGIN_OFFSET, REDELIVERY_COUNT
 from sidecar.partitions.metadata import CommitMetadata
 from tests.control.test_cancel import by_offset, command, outcomes

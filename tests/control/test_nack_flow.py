@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from confluent_kafka import Producer
 
-from sidecar.broker.embedded import free_port
+from sidecar.broker.ports import free_port
 from sidecar.client import Nacker
 from sidecar.control import redelivery
 from sidecar.dispatch.reader import LogReader

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from sidecar.broker.embedded import free_port
+from sidecar.broker.ports import free_port
 from tests.kafka_helpers import (
     KafkaHelper,
     PolicyFile,

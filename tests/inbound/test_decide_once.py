@@ -7,7 +7,7 @@ from pathlib import Path
 
 from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource
 
-from sidecar.broker.embedded import free_port
+from sidecar.broker.ports import free_port
 from sidecar.outbound.records import DELIVER_AT, ERROR_CODE, ORIGIN_OFFSET
 from tests.kafka_helpers import (
     KafkaHelper,

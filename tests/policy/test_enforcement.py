@@ -5,7 +5,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from sidecar.broker.embedded import free_port
+from sidecar.broker.ports import free_port
 from sidecar.outbound.records import DELIVER_AT, ERROR_CODE, ERROR_MESSAGE, ORIGIN_OFFSET, ORIGIN_TOPIC
 from tests.kafka_helpers import KafkaHelper, PolicyFile, ThreadedSidecar, TopicFactory, settings_for
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from confluent_kafka.admin import AdminClient
 
-from sidecar.broker.embedded import free_port
+from sidecar.broker.ports import free_port
 from tests.kafka_helpers import (
     KafkaHelper,
     PolicyFile,
