@@ -29,8 +29,7 @@ sys.path.insert(0, str(ROOT))
 from confluent_kafka import Producer  # noqa: E402
 from confluent_kafka.admin import AdminClient, NewTopic  # noqa: E402
 
-from sidecar.broker.embedded import EmbeddedBroker  # noqa: E402
-from sidecar.broker.ports import free_port  # noqa: E402
+from bench.procs import bench_broker  # noqa: E402
 from sidecar.outbound.records import outbound_headers  # noqa: E402
 from spark.audit_job import audit  # noqa: E402
 from spark.session import build_session  # noqa: E402
@@ -116,7 +115,7 @@ def main() -> None:
     subs = [f"s{i}" for i in range(args.subscriptions)]
     with tempfile.TemporaryDirectory(prefix="bench-audit-") as tmp:
         tmp_path = Path(tmp)
-        with EmbeddedBroker(tmp_path / "broker", port=free_port()) as broker:
+        with bench_broker(tmp_path / "broker") as broker:
             bootstrap = broker.bootstrap_servers
             topic = "bench.orders"
             admin = AdminClient({"bootstrap.servers": bootstrap})

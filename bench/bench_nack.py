@@ -59,9 +59,8 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, Message,
 from confluent_kafka.admin import AdminClient, NewTopic
 
 from bench.probe import scrape
-from bench.procs import Child
+from bench.procs import Child, bench_broker
 from sidecar.broker import embedded
-from sidecar.broker.embedded import EmbeddedBroker
 from sidecar.broker.ports import free_port
 from sidecar.client import Nacker, deliver_at, origin, redelivery_count
 
@@ -897,7 +896,7 @@ def main(argv: list[str] | None = None) -> int:
     python = ensure_peer_venv(args.peer_venv, args.peer_python)
     work = Path(tempfile.mkdtemp(prefix="bench-nack-"))
     records = make_records(args.messages, args.size, args.seed)
-    broker = EmbeddedBroker(work / "broker", port=free_port())
+    broker = bench_broker(work / "broker")
     bootstrap = broker.start()
     log(f"broker {bootstrap}, work dir {work}")
     started = time.time()

@@ -36,8 +36,7 @@ from confluent_kafka import Producer
 from bench import load
 from bench.drain import KeptLoad, lateness, quantile, read_all, serve, wait
 from bench.probe import Watermarks, create_topic
-from sidecar.broker.embedded import EmbeddedBroker
-from sidecar.broker.ports import free_port
+from bench.procs import bench_broker
 from sidecar.settings import RunSettings
 
 PENDING, KEPT, CONTROL = "cancel.pending", "cancel.kept", "cancel.control"
@@ -82,7 +81,7 @@ def phase(bootstrap: str, sent: dict[str, int], answers: dict[str, list[tuple[st
 
 
 def run(work: Path, pending: int, cancels: int, reschedules: int, partitions: int, rate: int) -> dict[str, Any]:
-    broker = EmbeddedBroker(work / "broker", port=free_port())
+    broker = bench_broker(work / "broker")
     bootstrap = broker.start()
     try:
         create_topic(bootstrap, PENDING, partitions)

@@ -52,9 +52,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.probe import create_topic, now_ms
-from bench.procs import Child
-from sidecar.broker.embedded import EmbeddedBroker
-from sidecar.broker.ports import free_port
+from bench.procs import Child, bench_broker
 from sidecar.client import Nacker
 from sidecar.outbound.records import read_delivery
 
@@ -478,7 +476,7 @@ def run(plan: Plan, workdir: Path, log: Any = print, spark: SparkSession | None 
     started = time.monotonic()
     rng = random.Random(plan.seed)
     outcome = Outcome(plan, Audit())
-    broker = EmbeddedBroker(workdir / "broker", port=free_port())
+    broker = bench_broker(workdir / "broker")
     bootstrap = broker.start()
     policies = workdir / "policies.yaml"
     policies.write_text(f"topics:\n  {TOPIC}:\n    subscriptions: {{shared: {{}}, excl: {{type: exclusive}}}}\n")

@@ -35,9 +35,8 @@ from confluent_kafka import Consumer, Producer, TopicPartition
 
 from bench import load
 from bench.probe import create_topic
+from bench.procs import bench_broker
 from sidecar.app import SidecarApp
-from sidecar.broker.embedded import EmbeddedBroker
-from sidecar.broker.ports import free_port
 from sidecar.dispatch import drain
 from sidecar.outbound.records import DELIVER_AT, ORIGIN_OFFSET, ORIGIN_PARTITION
 from sidecar.settings import RunSettings
@@ -176,7 +175,7 @@ def wait(condition: Callable[[], bool], timeout_s: float, what: str) -> float:
 
 
 def run(work: Path, pending: int, partitions: int, rate: int) -> dict[str, Any]:
-    broker = EmbeddedBroker(work / "broker", port=free_port())
+    broker = bench_broker(work / "broker")
     bootstrap = broker.start()
     clock = TurnClock()
     try:

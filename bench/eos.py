@@ -32,9 +32,8 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.probe import DELIVER_AT, create_topic, now_ms
-from bench.procs import load_argv, run_load, start_sidecar
+from bench.procs import bench_broker, load_argv, run_load, start_sidecar
 from bench.report import environment
-from sidecar.broker.embedded import EmbeddedBroker
 from sidecar.broker.ports import free_port
 
 SUBSCRIPTIONS = ("billing", "shipping")
@@ -198,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="bench-eos-"))
     runs: list[Run] = []
     try:
-        with EmbeddedBroker(workdir / "broker", port=free_port()) as broker:
+        with bench_broker(workdir / "broker") as broker:
             env = environment(broker.bootstrap_servers, command)
             for run in plan:
                 print(

@@ -34,8 +34,7 @@ if __package__ in (None, ""):
 from confluent_kafka import Consumer, Message, Producer, TopicPartition
 
 from bench.probe import LiveReader
-from bench.procs import ROOT, Child
-from sidecar.broker.embedded import EmbeddedBroker
+from bench.procs import ROOT, Child, bench_broker
 from sidecar.broker.ports import free_port
 from sidecar.outbound.records import read_delivery
 
@@ -137,7 +136,7 @@ class Rig:
 
     def __init__(self, work: Path) -> None:
         self.work = work
-        self.broker = EmbeddedBroker(work / "broker", port=free_port())
+        self.broker = bench_broker(work / "broker")
         self.bootstrap = self.broker.start()
         self.policies = work / "policies.yaml"
         self.policies.write_text(POLICY)

@@ -27,8 +27,7 @@ if __package__ in (None, ""):
 from confluent_kafka import Consumer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 
-from sidecar.broker.embedded import EmbeddedBroker
-from sidecar.broker.ports import free_port
+from bench.procs import bench_broker
 
 
 def member(
@@ -99,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     gaps = [float(g) for g in args.gaps.split(",")]
     rows = []
     with tempfile.TemporaryDirectory() as data:
-        broker = EmbeddedBroker(Path(data), port=free_port())
+        broker = bench_broker(Path(data))
         bootstrap = broker.start()
         try:
             admin = AdminClient({"bootstrap.servers": bootstrap})

@@ -62,10 +62,9 @@ import psutil  # type: ignore[import-untyped,unused-ignore]
 from confluent_kafka import Consumer, TopicPartition
 
 from bench.probe import Watermarks, create_topic, metric_sum, now_ms, read_records, scrape, settle, wait_for_outbound
-from bench.procs import Child, load_argv, py_spy, run_load, start_sidecar
+from bench.procs import Child, bench_broker, load_argv, py_spy, run_load, start_sidecar
 from bench.report import environment
-from sidecar.broker.embedded import EmbeddedBroker
-from sidecar.broker.ports import free_port, free_ports
+from sidecar.broker.ports import free_ports
 from sidecar.outbound.records import read_delivery
 
 CONTROL_TOPIC = "delay-sidecar.control"
@@ -520,7 +519,7 @@ def main(argv: list[str] | None = None) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="bench-handoff-"))
     runs = []
     try:
-        with EmbeddedBroker(workdir / "broker", port=free_port()) as broker:
+        with bench_broker(workdir / "broker") as broker:
             env = environment(broker.bootstrap_servers, command)
             watermarks = Watermarks(broker.bootstrap_servers)
             try:

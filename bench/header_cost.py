@@ -21,8 +21,7 @@ if __package__ in (None, ""):
 from confluent_kafka import Producer
 from confluent_kafka.admin import AdminClient, NewTopic
 
-from sidecar.broker.embedded import EmbeddedBroker
-from sidecar.broker.ports import free_port
+from bench.procs import bench_broker
 from sidecar.outbound.records import outbound_headers
 
 CONTRACT = outbound_headers(None, "orders", 3, 1_234_567, 1_795_255_200_000)
@@ -65,7 +64,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, metavar="N", help="best of N, in alternating order")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="header-cost-") as work:
-        broker = EmbeddedBroker(Path(work) / "broker", port=free_port())
+        broker = bench_broker(Path(work) / "broker")
         with broker:
             admin = AdminClient({"bootstrap.servers": broker.bootstrap_servers})
             names = [f"h{i}" for i in range(len(SHAPES))]

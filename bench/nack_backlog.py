@@ -46,8 +46,7 @@ from bench.bench_nack import (
     produce_all,
     read_back,
 )
-from bench.procs import Child, start_sidecar
-from sidecar.broker.embedded import EmbeddedBroker
+from bench.procs import Child, bench_broker, start_sidecar
 from sidecar.broker.ports import free_port
 from sidecar.client import deliver_at as deliver_at_of
 from sidecar.client import redelivery_count
@@ -157,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="nack-backlog-"))
     rows = []
     try:
-        with EmbeddedBroker(work / "broker", port=free_port()) as broker:
+        with bench_broker(work / "broker") as broker:
             for _ in range(args.rounds):
                 rows.append(
                     one_round(broker.bootstrap_servers, work, args.messages, args.due, args.timeout_s, args.spread_s)

@@ -14,7 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from bench.probe import scrape
+from sidecar.broker import BrokerKind, BrokerLauncher, local_broker
 from sidecar.broker.lifeline import die_with_parent
+from sidecar.broker.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -208,3 +210,15 @@ def start_profiler(pid: int, out: Path, log: Path) -> Child | None:
     return Child(
         [binary, "record", "--pid", str(pid), "--rate", "100", "--format", "raw", "--nonblocking", "-o", str(out)], log
     )
+
+
+def bench_broker(data_dir: Path) -> BrokerLauncher:
+    """The broker a bench run starts: Apache Kafka unless DELAY_SIDECAR_BROKER_KIND says otherwise
+    (noida-db for the fallback's figures), with DELAY_SIDECAR_NODES nodes (default 1). Every table
+    names it (its `description`)."""
+    named = os.environ.get("DELAY_SIDECAR_BROKER_KIND", "apache-kafka")
+    kinds: dict[str, BrokerKind] = {"auto": "auto", "apache-kafka": "apache-kafka", "noida-db": "noida-db"}
+    if named not in kinds:
+        raise SystemExit(f"DELAY_SIDECAR_BROKER_KIND={named}: use apache-kafka, noida-db or auto")
+    nodes = int(os.environ.get("DELAY_SIDECAR_NODES", "1"))
+    return local_broker(kinds[named], data_dir, port=free_port(), nodes=nodes)

@@ -20,9 +20,7 @@ import uuid
 from pathlib import Path
 
 from bench.probe import create_topic
-from bench.procs import load_argv, run_load
-from sidecar.broker.embedded import EmbeddedBroker
-from sidecar.broker.ports import free_port
+from bench.procs import bench_broker, load_argv, run_load
 from sidecar.dispatch.reader import DEFAULT_MAX_GAP, LogReader
 
 
@@ -81,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.bootstrap:
             lines = measure(args.bootstrap, args.log, due_counts, workdir)
         else:
-            with EmbeddedBroker(workdir / "broker", port=free_port()) as broker:
+            with bench_broker(workdir / "broker") as broker:
                 lines = measure(broker.bootstrap_servers, args.log, due_counts, workdir)
     print("\n".join(lines))
     return 0

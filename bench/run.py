@@ -31,10 +31,9 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.context import Context, Result, Sizes
+from bench.procs import bench_broker
 from bench.report import environment, markdown, plot, write_json
 from bench.scenarios import EXTRA_SCENARIOS, RUNNERS, SCENARIOS
-from sidecar.broker.embedded import EmbeddedBroker
-from sidecar.broker.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = ROOT / "bench" / "results" / "e2e.json"
@@ -117,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         env: dict[str, Any] = {}
         for i, group in enumerate(groups):
             data = workdir / f"broker-{i}"
-            with EmbeddedBroker(data, port=free_port()) as broker:
+            with bench_broker(data) as broker:
                 ctx.bootstrap = broker.bootstrap_servers
                 env = env or environment(broker.bootstrap_servers, command)
                 for name in group:

@@ -45,11 +45,10 @@ from bench.probe import (
     settle,
     wait_for_outbound,
 )
-from bench.procs import load_argv, run_load, start_sidecar
+from bench.procs import bench_broker, load_argv, run_load, start_sidecar
 from bench.report import environment
 from bench.scenarios import SUBSCRIPTIONS
-from sidecar.broker.embedded import EmbeddedBroker
-from sidecar.broker.ports import free_port, free_ports
+from sidecar.broker.ports import free_ports
 
 CONTROL_TOPIC = "delay-sidecar.control"
 FIXED_DELAY_S = 5
@@ -126,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     order = [w for r in range(args.rounds) for w in ((1, 2) if r % 2 == 0 else (2, 1))]
     rows = []
     try:
-        with EmbeddedBroker(workdir / "broker", port=free_port()) as broker:
+        with bench_broker(workdir / "broker") as broker:
             env = environment(broker.bootstrap_servers, command)
             for workers in order:
                 print(f"[scaling] --workers {workers} ...", file=sys.stderr, flush=True)

@@ -1,11 +1,15 @@
-"""Shared fixtures: one broker per session, a unique topic per test, a clock the test controls.
+"""Shared fixtures: one broker for the whole run, a unique topic per test, a clock the test controls.
 
-The broker is, in order: the cluster named by KAFKA_BOOTSTRAP_SERVERS; a testcontainers
-apache/kafka when a Docker engine answers; the embedded noida-db broker otherwise. No test is
-skipped for want of a broker.
+The broker is, in order: the cluster named by KAFKA_BOOTSTRAP_SERVERS; else the kind named by
+DELAY_SIDECAR_TEST_BROKER: `apache-kafka` (the default: one Apache Kafka node that the controlling
+pytest process starts before its xdist workers, which all share it, since every test's topics are
+its own) or `noida-db` (the fallback; an embedded broker per worker, for the tests marked
+`fallback`, which scripts/test.sh runs on it too). No test is skipped for want of a broker.
 """
 
 import os
+import shutil
+import tempfile
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -15,8 +19,7 @@ from confluent_kafka.admin import AdminClient, NewTopic
 from hypothesis import HealthCheck, settings
 from xdist.scheduler import LoadFileScheduling
 
-from sidecar.broker import BrokerLauncher, EmbeddedBroker, ExternalBroker
-from sidecar.broker.container import ContainerBroker, docker_available
+from sidecar.broker import ApacheKafka, BrokerLauncher, EmbeddedBroker, ExternalBroker
 from sidecar.broker.ports import free_port
 from sidecar.clock import ManualClock
 from tests.kafka_helpers import KafkaHelper
@@ -88,6 +91,50 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> LoadFileS
     return _SparkTogether(config, log)
 
 
+TEST_BROKER = "DELAY_SIDECAR_TEST_BROKER"
+"""apache-kafka (default) or noida-db: the broker kind of this run, when KAFKA_BOOTSTRAP_SERVERS names none."""
+_DESCRIPTION = "DELAY_SIDECAR_TEST_BROKER_DESCRIPTION"
+"""Set by the process that started the run's broker, for the workers and the report header."""
+_STARTED: list[BrokerLauncher] = []
+
+
+def test_broker_kind() -> str:
+    kind = os.environ.get(TEST_BROKER, "apache-kafka")
+    if kind not in ("apache-kafka", "noida-db"):
+        raise pytest.UsageError(f"{TEST_BROKER}={kind}: use apache-kafka or noida-db")
+    return kind
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The controlling process starts the run's Apache Kafka before xdist starts its workers, which
+    inherit its address through the environment; the broker stops when this process ends."""
+    config.addinivalue_line("markers", "fallback: also run on noida-db, the fallback broker (scripts/test.sh)")
+    if hasattr(config, "workerinput") or os.environ.get("KAFKA_BOOTSTRAP_SERVERS"):
+        return
+    if config.option.collectonly or test_broker_kind() != "apache-kafka":
+        return
+    data_dir = Path(tempfile.mkdtemp(prefix="delay-sidecar-test-kafka-"))
+    launcher = ApacheKafka(data_dir, port=free_port())
+    launcher.start()
+    _STARTED.append(launcher)
+    os.environ["KAFKA_BOOTSTRAP_SERVERS"] = launcher.bootstrap_servers
+    os.environ[_DESCRIPTION] = launcher.description
+
+    def stop() -> None:
+        launcher.stop()
+        shutil.rmtree(data_dir, ignore_errors=True)
+
+    config.add_cleanup(stop)
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    if os.environ.get(_DESCRIPTION):
+        return f"broker: {os.environ[_DESCRIPTION]} at {os.environ['KAFKA_BOOTSTRAP_SERVERS']}"
+    if os.environ.get("KAFKA_BOOTSTRAP_SERVERS"):
+        return f"broker: an external cluster at {os.environ['KAFKA_BOOTSTRAP_SERVERS']}"
+    return f"broker: {test_broker_kind()}, one per worker"
+
+
 _LAUNCHER: list[BrokerLauncher] = []
 
 
@@ -96,8 +143,6 @@ def kafka(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     launcher: BrokerLauncher
     if os.environ.get("KAFKA_BOOTSTRAP_SERVERS"):
         launcher = ExternalBroker(os.environ["KAFKA_BOOTSTRAP_SERVERS"])
-    elif docker_available():
-        launcher = ContainerBroker()
     else:
         launcher = EmbeddedBroker(tmp_path_factory.mktemp("broker"), port=free_port())
     _LAUNCHER.append(launcher)

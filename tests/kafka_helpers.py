@@ -20,8 +20,10 @@ from confluent_kafka.admin import AdminClient, NewTopic
 
 from bench import probe
 from sidecar.app import SidecarApp
+from sidecar.broker import BrokerLauncher, local_broker
 from sidecar.broker.base import wait_for_metadata
 from sidecar.broker.lifeline import die_with_parent
+from sidecar.broker.ports import free_port
 from sidecar.outbound.records import (
     DELIVER_AT,
     ORIGIN,
@@ -440,3 +442,9 @@ def assert_records_once_each(records: list[Received], outbound: str, expected: i
     assert not duplicated, f"{outbound}: {len(duplicated)} records delivered more than once, e.g. {some}"
     assert len(copies) == expected, f"{outbound}: {len(copies)} of {expected} delivered"
     assert not early(records), f"{outbound}: delivered early"
+
+
+def own_broker(data_dir: Path) -> BrokerLauncher:
+    """A broker of the test's own, to stop and start again: of the run's kind (tests/conftest.py)."""
+    kind = os.environ.get("DELAY_SIDECAR_TEST_BROKER", "apache-kafka")
+    return local_broker("noida-db" if kind == "noida-db" else "apache-kafka", data_dir, port=free_port())

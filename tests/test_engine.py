@@ -32,6 +32,8 @@ from tests.kafka_helpers import (
     wait_serving,
 )
 
+pytestmark = pytest.mark.fallback  # the fallback broker runs these too (scripts/test.sh)
+
 
 def two_subscriptions(topic: str) -> str:
     return f"""

@@ -55,6 +55,7 @@ def produce_mixed(kafka_helper: KafkaHelper, topic: str, count: int, first_due: 
 
 
 @pytest.mark.parametrize("tracker", ["bucket", "memory"])
+@pytest.mark.fallback
 def test_kill_9_while_delivering_sends_each_record_once_read_committed(
     tracker: str,
     kafka: str,

@@ -11,7 +11,8 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
-from sidecar.broker.embedded import EmbeddedBroker
+import pytest
+
 from sidecar.broker.ports import free_port
 from tests.kafka_helpers import (
     KafkaHelper,
@@ -21,6 +22,7 @@ from tests.kafka_helpers import (
     deliveries,
     early,
     outbound_end,
+    own_broker,
     wait_for,
 )
 
@@ -37,10 +39,11 @@ def health(port: int) -> tuple[int, dict[str, object]]:
         return e.code, json.loads(e.read())
 
 
+@pytest.mark.fallback
 def test_the_sidecar_rides_out_broker_restarts_under_load_and_healthz_tells_the_truth(
     policy_file: PolicyFile, tmp_path: Path
 ) -> None:
-    broker = EmbeddedBroker(tmp_path / "broker", port=free_port())
+    broker = own_broker(tmp_path / "broker")
     bootstrap = broker.start()
     topic = "faults"
     policies = policy_file(f"topics:\n  {topic}:\n    subscriptions: {{a: {{}}, o: {{type: exclusive}}}}\n")
@@ -94,7 +97,7 @@ def test_exactly_once_rides_out_kills_and_a_broker_restart_for_fresh_and_live_re
     loop with it; /healthz stayed 503 and a transaction begun after the restart was never ended, so
     read_committed readers stopped at it. Now a transaction that spans an outage is aborted by its
     own producer and the engine starts again from the commit under a new transactional.id."""
-    broker = EmbeddedBroker(tmp_path / "broker", port=free_port())
+    broker = own_broker(tmp_path / "broker")
     bootstrap = broker.start()
     topic, count = "faults", 4_000
     policies = policy_file(f"topics:\n  {topic}:\n    subscriptions: {{a: {{}}, o: {{type: exclusive}}}}\n")

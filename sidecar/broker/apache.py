@@ -60,6 +60,7 @@ JVM_OPTS = (
 LOG_TAIL_LINES = 25
 
 _LOG4J = """\
+shutdownHook = disable
 appender.server.type = RollingFile
 appender.server.name = server
 appender.server.fileName = ${sys:kafka.logs.dir}/server.log
@@ -136,6 +137,7 @@ class ApacheKafka(BrokerLauncher):
         self.nodes = [Node(i, data_dir / f"node-{i}") for i in range(1, nodes + 1)]
         self.bootstrap_servers = ""
         self._classpath = ""
+        self._ports_chosen = False
 
     @property
     def description(self) -> str:
@@ -153,11 +155,14 @@ class ApacheKafka(BrokerLauncher):
         self._classpath = str(fetch_kafka(self.version) / "*")
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self._refuse_running()
-        self._pick_ports()
+        if not self._ports_chosen:  # a restart keeps its ports: its clients know them
+            self._pick_ports()
+            self._ports_chosen = True
         self.bootstrap_servers = ",".join(f"{self.host}:{self.broker_port(n.node_id)}" for n in self.nodes)
+        cluster_id = self._cluster_id()  # before anything is written: a refused data dir stays as it was
         for node in self.nodes:
             self._write_config(node)
-        self._format(self._cluster_id())
+        self._format(cluster_id)
         for node in self.nodes:
             self.start_node(node.node_id, wait=False)
         try:
@@ -294,7 +299,8 @@ class ApacheKafka(BrokerLauncher):
             logger.info("broker storage formatted cluster_id=%s nodes=%s", cluster_id, [n.node_id for n in pending])
 
     def _java(self, main_class: str, node: Node) -> list[str]:
-        heap = os.environ.get(HEAP_ENV, DEFAULT_HEAP).split()
+        # The release's scripts give a broker KAFKA_HEAP_OPTS and a tool 256 MiB.
+        heap = os.environ.get(HEAP_ENV, DEFAULT_HEAP).split() if main_class == "kafka.Kafka" else ["-Xmx256m"]
         return [
             "java",
             *heap,

@@ -39,6 +39,23 @@ _POM = """<project xmlns="http://maven.apache.org/POM/4.0.0">
 """
 
 
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_UNREACHABLE = (
+    "Could not transfer",
+    "Unknown host",
+    "Connection refused",
+    "connect timed out",
+    "No plugin found",
+    "offline",
+)
+"""What Maven prints when its repository cannot be reached, rather than lacking the artifact."""
+
+
+def _is_reason(line: str) -> bool:
+    text = line.removeprefix("[ERROR]").strip()
+    return line.startswith("[ERROR]") and bool(text) and not text.startswith(("To see", "Re-run", "For more", "[Help"))
+
+
 def cache_root() -> Path:
     """Where fetched jars live: $DELAY_SIDECAR_CACHE_DIR, else the user's cache (~/.cache/delay-sidecar)."""
     explicit = os.environ.get(CACHE_ENV)
@@ -101,6 +118,7 @@ def fetch_kafka(version: str = KAFKA_VERSION) -> Path:
             "mvn",
             "-B",
             "-q",
+            "-Dstyle.color=never",
             "-f",
             str(pom),
             "dependency:copy-dependencies",
@@ -122,13 +140,15 @@ def fetch_kafka(version: str = KAFKA_VERSION) -> Path:
                 f"their dependencies, then create the file {libs / STAMP}"
             ) from None
         if done.returncode != 0 or not any(target.glob("kafka_2.13-*.jar")):
-            output = (done.stdout + done.stderr).decode(errors="replace")
-            errors = [line for line in output.splitlines() if "ERROR" in line][:3] or output.splitlines()[-3:]
+            output = _ANSI.sub("", (done.stdout + done.stderr).decode(errors="replace"))
+            reasons = [line.removeprefix("[ERROR]").strip() for line in output.splitlines() if _is_reason(line)]
+            unreachable = any(mark in output for mark in _UNREACHABLE)
+            what = "could not reach its repository to fetch" if unreachable else "could not fetch"
             raise BrokerError(
-                f"Maven could not fetch org.apache.kafka:kafka_2.13:{version} (exit {done.returncode}): "
-                f"{' | '.join(e.strip() for e in errors)}. If Maven's repository cannot be reached from this "
-                f"machine, fill {libs} by hand with that artifact's jars and their dependencies (a release "
-                f"tarball's libs/ folder will do), then create the file {libs / STAMP}; or use --broker-kind noida-db"
+                f"Maven {what} org.apache.kafka:kafka_2.13:{version} (exit {done.returncode}: "
+                f"{' | '.join(reasons[:2]) or 'no error printed'}). Fill {libs} by hand with that artifact's jars and "
+                f"their dependencies (a release tarball's libs/ folder will do), then create the file "
+                f"{libs / STAMP}; or use --broker-kind noida-db"
             )
         if libs.exists():
             shutil.rmtree(libs)

@@ -12,8 +12,8 @@ from typing import Any
 from confluent_kafka import Consumer, Producer, TopicPartition
 
 from sidecar.broker.base import wait_for_metadata
-from sidecar.broker.embedded import EPHEMERAL_RANGE, LOWEST_FREE_PORT, EmbeddedBroker
-from sidecar.broker.ports import free_port
+from sidecar.broker.embedded import EmbeddedBroker
+from sidecar.broker.ports import EPHEMERAL_RANGE, LOWEST_FREE_PORT, free_port
 from tests.kafka_helpers import ROOT
 
 

@@ -61,6 +61,7 @@ topics:
 
 
 @pytest.mark.parametrize("recent", [64 << 20, 0])
+@pytest.mark.fallback
 def test_each_nacked_message_comes_back_once_on_its_own_subscription(
     recent: int,
     kafka: str,
