@@ -89,7 +89,7 @@ def test_a_second_static_member_with_the_same_instance_id_fences_the_first(
 
 
 def test_a_zombie_with_stale_group_metadata_cannot_commit_offsets(
-    embedded_broker: bool, kafka: str, kafka_helper: KafkaHelper, topic_factory: Callable[..., str]
+    kafka: str, kafka_helper: KafkaHelper, topic_factory: Callable[..., str]
 ) -> None:
     """KIP-447 on a consume-transform-produce loop: two members of one group, each with a
     transactional producer of its own (transactional.ids are no longer tied to partitions). After a
@@ -98,11 +98,10 @@ def test_a_zombie_with_stale_group_metadata_cannot_commit_offsets(
     (ILLEGAL_GENERATION; UNKNOWN_MEMBER_ID once the member is gone) and its transaction aborted, while
     the new owner commits the same partition with the current metadata.
 
-    NEEDS REAL KAFKA: noida-db does not check the generation or member id of TxnOffsetCommit and lets
-    the zombie commit. There the sidecar's own fencing (each commit names its producer, and a
-    successor of the same identity fences it: sidecar/identity.py) is what keeps a zombie out."""
-    if embedded_broker:
-        pytest.skip("noida-db accepts TxnOffsetCommit from a stale member (no KIP-447 fencing); needs real Kafka")
+    noida-db (the fallback broker) fails this test: it does not check the generation or member id
+    of TxnOffsetCommit and lets the zombie commit, so the test is not part of the fallback's set.
+    There the sidecar's own fencing (each commit names its producer, and a successor of the same
+    identity fences it: sidecar/identity.py) is what keeps a zombie out."""
     source, out = topic_factory("kip447", partitions=2), topic_factory("kip447-out", partitions=2)
     group = f"g-{uuid.uuid4().hex[:8]}"
     for i in range(8):
@@ -169,18 +168,17 @@ def test_a_zombie_with_stale_group_metadata_cannot_commit_offsets(
 
 
 def test_a_read_committed_fetch_past_an_aborted_transaction_still_returns_later_commits(
-    embedded_broker: bool, kafka: str, kafka_helper: KafkaHelper, topic_factory: Callable[..., str]
+    kafka: str, kafka_helper: KafkaHelper, topic_factory: Callable[..., str]
 ) -> None:
     """A producer id's commits after its abort must reach a consumer that already read past the
     abort marker. The sidecar no longer depends on it (a new transactional.id, so a new producer
     id, after every restart: sidecar/identity.py), but Kafka's clients do.
 
-    KNOWN NOIDA-DB DEFECT (xfail on the embedded broker): its fetch responses list aborted
-    transactions that ended before the fetch offset, and librdkafka then drops every later batch
-    of that producer id in the response. Real Kafka lists only those overlapping the fetched range.
+    noida-db (the fallback broker) fails this test, so it is not part of the fallback's set: its
+    fetch responses list aborted transactions that ended before the fetch offset, and librdkafka
+    then drops every later batch of that producer id in the response. Apache Kafka lists only those
+    overlapping the fetched range.
     """
-    if embedded_broker:
-        pytest.xfail("noida-db lists aborted transactions that ended before the fetch offset")
     topic = topic_factory("aborted")
     producer = Producer({"bootstrap.servers": kafka, "transactional.id": f"tx-{uuid.uuid4().hex[:8]}"})
     producer.init_transactions(30)
