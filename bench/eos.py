@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     runs: list[Run] = []
     try:
         with bench_broker(workdir / "broker") as broker:
-            env = environment(broker.bootstrap_servers, command)
+            env = environment(broker, command)
             for run in plan:
                 print(
                     f"[bench.eos] {run.scenario} {run.guarantee} {run.interval_ms} ms ...", file=sys.stderr, flush=True

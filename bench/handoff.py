@@ -520,7 +520,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = []
     try:
         with bench_broker(workdir / "broker") as broker:
-            env = environment(broker.bootstrap_servers, command)
+            env = environment(broker, command)
             watermarks = Watermarks(broker.bootstrap_servers)
             try:
                 for variant in order:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import datetime
-import importlib.metadata
 import json
 import os
 import platform
@@ -14,6 +13,7 @@ from typing import Any
 import confluent_kafka
 
 from bench.context import Result
+from sidecar.broker import BrokerLauncher
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -37,7 +37,7 @@ P99_TARGETS = {"delayed": TARGET_P99_MS, "delayed-small-cache": TARGET_READBACK_
 """The p99 line drawn in each scenario's lateness panel."""
 
 
-def environment(bootstrap: str, command: str) -> dict[str, Any]:
+def environment(broker: BrokerLauncher, command: str) -> dict[str, Any]:
     try:
         commit = subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10, check=False
@@ -56,7 +56,7 @@ def environment(bootstrap: str, command: str) -> dict[str, Any]:
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "commit": commit or "unknown",
         "command": command,
-        "broker": f"noida-db {_version('noida-db')} (embedded, {bootstrap})",
+        "broker": f"{broker.description}, {broker.bootstrap_servers}",
         "cores": os.cpu_count(),
         "cpu": cpu,
         "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
@@ -64,13 +64,6 @@ def environment(bootstrap: str, command: str) -> dict[str, Any]:
         "confluent_kafka": confluent_kafka.version()[0],
         "librdkafka": confluent_kafka.libversion()[0],
     }
-
-
-def _version(package: str) -> str:
-    try:
-        return importlib.metadata.version(package)
-    except importlib.metadata.PackageNotFoundError:
-        return "?"
 
 
 def targets(results: list[Result]) -> list[dict[str, Any]]:

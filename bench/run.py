@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
             data = workdir / f"broker-{i}"
             with bench_broker(data) as broker:
                 ctx.bootstrap = broker.bootstrap_servers
-                env = env or environment(broker.bootstrap_servers, command)
+                env = env or environment(broker, command)
                 for name in group:
                     results.append(_run(name, ctx))
                 if ctx.watermarks is not None:

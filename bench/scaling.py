@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     try:
         with bench_broker(workdir / "broker") as broker:
-            env = environment(broker.bootstrap_servers, command)
+            env = environment(broker, command)
             for workers in order:
                 print(f"[scaling] --workers {workers} ...", file=sys.stderr, flush=True)
                 rows.append(one_run(broker.bootstrap_servers, workdir, workers, args.records, args.partitions))

@@ -138,7 +138,7 @@ def test_help_names_metavars_and_real_defaults(capsys: pytest.CaptureFixture[str
         "--metrics-port PORT",
         "--commit-interval-ms MS",
         "--batch-size N",
-        "Unset: start the embedded broker",
+        "Unset: start a local broker (--broker-kind)",
         "(default: 9464)",
         "(default: librdkafka's, PLAINTEXT)",
     ):
@@ -146,7 +146,7 @@ def test_help_names_metavars_and_real_defaults(capsys: pytest.CaptureFixture[str
     with pytest.raises(SystemExit):
         main(["audit", "--help"])
     audit = " ".join(capsys.readouterr().out.split())
-    assert "embedded broker" not in audit  # the audit starts none
+    assert "local broker" not in audit  # the audit starts none
     assert "--topics TOPIC[,TOPIC...]" in audit
 
 

@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from sidecar import supervisor as supervision
-from sidecar.broker.ports import free_port, free_ports
+from sidecar.broker.ports import free_ports
 from sidecar.settings import ENV_PREFIX, RunSettings
 from sidecar.supervisor import PER_WORKER, Supervisor, Worker, worker_environment
 from tests.kafka_helpers import (
@@ -145,14 +145,15 @@ def test_a_worker_killed_under_load_is_restarted_and_nothing_is_lost(
     assert log.count("left the consumer group") == 0, "workers leave only with --leave-group-on-stop"
 
 
-def test_kill_9_of_the_supervisor_takes_the_workers_and_the_embedded_broker_with_it(
+def test_kill_9_of_the_supervisor_takes_the_workers_and_the_local_broker_with_it(
     tmp_path: Path, reaper: list[psutil.Process]
 ) -> None:
     policies = tmp_path / "policies.yaml"
     policies.write_text("topics:\n  orders:\n    subscriptions:\n      a: {}\n")
-    port, broker_port = free_ports(3), free_port()
+    port, broker_port = free_ports(3), free_ports(2)
+    kind = os.environ.get("DELAY_SIDECAR_TEST_BROKER", "apache-kafka")
     args = ["--policies", str(policies), "--state-dir", str(tmp_path / "state"), "--metrics-port", str(port),
-            "--broker-port", str(broker_port), "--workers", "2"]  # fmt: skip
+            "--broker-port", str(broker_port), "--broker-kind", kind, "--workers", "2"]  # fmt: skip
     supervisor = SidecarProcess(args, tmp_path / "log").start()
     try:
         assert supervisor.process is not None
@@ -163,8 +164,8 @@ def test_kill_9_of_the_supervisor_takes_the_workers_and_the_embedded_broker_with
             assert f"ask a worker's port ({port + 1}, {port + 2})" in response.read().decode()
         family = psutil.Process(supervisor.process.pid).children(recursive=True)
         reaper.extend(family)
-        brokers = [p for p in family if "noida-db" in " ".join(p.cmdline())]
-        assert len(brokers) == 1, f"one embedded broker for all workers, not {len(brokers)}"
+        brokers = [p for p in family if any(m in " ".join(p.cmdline()) for m in ("noida-db start", "kafka.Kafka"))]
+        assert len(brokers) == 1, f"one local broker for all workers, not {len(brokers)}"
         assert len(workers(supervisor)) == 2
         supervisor.kill()
         wait_for(lambda: all(gone(p) for p in family), DEADLINE_S, "the workers and the broker gone")

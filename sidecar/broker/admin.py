@@ -9,7 +9,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from confluent_kafka import Consumer, IsolationLevel, KafkaException, TopicPartition
+from confluent_kafka import Consumer, IsolationLevel, KafkaError, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic, OffsetSpec
 
 from sidecar.errors import BrokerError
@@ -19,6 +19,13 @@ from sidecar.policy import PolicySet
 logger = logging.getLogger(__name__)
 
 ADMIN_TIMEOUT_S = 10
+COORDINATOR_WAIT_S = 60.0
+COORDINATOR_MOVING = {
+    KafkaError.NOT_COORDINATOR,
+    KafkaError.COORDINATOR_NOT_AVAILABLE,
+    KafkaError.COORDINATOR_LOAD_IN_PROGRESS,
+    KafkaError._TIMED_OUT,
+}
 # How often topic retention.ms is re-read for EXCEEDS_RETENTION.
 RETENTION_REFRESH_S = 60.0
 
@@ -92,13 +99,21 @@ class TopicAdmin:
         consumer = Consumer(
             {**self._client_config, "group.id": group_id, "enable.auto.commit": False}, logger=LIBRDKAFKA
         )
+        deadline = time.monotonic() + COORDINATOR_WAIT_S
         try:
-            listed = consumer.committed(partitions, timeout=ADMIN_TIMEOUT_S * 3)
-        except KafkaException as e:
-            raise BrokerError(
-                f"cannot read the committed offsets of consumer group {group_id}: {e}; check that the brokers "
-                "are up and that the sidecar may DESCRIBE its group"
-            ) from e
+            while True:
+                try:
+                    listed = consumer.committed(partitions, timeout=ADMIN_TIMEOUT_S * 3)
+                    break
+                except KafkaException as e:
+                    # A new cluster creates its offsets topic on the first ask, and a coordinator
+                    # that moves answers NOT_COORDINATOR until the client looks it up again.
+                    if e.args[0].code() not in COORDINATOR_MOVING or time.monotonic() > deadline:
+                        raise BrokerError(
+                            f"cannot read the committed offsets of consumer group {group_id}: {e}; check that the "
+                            "brokers are up and that the sidecar may DESCRIBE its group"
+                        ) from e
+                    time.sleep(0.5)
         finally:
             consumer.close()
         return {(tp.topic, tp.partition): (tp.offset, tp.metadata) for tp in listed if tp.offset >= 0}

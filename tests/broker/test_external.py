@@ -18,7 +18,7 @@ SCRAM = {"security.protocol": "SASL_PLAINTEXT", "sasl.mechanism": "SCRAM-SHA-512
 
 
 def test_sasl_against_a_plaintext_listener_names_the_cause(kafka: str) -> None:
-    with pytest.raises(ConfigError, match=r"SASL authentication error.*--security-protocol"):
+    with pytest.raises(ConfigError, match=r"SASL .*--security-protocol"):
         ExternalBroker(kafka, SCRAM).start()
 
 
@@ -56,7 +56,7 @@ def test_run_with_wrong_sasl_settings_exits_2_with_one_line_and_no_traceback(kaf
     output = process.communicate(timeout=60)[0].decode()
     assert process.returncode == 2, output
     errors = [line for line in output.splitlines() if line.startswith("delay-sidecar: error:")]
-    assert len(errors) == 1 and "SASL authentication error" in errors[0], output
+    assert len(errors) == 1 and "SASL" in errors[0] and "--security-protocol" in errors[0], output
     assert "Traceback" not in output and "%3|" not in output and "secret-value" not in output
 
 

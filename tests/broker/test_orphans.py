@@ -102,7 +102,18 @@ def kill_and_check_broker_goes(parent: subprocess.Popen[bytes], port: int, reape
 def test_kill_9_of_the_broker_command_takes_the_broker_with_it(tmp_path: Path, reaper: list[psutil.Process]) -> None:
     port = free_port()
     cli = start(
-        [sys.executable, "-m", "sidecar", "broker", "--port", str(port), "--data-dir", str(tmp_path / "broker")],
+        [
+            sys.executable,
+            "-m",
+            "sidecar",
+            "broker",
+            "--broker-kind",
+            "noida-db",
+            "--port",
+            str(port),
+            "--data-dir",
+            str(tmp_path / "broker"),
+        ],
         tmp_path / "cli.log",
     )
     kill_and_check_broker_goes(cli, port, reaper)
@@ -124,6 +135,8 @@ def test_kill_9_of_run_in_embedded_mode_takes_the_broker_with_it(tmp_path: Path,
             str(tmp_path / "state"),
             "--broker-port",
             str(port),
+            "--broker-kind",
+            "noida-db",
             "--metrics-port",
             "0",
         ],
@@ -139,7 +152,18 @@ def test_a_restart_after_kill_9_runs_on_its_own_broker_with_the_data(
     port = free_port()
     data_dir = tmp_path / "broker"
     cli = start(
-        [sys.executable, "-m", "sidecar", "broker", "--port", str(port), "--data-dir", str(data_dir)],
+        [
+            sys.executable,
+            "-m",
+            "sidecar",
+            "broker",
+            "--broker-kind",
+            "noida-db",
+            "--port",
+            str(port),
+            "--data-dir",
+            str(data_dir),
+        ],
         tmp_path / "cli.log",
     )
     bootstrap = f"127.0.0.1:{port}"
