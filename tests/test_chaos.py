@@ -11,13 +11,28 @@ The full run (20 kills, a deleted state dir, a broker restart) is `python -m ben
 result is in docs/reliability.md.
 """
 
+import signal
+from collections import Counter
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from pyspark.sql import SparkSession
 
-from bench.chaos import SUBSCRIPTIONS, Audit, Outcome, Plan, SparkAudit, disagreements, order_counts, run, table
+import bench.chaos
+from bench.chaos import (
+    SUBSCRIPTIONS,
+    Audit,
+    Outcome,
+    Plan,
+    Sidecar,
+    SparkAudit,
+    disagreements,
+    order_counts,
+    run,
+    table,
+)
 from spark.session import build_session
 
 
@@ -38,6 +53,64 @@ def spark() -> Iterator[SparkSession]:
     session.conf.set("spark.sql.adaptive.enabled", adaptive)
     if existing is None:
         session.stop()
+
+
+@dataclass
+class Incarnation:
+    """One sidecar process of the run, and how it ended: "kill -9" or "stop" when the bench ended
+    it while it ran, "itself" when it had already exited when the bench came to end it."""
+
+    log: str
+    pid: int
+    ended_by: str | None = None
+    exit_code: int | None = None
+
+
+def recording(incarnations: list[Incarnation]) -> type[Sidecar]:
+    """bench.chaos's Sidecar, recording every process it starts and how each one ended.
+
+    The bench keeps only the last process's exit code (`Sidecar.stop`), and its `kill` does nothing
+    to a process that is already gone, while the run still counts the kill: a sidecar that died on
+    its own would go unnoticed. Each incarnation is judged here instead."""
+
+    class Recorded(Sidecar):
+        current: Incarnation | None = None
+
+        def start(self) -> None:
+            super().start()
+            assert self.child is not None
+            self.current = Incarnation(self.log.name, self.child.pid)
+            incarnations.append(self.current)
+
+        def _ending(self, how: str) -> Incarnation | None:
+            """The incarnation the bench is about to end, if it has not ended it already."""
+            if self.child is None or self.current is None or self.current.ended_by is not None:
+                return None
+            self.current.ended_by = how if self.child.alive() else "itself"
+            return self.current
+
+        def kill(self) -> None:
+            ending = self._ending("kill -9")
+            super().kill()
+            if ending is not None and self.child is not None:
+                ending.exit_code = self.child.process.returncode
+
+        def stop(self) -> int:
+            ending = self._ending("stop")
+            code = super().stop()
+            if ending is not None:
+                ending.exit_code = code
+            return code
+
+    return Recorded
+
+
+def assert_every_incarnation_ended_by_us(incarnations: list[Incarnation], kills: int, report: str) -> None:
+    """Every sidecar process ended by the bench's kill -9 (the planned kills and the zombie's) or
+    by the final clean stop with exit 0; none died by itself."""
+    report += "\n\nincarnations: " + "\n".join(map(str, incarnations))
+    ends = Counter((i.ended_by, i.exit_code) for i in incarnations)
+    assert ends == {("kill -9", -signal.SIGKILL): kills + 1, ("stop", 0): 1}, report
 
 
 def assert_clean(outcome: Outcome) -> None:
@@ -91,9 +164,13 @@ def test_three_kills_and_a_zombie_with_nacks_and_cancels_lose_duplicate_and_adva
     id's abort (tests/broker/test_transactions.py), and the sidecar wrote under one producer id
     across kills, so its own reader of the control topic lost accepted nacks (7 of 142). Each
     producer now has a transactional.id, so a producer id, of its own (sidecar/identity.py)."""
-    outcome = run(Plan(records=3_000, kills=3, window_s=12.0, seed=3, broker_restart=False, state_loss=False,
-                       cancel_fraction=0.03, spark_audit=True), tmp_path, spark=spark)  # fmt: skip
+    incarnations: list[Incarnation] = []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(bench.chaos, "Sidecar", recording(incarnations))
+        outcome = run(Plan(records=3_000, kills=3, window_s=12.0, seed=3, broker_restart=False, state_loss=False,
+                           cancel_fraction=0.03, spark_audit=True), tmp_path, spark=spark)  # fmt: skip
     print(table(outcome, "tests/test_chaos.py"))
+    assert_every_incarnation_ended_by_us(incarnations, 3, table(outcome, "tests/test_chaos.py"))
     assert outcome.audit.nacks_sent > 0
     assert 0 < outcome.audit.cancelled < outcome.audit.cancels_sent, "cancels in time and too late, both"
     assert_clean(outcome)
