@@ -25,6 +25,9 @@ CONSUMER_DEFAULTS: dict[str, Any] = {
     "fetch.wait.max.ms": 10,
     "queued.min.messages": 1,
     "fetch.queue.backoff.ms": 1,
+    # A subscribed topic that the cluster did not know yet at the last metadata refresh (one just
+    # created, or re-created) is assigned at the next refresh: 10 s, not librdkafka's 5 minutes.
+    "topic.metadata.refresh.interval.ms": 10_000,
 }
 
 

@@ -1,11 +1,15 @@
 """The Kafka edge's small helpers: client logs without floods, and the brokers' reachability."""
 
 import logging
+import time
+import uuid
+from collections.abc import Callable
 
 import pytest
-from confluent_kafka import KafkaError
+from confluent_kafka import Consumer, KafkaError
 
-from sidecar.kafka_io import Connectivity, RepeatFilter, is_fatal
+from sidecar.broker.admin import TopicAdmin
+from sidecar.kafka_io import LIBRDKAFKA, Connectivity, RepeatFilter, consumer_config, is_fatal
 
 
 def record(message: str) -> logging.LogRecord:
@@ -64,3 +68,27 @@ def test_a_consumers_fatal_event_is_fatal_though_its_flag_is_not_set() -> None:
     assert is_fatal(KafkaError(KafkaError._TRANSPORT, fatal=True))
     assert not is_fatal(KafkaError(KafkaError._PARTITION_EOF))
     assert not is_fatal(KafkaError(KafkaError._TRANSPORT))
+
+
+def test_a_topic_created_after_the_subscription_is_assigned_at_the_next_refresh(
+    kafka: str, topic_factory: Callable[..., str]
+) -> None:
+    """Apache Kafka tells brokers of a new topic after its controller has created it, so a consumer
+    that subscribed in between learns of it at its next metadata refresh: librdkafka's default is
+    5 minutes, and a control topic's commands waited that long. Here the consumer subscribes first,
+    beside a topic that exists (with none, librdkafka keeps asking)."""
+    known, name = topic_factory("known"), f"later-{uuid.uuid4().hex[:10]}"
+    consumer = Consumer(consumer_config({"bootstrap.servers": kafka}, **{"group.id": name}), logger=LIBRDKAFKA)
+    try:
+        consumer.subscribe([known, name])
+        joined = time.monotonic() + 60
+        while not consumer.assignment() and time.monotonic() < joined:  # the known topic only
+            consumer.poll(0.5)
+        assert [tp.topic for tp in consumer.assignment()] == [known]
+        TopicAdmin({"bootstrap.servers": kafka}, 1).create({name: 1})
+        deadline = time.monotonic() + 90
+        while len(consumer.assignment()) < 2 and time.monotonic() < deadline:
+            consumer.poll(0.5)
+        assert sorted(tp.topic for tp in consumer.assignment()) == sorted([known, name])
+    finally:
+        consumer.close()

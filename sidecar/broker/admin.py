@@ -62,6 +62,33 @@ class TopicAdmin:
             except Exception as e:
                 if "TOPIC_ALREADY_EXISTS" not in str(e):
                     raise BrokerError(f"cannot create topic {topic}: {e}; {advice}") from e
+        self._wait_for_leaders(wanted)
+
+    def _wait_for_leaders(self, wanted: dict[str, int]) -> None:
+        """Until the cluster's metadata shows every partition of these topics with a leader.
+
+        Kafka creates a topic in its controller and tells the brokers afterwards: a consumer that
+        subscribes in between is told the topic does not exist, and librdkafka asks again only at its
+        next metadata refresh, minutes later (a control topic's commands went unanswered for good).
+        """
+        deadline = time.monotonic() + ADMIN_TIMEOUT_S * 3
+        missing = dict(wanted)
+        while missing:
+            metadata = self._admin.list_topics(timeout=ADMIN_TIMEOUT_S)
+            for name in list(missing):
+                topic = metadata.topics.get(name)
+                if (
+                    topic is not None
+                    and topic.error is None
+                    and len(topic.partitions) >= missing[name]
+                    and all(p.leader >= 0 for p in topic.partitions.values())
+                ):
+                    del missing[name]
+            if missing and time.monotonic() > deadline:
+                logger.warning("topics created but without leaders yet topics=%s", ",".join(sorted(missing)))
+                return
+            if missing:
+                time.sleep(0.1)
 
     def ensure(self, policies: PolicySet, own: Iterable[str]) -> None:
         """Create what is missing: `own` are the sidecar's own topics (control topics and theirs).
