@@ -16,10 +16,15 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import psutil  # type: ignore[import-untyped,unused-ignore]
-from confluent_kafka import OFFSET_BEGINNING, Consumer, Message, TopicPartition
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, Message, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 
 DELIVER_AT = "delay-deliver-at"
+_LEADER_MOVING = {
+    KafkaError.NOT_LEADER_FOR_PARTITION,
+    KafkaError.UNKNOWN_TOPIC_OR_PART,
+    KafkaError.LEADER_NOT_AVAILABLE,
+}
 
 
 def now_ms() -> int:
@@ -27,8 +32,15 @@ def now_ms() -> int:
 
 
 def create_topic(bootstrap: str, name: str, partitions: int) -> None:
+    """Created, and led: Apache Kafka tells its brokers of a new topic after it has answered."""
     admin = AdminClient({"bootstrap.servers": bootstrap})
     admin.create_topics([NewTopic(name, partitions)])[name].result(30)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        topic = admin.list_topics(name, timeout=10).topics.get(name)
+        if topic is not None and topic.error is None and all(p.leader >= 0 for p in topic.partitions.values()):
+            return
+        time.sleep(0.1)
 
 
 class Watermarks:
@@ -57,10 +69,20 @@ class Watermarks:
         return sum(self.ends(topic))
 
     def ends(self, topic: str) -> list[int]:
-        return [
-            int(self._consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10, cached=False)[1])
-            for p in range(self.partitions(topic))
-        ]
+        return [self._end(TopicPartition(topic, p)) for p in range(self.partitions(topic))]
+
+    def _end(self, partition: TopicPartition) -> int:
+        """A leader that moves or is not known yet (a topic the sidecar just created) is asked again."""
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                return int(self._consumer.get_watermark_offsets(partition, timeout=10, cached=False)[1])
+            except KafkaException as e:
+                if (
+                    not e.args[0].retriable() and e.args[0].code() not in _LEADER_MOVING
+                ) or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
 
     def close(self) -> None:
         self._consumer.close()
