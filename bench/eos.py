@@ -16,7 +16,6 @@ delayed scenario in exactly-once mode at each commit interval. Prints a markdown
 from __future__ import annotations
 
 import argparse
-import shlex
 import shutil
 import sys
 import tempfile
@@ -33,7 +32,7 @@ if __package__ in (None, ""):
 
 from bench.probe import DELIVER_AT, create_topic, now_ms
 from bench.procs import bench_broker, load_argv, run_load, start_sidecar
-from bench.report import environment
+from bench.report import command_line, environment, header
 from sidecar.broker.ports import free_port
 
 SUBSCRIPTIONS = ("billing", "shipping")
@@ -184,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--intervals", default="100,250,1000", help="commit intervals (ms) of the exactly-once sweep")
     parser.add_argument("--scenarios", default="passthrough,delayed", help="which of passthrough,delayed")
     args = parser.parse_args(argv)
-    command = shlex.join([".venv/bin/python", "-m", "bench.eos", *(sys.argv[1:] if argv is None else argv)])
+    command = command_line("bench.eos", argv)
     window_ms = int(args.window_s * 1000)
     plan: list[Run] = []
     for scenario in args.scenarios.split(","):
@@ -205,8 +204,7 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 runs.append(one_run(broker.bootstrap_servers, workdir, run, window_ms))
                 print(f"[bench.eos] {runs[-1]}", file=sys.stderr, flush=True)
-        print(f"date {env['date']}, commit {env['commit'][:7]}, load average at start {env['load_average_at_start']}")
-        print(f"command: {command}\n")
+        print("\n".join(header(env)) + "\n")
         print(table(runs))
     finally:
         shutil.rmtree(workdir, ignore_errors=True)

@@ -41,9 +41,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import os
 import re
-import shlex
 import shutil
 import subprocess
 import sys
@@ -63,7 +61,7 @@ from confluent_kafka import Consumer, TopicPartition
 
 from bench.probe import Watermarks, create_topic, metric_sum, now_ms, read_records, scrape, settle, wait_for_outbound
 from bench.procs import Child, bench_broker, load_argv, py_spy, run_load, start_sidecar
-from bench.report import environment
+from bench.report import command_line, environment, header
 from sidecar.broker.ports import free_ports
 from sidecar.outbound.records import read_delivery
 
@@ -419,10 +417,8 @@ def _summarise(
     return summary
 
 
-def print_report(env: dict[str, Any], command: str, args: argparse.Namespace, runs: list[dict[str, Any]]) -> None:
-    print(f"- date: {env['date']}\n- commit: `{env['commit']}`\n- command: `{command}`")
-    print(f"- machine: {os.cpu_count()} cores, {env['cpu']}, load average at start {env['load_average_at_start']}")
-    print(f"- broker: {env['broker']}")
+def print_report(env: dict[str, Any], args: argparse.Namespace, runs: list[dict[str, Any]]) -> None:
+    print("\n".join(header(env)))
     print(
         f"- {args.pending:,} records pending in {args.partitions} partitions, 1 subscription, due uniformly over "
         f"{args.window_s} s from the handoff; --bucket-min-index-count {args.bucket_min_index_count:,}\n"
@@ -509,7 +505,7 @@ def main(argv: list[str] | None = None) -> int:
         args.bucket_min_index_count = 5_000 if args.quick else 50_000
     if not args.window_s:
         args.window_s = max(20, args.pending // 10_000)
-    command = shlex.join([".venv/bin/python", "-m", "bench.handoff", *(sys.argv[1:] if argv is None else argv)])
+    command = command_line("bench.handoff", argv)
     variants: list[str | None] = [None if v == "default" else v for v in args.variants.split(",")]
     args.state_topic_supported = supports_state_topic()
     if not args.state_topic_supported:
@@ -534,7 +530,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[handoff] logs kept in {workdir}", file=sys.stderr)
         else:
             shutil.rmtree(workdir, ignore_errors=True)
-    print_report(env, command, args, runs)
+    print_report(env, args, runs)
     return 0
 
 

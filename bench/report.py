@@ -6,7 +6,9 @@ import datetime
 import json
 import os
 import platform
+import shlex
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -61,9 +63,41 @@ def environment(broker: BrokerLauncher, command: str) -> dict[str, Any]:
         "cpu": cpu,
         "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
         "python": platform.python_version(),
-        "confluent_kafka": confluent_kafka.version()[0],
+        "confluent_kafka": _client_version(),
         "librdkafka": confluent_kafka.libversion()[0],
     }
+
+
+def _client_version() -> str:
+    """confluent-kafka's version: 2.16 returns a string where older releases returned a (string, int)
+    pair, so tables that took the pair's first item printed only the string's first character ("2")."""
+    version: Any = confluent_kafka.version()
+    return str(version if isinstance(version, str) else version[0])
+
+
+def command_line(module: str, argv: list[str] | None) -> str:
+    """The command a table names, as it can be run again from the repository's root."""
+    return shlex.join([".venv/bin/python", "-m", module, *(sys.argv[1:] if argv is None else argv)])
+
+
+def header(env: dict[str, Any]) -> list[str]:
+    """The lines above every dated table: a figure quoted later must say when, from which commit, with
+    which command and on which broker it was measured, and how busy the shared machine was."""
+    return [
+        f"- date: {env['date']}",
+        f"- commit: `{env['commit']}`",
+        f"- command: `{env['command']}`",
+        f"- broker: {env['broker']}",
+        f"- machine: {env['cores']} cores, {env['cpu']}, load average at start "
+        f"{' / '.join(str(x) for x in env['load_average_at_start'])} (shared machine: compare ratios, not absolutes)",
+        f"- python {env['python']}, confluent-kafka {env['confluent_kafka']}, librdkafka {env['librdkafka']}",
+    ]
+
+
+def dated_lines(broker: BrokerLauncher, command: str) -> str:
+    """The dated header of a bench that keeps no environment of its own. Taken once its broker has
+    started (the load average is the one at the start) and printed above its table at the end."""
+    return "\n".join(header(environment(broker, command)))
 
 
 def targets(results: list[Result]) -> list[dict[str, Any]]:
@@ -159,13 +193,7 @@ def _fmt(value: Any, suffix: str = "") -> str:
 
 def markdown(env: dict[str, Any], results: list[Result]) -> str:
     lines = [
-        f"- date: {env['date']}",
-        f"- commit: `{env['commit']}`",
-        f"- command: `{env['command']}`",
-        f"- broker: {env['broker']}",
-        f"- machine: {env['cores']} cores, {env['cpu']}, load average at start "
-        f"{' / '.join(str(x) for x in env['load_average_at_start'])} (shared machine: compare ratios, not absolutes)",
-        f"- python {env['python']}, confluent-kafka {env['confluent_kafka']}, librdkafka {env['librdkafka']}",
+        *header(env),
         "",
         "| scenario | records | subs | index rate (rec/s) | delivery rate (rec/s per sub) | x ceiling "
         "| x same-I/O relay | lateness p50 / p99 / max (ms) | drain (s) | peak RSS (MiB) | all delivered |",

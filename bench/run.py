@@ -17,7 +17,6 @@ broker. `--one-broker` runs every scenario on one broker, as runs before 2026-11
 from __future__ import annotations
 
 import argparse
-import shlex
 import shutil
 import signal
 import sys
@@ -32,7 +31,7 @@ if __package__ in (None, ""):
 
 from bench.context import Context, Result, Sizes
 from bench.procs import bench_broker
-from bench.report import environment, markdown, plot, write_json
+from bench.report import command_line, environment, markdown, plot, write_json
 from bench.scenarios import EXTRA_SCENARIOS, RUNNERS, SCENARIOS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -104,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     # sidecar, the relay and the broker this run started: unwind through the finally blocks.
     signal.signal(signal.SIGTERM, _interrupt)
     signal.signal(signal.SIGINT, _interrupt)
-    command = shlex.join([".venv/bin/python", "-m", "bench", *(sys.argv[1:] if argv is None else argv)])
+    command = command_line("bench", argv)
     sizes = sizes_for(args)
     wanted = list(dict.fromkeys(s for s in args.scenarios.split(",") if s))  # in the order given
     workdir = Path(tempfile.mkdtemp(prefix="bench-e2e-"))

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shlex
 import shutil
 import signal
 import sys
@@ -46,7 +45,7 @@ from bench.probe import (
     wait_for_outbound,
 )
 from bench.procs import bench_broker, load_argv, run_load, start_sidecar
-from bench.report import environment
+from bench.report import command_line, environment, header
 from bench.scenarios import SUBSCRIPTIONS
 from sidecar.broker.ports import free_ports
 
@@ -120,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--partitions", type=int, default=4, help="partitions of each inbound topic")
     parser.add_argument("--rounds", type=int, default=2, help="pairs of runs (1 then 2 workers, then 2 then 1)")
     args = parser.parse_args(argv)
-    command = shlex.join([".venv/bin/python", "-m", "bench.scaling", *(sys.argv[1:] if argv is None else argv)])
+    command = command_line("bench.scaling", argv)
     workdir = Path(tempfile.mkdtemp(prefix="bench-scaling-"))
     order = [w for r in range(args.rounds) for w in ((1, 2) if r % 2 == 0 else (2, 1))]
     rows = []
@@ -133,8 +132,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"[scaling] {rows[-1]}", file=sys.stderr, flush=True)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    print(f"- date: {env['date']}\n- commit: `{env['commit']}`\n- command: `{command}`")
-    print(f"- machine: {os.cpu_count()} cores, {env['cpu']}, load average at start {env['load_average_at_start']}")
+    print("\n".join(header(env)))
     print(f"- {args.records:,} records per phase, {args.partitions} partitions per topic, 2 subscriptions\n")
     print("| run | workers | intake, delayed (rec/s) | due burst drain (rec/s per sub) | fixed delay: rate "
           "(rec/s per sub) | fixed delay: last delivery after the last deliver-at (s) | passthrough backlog "
