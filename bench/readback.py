@@ -3,7 +3,9 @@
 The delayed path keeps positions only and reads due records back from the inbound log. With delays
 spread at random, the records due in one dispatch turn are spread over the whole log, so a turn
 reads through (or seeks across) most of it, whatever the number of due records. This measures the
-cost of one read against the number of due offsets, on one partition of `--log` records.
+cost of one read against the number of due offsets, on one partition of `--log` records, on a
+broker of its own (Apache Kafka; DELAY_SIDECAR_BROKER_KIND=noida-db for the fallback's figures) or
+the one `--bootstrap` names.
 
 Usage: .venv/bin/python -m bench.readback [--log 333000] [--due 100,1000,5000,20000,50000]
 """
@@ -21,6 +23,8 @@ from pathlib import Path
 
 from bench.probe import create_topic
 from bench.procs import bench_broker, load_argv, run_load
+from bench.report import command_line, dated_lines
+from sidecar.broker import BrokerLauncher, ExternalBroker
 from sidecar.dispatch.reader import DEFAULT_MAX_GAP, LogReader
 
 
@@ -71,16 +75,21 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--log", type=int, default=333_000, help="records in the partition")
     parser.add_argument("--due", default="100,1000,5000,20000,50000", help="due offsets per read")
-    parser.add_argument("--bootstrap", help="an existing broker instead of a fresh embedded one")
+    parser.add_argument("--bootstrap", help="an existing broker instead of one of its own")
     args = parser.parse_args(argv)
     due_counts = [int(x) for x in args.due.split(",")]
+    command = command_line("bench.readback", argv)
     with tempfile.TemporaryDirectory(prefix="bench-readback-") as tmp:
         workdir = Path(tmp)
         if args.bootstrap:
+            broker: BrokerLauncher = ExternalBroker(args.bootstrap)
+            dated = dated_lines(broker, command)
             lines = measure(args.bootstrap, args.log, due_counts, workdir)
         else:
             with bench_broker(workdir / "broker") as broker:
+                dated = dated_lines(broker, command)
                 lines = measure(broker.bootstrap_servers, args.log, due_counts, workdir)
+    print(dated + "\n")
     print("\n".join(lines))
     return 0
 
