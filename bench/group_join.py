@@ -1,8 +1,9 @@
-"""Two members joining an empty group a short gap apart: how often the embedded broker's group wedges.
+"""Two members joining an empty group a short gap apart: how often the broker's group wedges.
 
-Usage: .venv/bin/python bench/group_join.py [--gaps 0.3,1.5] [--rounds 12] [--wait-s 20] [--static]
+Usage: .venv/bin/python -m bench.group_join [--gaps 0.3,1.5] [--rounds 12] [--wait-s 20] [--static]
 
-Each round creates a fresh topic of 4 partitions and a fresh group on one embedded broker. Two plain
+Each round creates a fresh topic of 4 partitions and a fresh group on one broker of its own (Apache
+Kafka; DELAY_SIDECAR_BROKER_KIND=noida-db for the fallback, whose wedge this measured). Two plain
 confluent-kafka consumers subscribe to it from two threads, the second `gap` seconds after the
 first, and poll. A round is wedged when either member has had no assignment callback (not even an
 empty one) within `--wait-s`. On Kafka the group forms within its initial rebalance delay; on
@@ -25,9 +26,10 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from confluent_kafka import Consumer, TopicPartition
-from confluent_kafka.admin import AdminClient, NewTopic
 
+from bench.probe import create_topic
 from bench.procs import bench_broker
+from bench.report import command_line, dated_lines
 
 
 def member(
@@ -70,9 +72,9 @@ class Joins:
                 self.both.set()
 
 
-def one_round(bootstrap: str, admin: AdminClient, gap_s: float, wait_s: float, static: bool) -> Joins:
+def one_round(bootstrap: str, gap_s: float, wait_s: float, static: bool) -> Joins:
     topic = f"join-{uuid.uuid4().hex[:10]}"
-    admin.create_topics([NewTopic(topic, 4)])[topic].result(10)
+    create_topic(bootstrap, topic, 4)
     joins = Joins()
     threads = [
         threading.Thread(
@@ -101,15 +103,16 @@ def main(argv: list[str] | None = None) -> int:
         broker = bench_broker(Path(data))
         bootstrap = broker.start()
         try:
-            admin = AdminClient({"bootstrap.servers": bootstrap})
+            dated = dated_lines(broker, command_line("bench.group_join", argv))
             for gap in gaps:
-                joins = [one_round(bootstrap, admin, gap, args.wait_s, args.static) for _ in range(args.rounds)]
+                joins = [one_round(bootstrap, gap, args.wait_s, args.static) for _ in range(args.rounds)]
                 wedged = sum(1 for found in joins if not found.both.is_set())
                 formed = sorted(max(found.first.values()) for found in joins if found.both.is_set())
                 slowest = f"{formed[-1]:.2f}" if formed else "-"
                 rows.append(f"| {gap:.2f} | {args.rounds} | {wedged} | {slowest} |")
         finally:
             broker.stop()
+    print(dated + "\n")
     print(f"| gap (s) | rounds | wedged (no answer within {args.wait_s:.0f} s) | slowest first answer (s) |")
     print("| ---: | ---: | ---: | ---: |")
     print("\n".join(rows))

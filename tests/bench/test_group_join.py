@@ -1,5 +1,5 @@
 """Smoke test of bench/group_join.py at one round: the two members join and the table comes out.
-Whether the embedded broker wedges is its behaviour, measured in docs/benchmarks.md, not asserted."""
+Whether the broker wedges is its behaviour (noida-db did; docs/benchmarks.md), not asserted."""
 
 import pytest
 
