@@ -183,7 +183,8 @@ def under_spark_submit() -> bool:
 
 
 def session_for(settings: AuditSettings) -> SparkSession:
-    """The audit's own session, with --master, --packages, --jars, --driver-memory and --conf."""
+    """The audit's own session, with --master, --packages, --jars, --driver-memory and --conf, and
+    Spark's Kafka connector (fetched once, cached) unless --source python."""
     conf = spark_conf(settings.conf)
     if under_spark_submit():
         given = [
@@ -206,7 +207,13 @@ def session_for(settings: AuditSettings) -> SparkSession:
         conf["spark.jars.packages"] = settings.packages
     if settings.jars:
         conf["spark.jars"] = settings.jars
-    return build_session(settings.master or "local[*]", driver_memory=settings.driver_memory, conf=conf)
+    return build_session(
+        settings.master or "local[*]",
+        driver_memory=settings.driver_memory,
+        conf=conf,
+        kafka_connector=settings.source != "python",
+        connector_repository=settings.connector_repository,
+    )
 
 
 RECORDS_PER_SHUFFLE_PARTITION = 500_000
@@ -326,7 +333,7 @@ def audit(settings: AuditSettings, spark: SparkSession | None = None, out: TextI
             prepared.unpersist()
     report = {
         "passed": passed,
-        "source": "built-in kafka" if fmt == "kafka" else "python (confluent-kafka)",
+        "source": decision.label,
         "grace_ms": settings.grace_ms,
         "from_ms": from_ms,
         "to_ms": to_ms,
@@ -367,6 +374,7 @@ def spark_report(
             {"location": c.location, "version": c.version, "scala": c.scala} for c in decision.connectors
         ],
         "fallback_reason": decision.fallback_reason,
+        "connector_repository": settings.connector_repository,
         "shuffle_partitions": shuffle,
         "max_records_per_partition": settings.max_records_per_partition,
         "isolation_level": settings.isolation_level,

@@ -131,6 +131,7 @@ def print_summary(result: AuditResult, report: dict[str, Any], shown: list[dict[
     if shown:
         out.write(f"Anomalies (first {len(shown)} of {total}; all in {report['outputs']['anomalies']})\n")
         out.write(table([[_cell(r[f]) for f in ANOMALY_FIELDS] for r in shown], ANOMALY_FIELDS) + "\n\n")
+    out.write(f"Kafka source: {report['source']}\n")
     out.write(("PASS: " if report["passed"] else "FAIL: ") + verdict(report) + "\n")
     out.write(f"Report: {report['outputs']['report']} and {report['outputs']['html']}\n")
     out.flush()

@@ -11,6 +11,7 @@ from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
 from sidecar.settings import ENV_PREFIX, KafkaSettings
+from spark.connector import DEFAULT_REPOSITORY
 
 
 class AuditSettings(KafkaSettings):
@@ -75,9 +76,16 @@ class AuditSettings(KafkaSettings):
     )
     source: Literal["auto", "kafka", "python"] = Field(
         "auto",
-        description="Kafka reader: kafka (Spark's built-in, needs --packages spark-sql-kafka-0-10 of this Spark's "
-        "version), python (embedded confluent-kafka data source), auto (built-in when a connector of this "
-        "Spark's version is on the classpath, else python with a warning)",
+        description="Kafka reader. auto (default): Spark's built-in source, the spark-sql-kafka-0-10 connector of "
+        "this Spark's version, fetched once from --connector-repository into the cache "
+        "($DELAY_SIDECAR_CACHE_DIR, else ~/.cache/delay-sidecar) and reused; when it can be neither fetched "
+        "nor found, the embedded Python source, with a warning and the reason in the report. kafka: the "
+        "connector or exit 2. python: the embedded confluent-kafka data source, no connector",
+    )
+    connector_repository: str = Field(
+        DEFAULT_REPOSITORY,
+        description="Maven repository (URL) that Spark's Kafka connector is fetched from on first use, "
+        "when not cached; a mirror where Maven Central is out of reach",
     )
     max_records_per_partition: int = Field(
         1_000_000,
@@ -92,8 +100,8 @@ class AuditSettings(KafkaSettings):
     master: str | None = Field(None, description="Spark master, e.g. local[4] or yarn (default local[*])")
     packages: str | None = Field(
         None,
-        description="Maven coordinates for Spark, comma-separated, as spark-submit --packages: "
-        "org.apache.spark:spark-sql-kafka-0-10_2.13:<pyspark version> for Spark's own Kafka source",
+        description="Maven coordinates for Spark, comma-separated, as spark-submit --packages (a "
+        "spark-sql-kafka-0-10 here replaces the cached connector)",
     )
     jars: str | None = Field(None, description="Jars for Spark's classpath, comma-separated, as spark-submit --jars")
     conf: list[str] = Field(
