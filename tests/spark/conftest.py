@@ -1,4 +1,9 @@
-"""One SparkSession for every Spark test (local[2], 4 shuffle partitions: the machine is shared)."""
+"""One SparkSession for every Spark test (local[2], 4 shuffle partitions: the machine is shared).
+
+It is built as the audit builds its own, with Spark's Kafka connector on the class path (fetched
+once into the cache, spark.connector): jars are read only when the JVM starts, so the tests that
+read with the built-in source could not add it later.
+"""
 
 from collections.abc import Iterator
 

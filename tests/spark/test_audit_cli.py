@@ -1,7 +1,8 @@
 """The audit as operators start it, each in a JVM of its own: `delay-sidecar audit` and `spark-submit`.
 
 These are the only Spark tests that start more JVMs than the shared session (a few seconds each):
-Spark's options (--jars, --conf, --master) only take effect when the JVM starts.
+Spark's options (--jars, --conf, --master) and the connector's jars only take effect when the JVM
+starts.
 """
 
 import json
@@ -17,6 +18,7 @@ import pytest
 
 from sidecar.outbound.records import outbound_headers
 from spark.audit_job import EXIT_CANNOT_RUN, EXIT_OK
+from spark.connector import connector_dir, installed_spark
 from tests.kafka_helpers import KafkaHelper
 from tests.spark.fake_connector import fake_connector
 
@@ -67,8 +69,58 @@ def test_spark_flags_reach_spark_and_auto_falls_back_from_a_connector_of_another
     assert str(jar) in spark["jars"]
     assert spark["conf"]["spark.executor.extraJavaOptions"] == "-Da=1,-Db=2"
     assert spark["kafka_connectors"] == [{"location": str(jar), "version": "4.0.0", "scala": "2.13"}]
-    assert report["source"] == "python (confluent-kafka)" and report["passed"] is True
+    assert report["source"].startswith("python (fallback: connector of another Spark on the classpath (4.0.0")
+    assert report["passed"] is True
     assert report["records_read"]["inbound"] == 3 and report["subscriptions"][0]["delivered"] == 3
+
+
+def test_the_audit_reads_with_spark_s_connector_by_default_and_names_it(
+    kafka: str, delivered_topic: Path, tmp_path: Path
+) -> None:
+    """The connector comes from the cache (fetched there on first use), with no flag."""
+    out = tmp_path / "report"
+    done = run(
+        [sys.executable, "-m", "sidecar", "audit", *audit_args(kafka, delivered_topic, out), "--master", "local[1]"]
+    )
+    assert done.returncode == EXIT_OK, done.stderr[-3000:]
+    assert "kafka connector unusable" not in done.stderr
+    report = json.loads((out / "report.json").read_text())
+    assert report["source"] == f"spark-sql-kafka-0-10 {pyspark.__version__}"
+    assert f"Kafka source: spark-sql-kafka-0-10 {pyspark.__version__}\n" in done.stdout
+    folder = connector_dir(installed_spark())
+    assert [c["location"] for c in report["spark"]["kafka_connectors"]] == [
+        str(folder / f"spark-sql-kafka-0-10_2.13-{pyspark.__version__}.jar")
+    ]
+    assert report["records_read"]["inbound"] == 3 and report["subscriptions"][0]["delivered"] == 3
+
+
+def test_a_connector_that_cannot_be_fetched_falls_back_to_python_with_one_warning_and_the_report_says_why(
+    kafka: str, delivered_topic: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "report"
+    env = {**os.environ, "DELAY_SIDECAR_CACHE_DIR": str(tmp_path / "empty-cache")}
+    unreachable = ["--connector-repository", "http://127.0.0.1:1/maven2/"]  # nothing listens on port 1
+    command = [sys.executable, "-m", "sidecar", "audit", *audit_args(kafka, delivered_topic, out), *unreachable]
+    done = run([*command, "--master", "local[1]"], env=env)
+    assert done.returncode == EXIT_OK, done.stderr[-3000:]
+    why = (
+        "connector not fetched: http://127.0.0.1:1/maven2/ unreachable (java.net.ConnectException: Connection refused)"
+    )
+    [warning] = [line for line in done.stderr.splitlines() if "connector" in line and "level=WARNING" in line]
+    assert (
+        "kafka connector unusable, reading with the python source instead" in warning
+        and "--connector-repository" in warning
+    )
+    report = json.loads((out / "report.json").read_text())
+    assert report["source"] == f"python (fallback: {why})"
+    assert f"Kafka source: python (fallback: {why})\n" in done.stdout
+    assert report["spark"]["kafka_connectors"] == [] and "--connector-repository" in report["spark"]["fallback_reason"]
+    assert report["records_read"]["inbound"] == 3 and report["subscriptions"][0]["delivered"] == 3
+    # --source kafka does not fall back: exit 2, with what to do.
+    done = run([*command, "--master", "local[1]", "--source", "kafka"], env=env)
+    assert done.returncode == EXIT_CANNOT_RUN
+    [error] = [line for line in done.stderr.splitlines() if line.startswith("delay-sidecar audit: error:")]
+    assert "could not be fetched" in error and "--connector-repository" in error and "--source python" in error
 
 
 def test_spark_submit_without_the_venv_on_path_names_both_versions_and_exits_2(

@@ -1,4 +1,8 @@
-"""The audit job end to end against a real broker: on the real sidecar's topics, and on injected faults."""
+"""The audit job end to end against a real broker: on the real sidecar's topics, and on injected faults.
+
+The shared session has Spark's Kafka connector (tests/spark/conftest.py), so an audit of the
+default `--source auto` reads with it; the Python source reads where a test says `source="python"`.
+"""
 
 import json
 import time
@@ -7,13 +11,14 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow.parquet as pq
+import pyspark
 import pytest
 from confluent_kafka import Producer
 from pydantic_settings import CliApp
 from pyspark.sql import SparkSession
 
 from sidecar.client import Nacker
-from sidecar.outbound.records import dead_letter_headers, outbound_headers
+from sidecar.outbound.records import OutHeaders, dead_letter_headers, outbound_headers
 from spark.audit_job import EXIT_ANOMALIES, EXIT_OK, EXIT_USAGE, audit, run_job
 from spark.command import AuditCommand
 from spark.settings import AuditSettings
@@ -94,7 +99,7 @@ topics:
     ]
     assert outcome.result.control_rejections == [{"code": "WRONG_CONTROL_TOPIC", "count": 1}]
     report = json.loads((tmp_path / "report" / "report.json").read_text())
-    assert report["passed"] is True and report["source"] == "python (confluent-kafka)"
+    assert report["passed"] is True and report["source"] == "python (--source python)"
     ranges = report["snapshot"]["inbound"][topic]
     assert set(ranges) == {"0", "1"} and all(start == 0 for start, _ in ranges.values())
     assert sum(end for _, end in ranges.values()) == 12  # the partitioner decides the split
@@ -106,15 +111,25 @@ topics:
     }
 
 
-def test_injected_faults_are_reported_with_their_origin_and_fail_the_audit(
-    spark: SparkSession,
-    kafka: str,
-    kafka_helper: KafkaHelper,
-    topic_factory: TopicFactory,
-    policy_file: PolicyFile,
-    tmp_path: Path,
-    capsys: pytest.CaptureFixture[str],
-) -> None:
+CONNECTOR = f"spark-sql-kafka-0-10 {pyspark.__version__}"
+"""The source an audit names when it read with the shared session's connector."""
+
+
+class Delivered:
+    """An outbound record as a Nacker reads it (its headers only)."""
+
+    def __init__(self, headers: OutHeaders) -> None:
+        self._headers = headers
+
+    def headers(self) -> OutHeaders:
+        return self._headers
+
+
+def faults_world(
+    kafka: str, kafka_helper: KafkaHelper, topic_factory: TopicFactory, policy_file: PolicyFile, control: str
+) -> tuple[str, Path]:
+    """Records with a known fate (fine, duplicated, early, missing, rejected, aborted, nacked and never
+    redelivered) on a topic of their own; the topic and its policy file."""
     topic = topic_factory("faults", partitions=2)
     policies = policy_file(f"topics:\n  {topic}:\n    subscriptions: {{a: {{}}, b: {{}}}}\n")
     t0 = int(time.time() * 1000) - 600_000
@@ -146,7 +161,25 @@ def test_injected_faults_are_reported_with_their_origin_and_fail_the_audit(
     aborted.produce(f"{topic}.b", b"v", headers=headers, timestamp=t0 + 1060)
     aborted.flush()
     aborted.abort_transaction(30)
+    if control:  # a consumer of b nacks 0/0, and it never comes back: a nack without redelivery
+        nacker = Nacker(Producer({"bootstrap.servers": kafka}), control_topic=control, subscription="b")
+        # Due long ago (not "now + delay"), so it is missing, not pending, whenever the audit runs.
+        nacker.nack_at(Delivered(outbound_headers([], topic, 0, 0, t0 + 1000)), t0 + 2000)
+        nacker.flush()
+    return topic, policies
 
+
+def test_injected_faults_are_reported_with_their_origin_and_fail_the_audit(
+    spark: SparkSession,
+    kafka: str,
+    kafka_helper: KafkaHelper,
+    topic_factory: TopicFactory,
+    policy_file: PolicyFile,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Also the audit of the default source, Spark's own connector, end to end on the broker."""
+    topic, policies = faults_world(kafka, kafka_helper, topic_factory, policy_file, control="")
     out = tmp_path / "report"
     args = ["--bootstrap-servers", kafka, "--policies", str(policies), "--output-dir", str(out), "--grace-ms", "5000"]
     with pytest.raises(SystemExit) as exited:
@@ -171,6 +204,7 @@ def test_injected_faults_are_reported_with_their_origin_and_fail_the_audit(
     )
     report = json.loads((out / "report.json").read_text())
     assert report["passed"] is False
+    assert report["source"] == CONNECTOR and report["spark"]["kafka_format"] == "kafka"
     assert report["spark"]["isolation_level"] == "read_committed"
     read = report["records_read"]
     assert (read["inbound"], read["outbound"], read["dead_letter"]) == (5, 9, 1)  # the aborted copy is not read
@@ -183,6 +217,7 @@ def test_injected_faults_are_reported_with_their_origin_and_fail_the_audit(
     assert report["thresholds"]["duplicates"]["actual"] == 2 and report["thresholds"]["early"]["actual"] == 1
     printed = capsys.readouterr().out
     assert "FAIL: missing 1 (max 0, EXCEEDED)" in printed and "INVALID_DELAY_HEADER" in printed
+    assert f"Kafka source: {CONNECTOR}\n" in printed
     # The same audit passes when the thresholds allow what was found.
     lenient = AuditSettings(
         bootstrap_servers=kafka,
@@ -194,6 +229,45 @@ def test_injected_faults_are_reported_with_their_origin_and_fail_the_audit(
         max_early=1,
     )
     assert run_job(lenient, spark) == EXIT_OK
+
+
+def test_both_sources_agree_on_every_count_of_the_same_topics(
+    spark: SparkSession,
+    kafka: str,
+    kafka_helper: KafkaHelper,
+    topic_factory: TopicFactory,
+    policy_file: PolicyFile,
+    tmp_path: Path,
+) -> None:
+    """Spark's connector and the Python source read the same records, aborted ones left out alike."""
+    control = f"ctl-{uuid.uuid4().hex[:8]}"
+    topic, policies = faults_world(kafka, kafka_helper, topic_factory, policy_file, control=control)
+    reports: dict[str, dict[str, Any]] = {}
+    anomalies: dict[str, list[dict[str, Any]]] = {}
+    for source in ("kafka", "python"):
+        settings = AuditSettings(
+            bootstrap_servers=kafka,
+            policies=policies,
+            output_dir=tmp_path / source,
+            grace_ms=5000,
+            source=source,
+            control_topic=control,
+            show_anomalies=0,
+        )
+        reports[source] = audit(settings, spark).report
+        anomalies[source] = parquet_rows(tmp_path / source / "anomalies")
+    assert reports["kafka"]["source"] == CONNECTOR
+    assert reports["python"]["source"] == "python (--source python)"
+    assert {s["topic"] for s in reports["kafka"]["subscriptions"]} == {topic}
+    by_sub = {s["subscription"]: s for s in reports["kafka"]["subscriptions"]}
+    assert (by_sub["b"]["nacks"], by_sub["b"]["nacks_missing"], by_sub["a"]["duplicates"]) == (1, 1, 2)
+    assert reports["kafka"]["records_read"]["outbound"] == 9  # the aborted copy is read by neither
+    for report in reports.values():
+        for key in ("source", "spark", "outputs", "timings_s", "wall_time_s"):
+            report.pop(key)
+        report["snapshot"].pop("as_of_ms")
+    assert reports["kafka"] == reports["python"]
+    assert anomalies["kafka"] == anomalies["python"] and len(anomalies["kafka"]) == 5
 
 
 def test_usage_errors_exit_2_without_starting_anything(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
