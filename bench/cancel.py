@@ -4,10 +4,11 @@ Usage: .venv/bin/python -m bench.cancel [--pending 1000000] [--cancels 90000] [-
        [--partitions 2] [--rate 1000] [--json FILE]
 
 A topic with `--pending` records delayed by an hour, and a kept topic fed `--rate` records/s due one
-second after they are produced, are served by one sidecar (in this process, on the embedded broker).
-Once the kept topic delivers, `--cancels` cancel commands for distinct pending records are written
-to the control topic as fast as a producer can, then `--reschedules` reschedules of other pending
-records (each reads its message back to copy it). Measured per phase:
+second after they are produced, are served by one sidecar (in this process, on a broker of its own:
+Apache Kafka; DELAY_SIDECAR_BROKER_KIND=noida-db for the fallback's figures). Once the kept topic
+delivers, `--cancels` cancel commands for distinct pending records are written to the control topic
+as fast as a producer can, then `--reschedules` reschedules of other pending records (each reads its
+message back to copy it). Measured per phase:
 
 - commands per second: commands / (last outcome's timestamp - first command's);
 - each command's answer time: its outcome's timestamp - its own timestamp (p50, p99, max);
@@ -37,6 +38,7 @@ from bench import load
 from bench.drain import KeptLoad, lateness, quantile, read_all, serve, wait
 from bench.probe import Watermarks, create_topic
 from bench.procs import bench_broker
+from bench.report import command_line, dated_lines
 from sidecar.settings import RunSettings
 
 PENDING, KEPT, CONTROL = "cancel.pending", "cancel.kept", "cancel.control"
@@ -80,78 +82,73 @@ def phase(bootstrap: str, sent: dict[str, int], answers: dict[str, list[tuple[st
     }
 
 
-def run(work: Path, pending: int, cancels: int, reschedules: int, partitions: int, rate: int) -> dict[str, Any]:
-    broker = bench_broker(work / "broker")
-    bootstrap = broker.start()
-    try:
-        create_topic(bootstrap, PENDING, partitions)
-        create_topic(bootstrap, KEPT, 1)
-        base = time.time_ns() // 1_000_000 + HOUR_MS
-        load.produce(bootstrap, PENDING, pending, mode="deliver-at", base_ms=base, window_ms=60_000)
-        policies = work / "policies.yaml"
-        policies.write_text(
-            "topics:\n"
-            f"  {PENDING}:\n    subscriptions: {{a: {{}}, b: {{}}}}\n"
-            f"  {KEPT}:\n    subscriptions: {{a: {{}}}}\n"
-        )
-        settings = RunSettings(bootstrap_servers=bootstrap, policies=policies, state_dir=work / "state",
-                               metrics_port=0, group_id="cancel-bench", control_topic=CONTROL)  # fmt: skip
-        app, thread, sample = serve(settings)
+def run(
+    bootstrap: str, work: Path, pending: int, cancels: int, reschedules: int, partitions: int, rate: int
+) -> dict[str, Any]:
+    create_topic(bootstrap, PENDING, partitions)
+    create_topic(bootstrap, KEPT, 1)
+    base = time.time_ns() // 1_000_000 + HOUR_MS
+    load.produce(bootstrap, PENDING, pending, mode="deliver-at", base_ms=base, window_ms=60_000)
+    policies = work / "policies.yaml"
+    policies.write_text(
+        f"topics:\n  {PENDING}:\n    subscriptions: {{a: {{}}, b: {{}}}}\n  {KEPT}:\n    subscriptions: {{a: {{}}}}\n"
+    )
+    settings = RunSettings(bootstrap_servers=bootstrap, policies=policies, state_dir=work / "state",
+                           metrics_port=0, group_id="cancel-bench", control_topic=CONTROL)  # fmt: skip
+    app, thread, sample = serve(settings)
 
-        def answered(kind: str) -> float:
-            outcomes = ("cancelled", "rescheduled", "too-late", "unknown-message", "rejected")
-            return sum(sample("delay_sidecar_commands_total", type=kind, outcome=o) for o in outcomes)
+    def answered(kind: str) -> float:
+        outcomes = ("cancelled", "rescheduled", "too-late", "unknown-message", "rejected")
+        return sum(sample("delay_sidecar_commands_total", type=kind, outcome=o) for o in outcomes)
 
-        intake_s = wait(lambda: sample("delay_sidecar_messages_delayed_total", topic=PENDING) >= pending,
-                        900, "intake of the pending records")  # fmt: skip
-        kept = KeptLoad(bootstrap, rate, KEPT)
-        wait(lambda: sample("delay_sidecar_messages_delivered_total", topic=KEPT, subscription="a") > 0, 60,
-             "the kept topic delivering")  # fmt: skip
-        time.sleep(5)  # the baseline: the kept topic's lateness without commands
-        rss_before = rss_mb()
-        sizes = Watermarks(bootstrap).ends(PENDING)
-        starts = [sum(sizes[:p]) for p in range(len(sizes))]
-        chosen = random.Random(3).sample(range(sum(sizes)), cancels + reschedules)
-        targets = [(p, i - starts[p]) for i in chosen for p in [bisect.bisect_right(starts, i) - 1]]
-        started_ms = time.time_ns() // 1_000_000
-        print("phase=commands", file=sys.stderr, flush=True)  # for a profiler to attach to
-        cancel_sent = send(bootstrap, "cancel", targets[:cancels], {})
-        wait(lambda: answered("cancel") >= len(cancel_sent), 900, "every cancel answered")
-        moved_sent = send(bootstrap, "reschedule", targets[cancels:], {"deliver_at": base + 120_000})
-        wait(lambda: answered("reschedule") >= len(moved_sent), 900, "every reschedule answered")
-        ended_ms = time.time_ns() // 1_000_000
-        rss_after = rss_mb()
-        time.sleep(2)
-        sent = kept.stop()
-        wait(lambda: sample("delay_sidecar_messages_delivered_total", topic=KEPT, subscription="a") >= sent, 60,
-             "the kept topic's last records")  # fmt: skip
-        app.stop()
-        thread.join(60)
+    intake_s = wait(lambda: sample("delay_sidecar_messages_delayed_total", topic=PENDING) >= pending,
+                    900, "intake of the pending records")  # fmt: skip
+    kept = KeptLoad(bootstrap, rate, KEPT)
+    wait(lambda: sample("delay_sidecar_messages_delivered_total", topic=KEPT, subscription="a") > 0, 60,
+         "the kept topic delivering")  # fmt: skip
+    time.sleep(5)  # the baseline: the kept topic's lateness without commands
+    rss_before = rss_mb()
+    sizes = Watermarks(bootstrap).ends(PENDING)
+    starts = [sum(sizes[:p]) for p in range(len(sizes))]
+    chosen = random.Random(3).sample(range(sum(sizes)), cancels + reschedules)
+    targets = [(p, i - starts[p]) for i in chosen for p in [bisect.bisect_right(starts, i) - 1]]
+    started_ms = time.time_ns() // 1_000_000
+    print("phase=commands", file=sys.stderr, flush=True)  # for a profiler to attach to
+    cancel_sent = send(bootstrap, "cancel", targets[:cancels], {})
+    wait(lambda: answered("cancel") >= len(cancel_sent), 900, "every cancel answered")
+    moved_sent = send(bootstrap, "reschedule", targets[cancels:], {"deliver_at": base + 120_000})
+    wait(lambda: answered("reschedule") >= len(moved_sent), 900, "every reschedule answered")
+    ended_ms = time.time_ns() // 1_000_000
+    rss_after = rss_mb()
+    time.sleep(2)
+    sent = kept.stop()
+    wait(lambda: sample("delay_sidecar_messages_delivered_total", topic=KEPT, subscription="a") >= sent, 60,
+         "the kept topic's last records")  # fmt: skip
+    app.stop()
+    thread.join(60)
 
-        answers: dict[str, list[tuple[str, int]]] = {}
+    answers: dict[str, list[tuple[str, int]]] = {}
 
-        def answer(m: Any) -> None:
-            data = json.loads(m.value())
-            answers.setdefault(data.get("id") or "", []).append((data["outcome"], m.timestamp()[1]))
+    def answer(m: Any) -> None:
+        data = json.loads(m.value())
+        answers.setdefault(data.get("id") or "", []).append((data["outcome"], m.timestamp()[1]))
 
-        read_all(bootstrap, f"{CONTROL}.outcomes", answer)
-        before, during = lateness(bootstrap, f"{KEPT}.a", started_ms, ended_ms)
-        return {
-            "pending": pending,
-            "partitions": partitions,
-            "kept_rate": rate,
-            "intake_s": round(intake_s, 1),
-            "cancel": phase(bootstrap, cancel_sent, answers),
-            "reschedule": phase(bootstrap, moved_sent, answers),
-            "kept_late_ms_before_p99": quantile(before, 0.99),
-            "kept_late_ms_during_p99": quantile(during, 0.99),
-            "kept_late_ms_during_max": max(during, default=None),
-            "kept_early": sum(1 for late in before + during if late < 0),
-            "rss_mb_before": round(rss_before),
-            "rss_mb_after": round(rss_after),
-        }
-    finally:
-        broker.stop()
+    read_all(bootstrap, f"{CONTROL}.outcomes", answer)
+    before, during = lateness(bootstrap, f"{KEPT}.a", started_ms, ended_ms)
+    return {
+        "pending": pending,
+        "partitions": partitions,
+        "kept_rate": rate,
+        "intake_s": round(intake_s, 1),
+        "cancel": phase(bootstrap, cancel_sent, answers),
+        "reschedule": phase(bootstrap, moved_sent, answers),
+        "kept_late_ms_before_p99": quantile(before, 0.99),
+        "kept_late_ms_during_p99": quantile(during, 0.99),
+        "kept_late_ms_during_max": max(during, default=None),
+        "kept_early": sum(1 for late in before + during if late < 0),
+        "rss_mb_before": round(rss_before),
+        "rss_mb_after": round(rss_after),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -163,8 +160,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rate", type=int, default=1_000, metavar="R", help="kept topic records/s")
     parser.add_argument("--json", type=Path, metavar="FILE", help="also write the result as JSON")
     args = parser.parse_args(argv)
-    with tempfile.TemporaryDirectory(prefix="bench-cancel-") as tmp:
-        result = run(Path(tmp), args.pending, args.cancels, args.reschedules, args.partitions, args.rate)
+    with tempfile.TemporaryDirectory(prefix="bench-cancel-") as tmp, bench_broker(Path(tmp) / "broker") as broker:
+        dated = dated_lines(broker, command_line("bench.cancel", argv))
+        sizes = (args.pending, args.cancels, args.reschedules, args.partitions, args.rate)
+        result = run(broker.bootstrap_servers, Path(tmp), *sizes)
+    print(dated + "\n")
     rows = [(k, v) for k, v in result.items() if not isinstance(v, dict)]
     for name in ("cancel", "reschedule"):
         rows += [(f"{name}.{k}", v) for k, v in result[name].items()]

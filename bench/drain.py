@@ -3,8 +3,9 @@
 Usage: .venv/bin/python -m bench.drain [--pending 1000000] [--partitions 2] [--rate 1000] [--json FILE]
 
 A topic with `--pending` records delayed by an hour, and a kept topic fed `--rate` records/s due one
-second after they are produced, are served by one sidecar (in this process, on the embedded
-broker). Once the kept topic delivers, the first topic leaves the policies: its pending records go
+second after they are produced, are served by one sidecar (in this process, on a broker of its own:
+Apache Kafka; DELAY_SIDECAR_BROKER_KIND=noida-db for the fallback's figures). Once the kept topic
+delivers, the first topic leaves the policies: its pending records go
 to its dead-letter topic with TOPIC_REMOVED (sidecar/dispatch/drain.py), while the kept topic's
 records keep falling due. Measured:
 
@@ -36,6 +37,7 @@ from confluent_kafka import Consumer, Producer, TopicPartition
 from bench import load
 from bench.probe import create_topic
 from bench.procs import bench_broker
+from bench.report import command_line, dated_lines
 from sidecar.app import SidecarApp
 from sidecar.dispatch import drain
 from sidecar.outbound.records import DELIVER_AT, ORIGIN_OFFSET, ORIGIN_PARTITION
@@ -174,70 +176,65 @@ def wait(condition: Callable[[], bool], timeout_s: float, what: str) -> float:
     return time.monotonic() - started
 
 
-def run(work: Path, pending: int, partitions: int, rate: int) -> dict[str, Any]:
-    broker = bench_broker(work / "broker")
-    bootstrap = broker.start()
+def run(bootstrap: str, work: Path, pending: int, partitions: int, rate: int) -> dict[str, Any]:
     clock = TurnClock()
-    try:
-        create_topic(bootstrap, REMOVED, partitions)
-        create_topic(bootstrap, KEPT, 1)
-        base = time.time_ns() // 1_000_000 + HOUR_MS
-        load.produce(bootstrap, REMOVED, pending, mode="deliver-at", base_ms=base, window_ms=60_000)
-        policies = work / "policies.yaml"
-        policies.write_text(policy(REMOVED, KEPT))
-        settings = RunSettings(bootstrap_servers=bootstrap, policies=policies, state_dir=work / "state",
-                               metrics_port=0, group_id="drain-bench")  # fmt: skip
-        app, thread, sample = serve(settings)
-        intake_s = wait(lambda: sample("delay_sidecar_messages_delayed_total", topic=REMOVED) >= pending,
-                        900, "intake of the pending records")  # fmt: skip
-        kept = KeptLoad(bootstrap, rate)
-        wait(lambda: sample("delay_sidecar_messages_delivered_total", topic=KEPT, subscription="a") > 0, 60,
-             "the kept topic delivering")  # fmt: skip
-        time.sleep(5)  # the baseline: the kept topic's lateness without a drain
-        clock.recording = True
-        removed_ms = time.time_ns() // 1_000_000
-        policies.write_text(policy(KEPT))
-        app.reload_policies()
-        labels = {"topic": REMOVED, "namespace": "", "code": drain.TOPIC_REMOVED}
-        drain_s = wait(lambda: sample("delay_sidecar_messages_delayed_rejected_total", **labels) >= pending, 900,
-                       "the drain")  # fmt: skip
-        drained_ms = time.time_ns() // 1_000_000
-        clock.recording = False
-        time.sleep(2)
-        sent = kept.stop()
-        wait(lambda: sample("delay_sidecar_messages_delivered_total", topic=KEPT, subscription="a") >= sent, 60,
-             "the kept topic's last records")  # fmt: skip
-        app.stop()
-        thread.join(60)
+    create_topic(bootstrap, REMOVED, partitions)
+    create_topic(bootstrap, KEPT, 1)
+    base = time.time_ns() // 1_000_000 + HOUR_MS
+    load.produce(bootstrap, REMOVED, pending, mode="deliver-at", base_ms=base, window_ms=60_000)
+    policies = work / "policies.yaml"
+    policies.write_text(policy(REMOVED, KEPT))
+    settings = RunSettings(bootstrap_servers=bootstrap, policies=policies, state_dir=work / "state",
+                           metrics_port=0, group_id="drain-bench")  # fmt: skip
+    app, thread, sample = serve(settings)
+    intake_s = wait(lambda: sample("delay_sidecar_messages_delayed_total", topic=REMOVED) >= pending,
+                    900, "intake of the pending records")  # fmt: skip
+    kept = KeptLoad(bootstrap, rate)
+    wait(lambda: sample("delay_sidecar_messages_delivered_total", topic=KEPT, subscription="a") > 0, 60,
+         "the kept topic delivering")  # fmt: skip
+    time.sleep(5)  # the baseline: the kept topic's lateness without a drain
+    clock.recording = True
+    removed_ms = time.time_ns() // 1_000_000
+    policies.write_text(policy(KEPT))
+    app.reload_policies()
+    labels = {"topic": REMOVED, "namespace": "", "code": drain.TOPIC_REMOVED}
+    drain_s = wait(lambda: sample("delay_sidecar_messages_delayed_rejected_total", **labels) >= pending, 900,
+                   "the drain")  # fmt: skip
+    drained_ms = time.time_ns() // 1_000_000
+    clock.recording = False
+    time.sleep(2)
+    sent = kept.stop()
+    wait(lambda: sample("delay_sidecar_messages_delivered_total", topic=KEPT, subscription="a") >= sent, 60,
+         "the kept topic's last records")  # fmt: skip
+    app.stop()
+    thread.join(60)
 
-        dead: Counter[tuple[int, int]] = Counter()
-        read_all(bootstrap, f"{REMOVED}.dlt", lambda m: dead.update([_origin(m)]))
-        before, during = lateness(bootstrap, f"{KEPT}.a", removed_ms, drained_ms)
-        return {
-            "pending": pending,
-            "partitions": partitions,
-            "kept_rate": rate,
-            "intake_s": round(intake_s, 1),
-            "drain_s": round(drain_s, 2),
-            "drain_rate": round(pending / drain_s),
-            "dead_letters": sum(dead.values()),
-            "dead_letters_distinct": len(dead),
-            "turns": len(clock.slices_ms),
-            "slice_ms_p50": _r(quantile(clock.slices_ms, 0.5)),
-            "slice_ms_p99": _r(quantile(clock.slices_ms, 0.99)),
-            "slice_ms_max": _r(max(clock.slices_ms, default=None)),
-            "period_ms_p50": _r(quantile(clock.periods_ms, 0.5)),
-            "period_ms_p99": _r(quantile(clock.periods_ms, 0.99)),
-            "period_ms_max": _r(max(clock.periods_ms, default=None)),
-            "kept_late_ms_before_p99": _r(quantile(before, 0.99)),
-            "kept_late_ms_before_max": _r(max(before, default=None)),
-            "kept_late_ms_during_p99": _r(quantile(during, 0.99)),
-            "kept_late_ms_during_max": _r(max(during, default=None)),
-            "kept_early": sum(1 for late in before + during if late < 0),
-            "kept_records_during": len(during),
-        }
-    finally:
-        broker.stop()
+    dead: Counter[tuple[int, int]] = Counter()
+    read_all(bootstrap, f"{REMOVED}.dlt", lambda m: dead.update([_origin(m)]))
+    before, during = lateness(bootstrap, f"{KEPT}.a", removed_ms, drained_ms)
+    return {
+        "pending": pending,
+        "partitions": partitions,
+        "kept_rate": rate,
+        "intake_s": round(intake_s, 1),
+        "drain_s": round(drain_s, 2),
+        "drain_rate": round(pending / drain_s),
+        "dead_letters": sum(dead.values()),
+        "dead_letters_distinct": len(dead),
+        "turns": len(clock.slices_ms),
+        "slice_ms_p50": _r(quantile(clock.slices_ms, 0.5)),
+        "slice_ms_p99": _r(quantile(clock.slices_ms, 0.99)),
+        "slice_ms_max": _r(max(clock.slices_ms, default=None)),
+        "period_ms_p50": _r(quantile(clock.periods_ms, 0.5)),
+        "period_ms_p99": _r(quantile(clock.periods_ms, 0.99)),
+        "period_ms_max": _r(max(clock.periods_ms, default=None)),
+        "kept_late_ms_before_p99": _r(quantile(before, 0.99)),
+        "kept_late_ms_before_max": _r(max(before, default=None)),
+        "kept_late_ms_during_p99": _r(quantile(during, 0.99)),
+        "kept_late_ms_during_max": _r(max(during, default=None)),
+        "kept_early": sum(1 for late in before + during if late < 0),
+        "kept_records_during": len(during),
+    }
 
 
 def _origin(m: Any) -> tuple[int, int]:
@@ -257,8 +254,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rate", type=int, default=1_000, metavar="R", help="kept topic records/s")
     parser.add_argument("--json", type=Path, metavar="FILE", help="also write the result as JSON")
     args = parser.parse_args(argv)
-    with tempfile.TemporaryDirectory(prefix="bench-drain-") as tmp:
-        result = run(Path(tmp), args.pending, args.partitions, args.rate)
+    with tempfile.TemporaryDirectory(prefix="bench-drain-") as tmp, bench_broker(Path(tmp) / "broker") as broker:
+        dated = dated_lines(broker, command_line("bench.drain", argv))
+        result = run(broker.bootstrap_servers, Path(tmp), args.pending, args.partitions, args.rate)
+    print(dated + "\n")
     width = max(len(k) for k in result)
     print(f"| {'measure':<{width}} | value |\n|{'-' * (width + 2)}|-------|")
     for key, value in result.items():
