@@ -1,8 +1,9 @@
 """Retry-with-delay: nacks through the delay sidecar against retriable-kafka-client's retry topic.
 
-Usage: .venv/bin/python bench/bench_nack.py [--messages 100000] [--size 1024] [--delay-ms 1000]
+Usage: .venv/bin/python -m bench.bench_nack [--messages 100000] [--size 1024] [--delay-ms 1000]
 
-One fresh embedded broker (noida-db), two scenarios on it, one after the other (`--order`):
+One fresh broker of its own (Apache Kafka; DELAY_SIDECAR_BROKER_KIND=noida-db for the fallback's
+figures), two scenarios on it, one after the other (`--order`):
 
 - sidecar: N records of `--size` bytes are produced to an inbound topic; the sidecar (a child process,
   `python -m sidecar run`, one subscription) delivers them to the outbound topic; once all N are there,
@@ -17,18 +18,19 @@ Bytes written because of the retries are read back from the broker afterwards: e
 and every redelivered outbound record for the sidecar, every retry-topic record for the peer, summed as
 key + value + header names and values (and as Kafka v2 record encodings). The broker-side view is the
 stored record batches of those topics (after each producer's compression, with batch headers), scanned
-from the broker's data file once it has stopped. Retries per second = N / (last retried record
-processed - first retry requested).
+from the broker's own files once it has stopped: Apache Kafka's log segments, or noida-db's data file.
+Retries per second = N / (last retried record processed - first retry requested).
 
 The values are JSON (retriable-kafka-client only hands JSON objects to its target, and drops anything
 else) of exactly `--size` bytes: an id and base64 of random bytes, which no codec the clients use (lz4
 for the sidecar, none for the peer and the benchmark's producers) can shrink. Keys are 16 random bytes.
 Output: a markdown table on stdout and every figure in bench/results/nack.json.
 
-Limits met on the embedded broker: it answers a fetch with the whole backlog of the fetched partitions,
-so above ~91,000 records of 1 KB the sidecar's and the peer's consumers (librdkafka's 100 MB
-receive.message.max.bytes) stall; the script refuses such sizes unless --force. When a run leaves
-nacks unanswered (the sidecar scenario times out), the JSON lists the missing ones by control partition.
+A limit met on noida-db only: it answers a fetch with the whole backlog of the fetched partitions, so
+above ~91,000 records of 1 KB the sidecar's and the peer's consumers (librdkafka's 100 MB
+receive.message.max.bytes) stall; on noida-db the script refuses such sizes unless --force (Apache
+Kafka honours the fetch size limits). When a run leaves nacks unanswered (the sidecar scenario times
+out), the JSON lists the missing ones by control partition.
 """
 
 from __future__ import annotations
@@ -56,11 +58,11 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, Message, Producer, TopicPartition
-from confluent_kafka.admin import AdminClient, NewTopic
 
-from bench.probe import scrape
+from bench.probe import LEADER_MOVING, create_topic, scrape
 from bench.procs import Child, bench_broker
-from sidecar.broker import embedded
+from bench.report import command_line, environment, header
+from sidecar.broker import ApacheKafka, BrokerLauncher, EmbeddedBroker, embedded
 from sidecar.broker.ports import free_port
 from sidecar.client import Nacker, deliver_at, origin, redelivery_count
 
@@ -171,10 +173,9 @@ class Sizes:
 
 
 def create_topics(bootstrap: str, names: Iterable[str], partitions: int) -> None:
-    admin = AdminClient({"bootstrap.servers": bootstrap})
-    futures = admin.create_topics([NewTopic(name, partitions) for name in names], operation_timeout=30)
-    for future in futures.values():
-        future.result(30)
+    """Created and led: a watermark asked of a topic Apache Kafka has not given leaders yet fails."""
+    for name in names:
+        create_topic(bootstrap, name, partitions)
 
 
 def produce_all(bootstrap: str, topic: str, records: list[tuple[bytes, bytes]]) -> float:
@@ -203,11 +204,22 @@ class Watermarks:
     def __init__(self, bootstrap: str) -> None:
         self._consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"bench-nack-wm-{uuid.uuid4().hex[:8]}"})
 
-    def ends(self, topic: str, partitions: int) -> list[int]:
-        return [
-            int(self._consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10, cached=False)[1])
-            for p in range(partitions)
-        ]
+    def ends(self, topic: str, partitions: int, patience_s: float = 30.0) -> list[int]:
+        """A leader that is not known yet or moves (Apache Kafka, right after a topic's creation) is
+        asked again for `patience_s`, with fresh metadata each time."""
+        return [self._end(TopicPartition(topic, p), patience_s) for p in range(partitions)]
+
+    def _end(self, partition: TopicPartition, patience_s: float) -> int:
+        deadline = time.monotonic() + patience_s
+        while True:
+            try:
+                return int(self._consumer.get_watermark_offsets(partition, timeout=10, cached=False)[1])
+            except KafkaException as e:
+                moving = e.args[0].retriable() or e.args[0].code() in LEADER_MOVING
+                if not moving or time.monotonic() > deadline:
+                    raise
+                self._consumer.list_topics(partition.topic, timeout=5)
+                time.sleep(0.1)
 
     def wait_total(self, topic: str, partitions: int, total: int, timeout_s: float, alive: Callable[[], bool]) -> float:
         """Block until the topic holds `total` records; seconds waited."""
@@ -223,7 +235,7 @@ class Watermarks:
     def total(self, topic: str, partitions: int) -> int:
         """Records in the topic; 0 while it does not exist yet (the sidecar creates outbound topics)."""
         try:
-            return sum(self.ends(topic, partitions))
+            return sum(self.ends(topic, partitions, patience_s=0.0))
         except KafkaException:
             # librdkafka caches "unknown topic" until its next metadata refresh (5 minutes by
             # default): ask for the topic's metadata again, or a topic created since stays unknown.
@@ -277,7 +289,7 @@ def read_back(
 
 
 # ---------------------------------------------------------------------------------------------------
-# Broker-side view: the record batches noida-db stores, scanned from its data file
+# Broker-side view: the record batches the broker stores, scanned from its own files once it stopped
 
 
 @dataclass
@@ -288,15 +300,68 @@ class Stored:
     codecs: dict[str, int] = field(default_factory=dict)
 
 
+def count_batch(stored: Stored, header: bytes) -> None:
+    """One stored v2 record batch, from its first 61 bytes: base offset (8), length (4), leader epoch
+    (4), magic (1), CRC (4), attributes (2), last offset delta (4), timestamps (16), producer id (8),
+    producer epoch (2), base sequence (4), record count (4). Both brokers store this same layout."""
+    codec = CODECS.get(int.from_bytes(header[21:23], "big") & 0x7, "?")
+    stored.batches += 1
+    stored.records += int.from_bytes(header[57:61], "big")
+    stored.bytes += batch_length(header)
+    stored.codecs[codec] = stored.codecs.get(codec, 0) + 1
+
+
 CODECS = {0: "none", 1: "gzip", 2: "snappy", 3: "lz4", 4: "zstd"}
+BATCH_HEADER_BYTES = 61
+
+Wanted = dict[str, tuple[int, list[int] | None]]
+"""Topic -> (partitions, first offset per partition to count, or None for all)."""
 
 
-def scan_stored(data_file: Path, wanted: dict[str, tuple[int, list[int] | None]]) -> dict[str, Stored]:
-    """Sum the stored v2 record batches of each wanted topic, from `from_offsets[p]` on when given.
+def batch_length(header: bytes) -> int:
+    """A whole batch's bytes: the length field counts what follows it (12 bytes in)."""
+    return 12 + int.from_bytes(header[8:12], "big")
 
-    noida-db keeps every partition's batches in `kafka.json` as `[base_offset,[byte,byte,...]]`; the
-    batch header gives its exact length, record count and compression codec.
-    """
+
+def scan_stored(broker: BrokerLauncher, wanted: Wanted) -> dict[str, Stored]:
+    """The stored batches of each wanted topic, from the files of the broker that ran (stopped)."""
+    if isinstance(broker, ApacheKafka):
+        return scan_segments([node.directory / "data" for node in broker.nodes], wanted)
+    if isinstance(broker, EmbeddedBroker):
+        return scan_noida(broker.data_dir / "kafka.json", wanted)
+    raise ValueError(f"no files of {broker.description} to scan")
+
+
+def scan_segments(log_dirs: list[Path], wanted: Wanted) -> dict[str, Stored]:
+    """Apache Kafka keeps each partition's batches as they came from the producer, one after the
+    other, in `<log dir>/<topic>-<partition>/*.log` segments. Every replica holds the same batches,
+    so each partition is read from the first node that has it."""
+    out: dict[str, Stored] = {}
+    for topic, (partitions, from_offsets) in wanted.items():
+        stored = Stored()
+        for partition in range(partitions):
+            folders = [d / f"{topic}-{partition}" for d in log_dirs if (d / f"{topic}-{partition}").is_dir()]
+            if not folders:
+                raise ValueError(f"{topic}-{partition} is in none of {[str(d) for d in log_dirs]}")
+            for segment in sorted(folders[0].glob("*.log")):
+                data = segment.read_bytes()
+                pos = 0
+                while pos + BATCH_HEADER_BYTES <= len(data):
+                    header = data[pos : pos + BATCH_HEADER_BYTES]
+                    length = batch_length(header)
+                    if length == 12:  # zeros past the last batch: a segment that was preallocated
+                        break
+                    base_offset = int.from_bytes(header[:8], "big")
+                    if from_offsets is None or base_offset >= from_offsets[partition]:
+                        count_batch(stored, header)
+                    pos += length
+        out[topic] = stored
+    return out
+
+
+def scan_noida(data_file: Path, wanted: Wanted) -> dict[str, Stored]:
+    """noida-db keeps every partition's batches in `kafka.json` as `[base_offset,[byte,byte,...]]`; the
+    batch header gives its exact length, record count and compression codec."""
     out: dict[str, Stored] = {}
     with data_file.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
         for topic, (partitions, from_offsets) in wanted.items():
@@ -317,16 +382,11 @@ def scan_stored(data_file: Path, wanted: dict[str, tuple[int, list[int] | None]]
                     base_offset = int(mm[pos + 1 : comma])
                     inner_end = mm.find(b"]", comma)
                     batch = mm[comma + 2 : inner_end]
-                    header = [int(x) for x in batch[:400].split(b",")[:61]]
-                    length = 12 + int.from_bytes(bytes(header[8:12]), "big")
-                    if batch.count(b",") + 1 != length:
+                    header = bytes(int(x) for x in batch[:400].split(b",")[:BATCH_HEADER_BYTES])
+                    if batch.count(b",") + 1 != batch_length(header):
                         raise ValueError(f"batch at {topic}/{partition}@{base_offset}: length field disagrees")
                     if from_offsets is None or base_offset >= from_offsets[partition]:
-                        codec = CODECS.get(int.from_bytes(bytes(header[21:23]), "big") & 0x7, "?")
-                        stored.batches += 1
-                        stored.records += int.from_bytes(bytes(header[57:61]), "big")
-                        stored.bytes += length
-                        stored.codecs[codec] = stored.codecs.get(codec, 0) + 1
+                        count_batch(stored, header)
                     pos = inner_end + 2
                     if mm[pos : pos + 1] == b",":
                         pos += 1
@@ -860,9 +920,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--sidecar-args", default="", help="more flags for `sidecar run`, e.g. '--tracker memory'")
     parser.add_argument("--sidecar-log-level", default="WARNING", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     parser.add_argument("--timeout-s", type=float, default=600.0, help="per scenario")
-    parser.add_argument("--no-broker-scan", action="store_true", help="skip the scan of the broker's data file")
+    parser.add_argument("--no-broker-scan", action="store_true", help="skip the scan of the broker's files")
     parser.add_argument("--seed", type=int, default=7)
-    parser.add_argument("--force", action="store_true", help="run even above the embedded broker's fetch limit")
+    parser.add_argument("--force", action="store_true", help="run even above noida-db's fetch limit")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--keep", action="store_true", help="keep the work dir (broker data, logs)")
     args = parser.parse_args(argv)
@@ -882,24 +942,36 @@ BIG_RECEIVE = {"receive.message.max.bytes": 2_000_000_000, "fetch.max.bytes": 1_
 """For the benchmark's own consumers only, which read whole topics back."""
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse(argv)
+def refuse_fetch_limit(args: argparse.Namespace, broker: BrokerLauncher) -> None:
+    """On noida-db only (see FETCH_LIMIT_BYTES): Apache Kafka honours the fetch size limits."""
+    if not isinstance(broker, EmbeddedBroker) or args.force:
+        return
     backlog = args.messages * (args.size + KEY_BYTES + RECORD_OVERHEAD_BYTES)
-    if backlog >= FETCH_LIMIT_BYTES * 0.98 and not args.force:
+    if backlog >= FETCH_LIMIT_BYTES * 0.98:
         largest = int(FETCH_LIMIT_BYTES * 0.98 / (args.size + KEY_BYTES + RECORD_OVERHEAD_BYTES))
         raise SystemExit(
-            f"{args.messages:,} records of {args.size} bytes make a {backlog / 1e6:.0f} MB backlog, which the "
-            f"embedded broker returns in one fetch response, over librdkafka's {FETCH_LIMIT_BYTES / 1e6:.0f} MB "
+            f"{args.messages:,} records of {args.size} bytes make a {backlog / 1e6:.0f} MB backlog, which "
+            f"noida-db returns in one fetch response, over librdkafka's {FETCH_LIMIT_BYTES / 1e6:.0f} MB "
             f"receive.message.max.bytes: the sidecar and the peer would both stall. Use --messages {largest:,} "
-            "or less (or --force)."
+            "or less (or --force, or Apache Kafka: unset DELAY_SIDECAR_BROKER_KIND)."
         )
-    python = ensure_peer_venv(args.peer_venv, args.peer_python)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
     work = Path(tempfile.mkdtemp(prefix="bench-nack-"))
-    records = make_records(args.messages, args.size, args.seed)
     broker = bench_broker(work / "broker")
+    try:
+        refuse_fetch_limit(args, broker)
+        python = ensure_peer_venv(args.peer_venv, args.peer_python) if "peer" in args.order.split(",") else None
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+    records = make_records(args.messages, args.size, args.seed)
+    command = command_line("bench.bench_nack", argv)
     bootstrap = broker.start()
-    log(f"broker {bootstrap}, work dir {work}")
-    started = time.time()
+    env = environment(broker, command)
+    log(f"broker {broker.description} at {bootstrap}, work dir {work}")
     outcomes: dict[str, Outcome] = {}
     try:
         for name in args.order.split(","):
@@ -907,6 +979,7 @@ def main(argv: list[str] | None = None) -> int:
             if name == "sidecar":
                 outcomes[name] = run_sidecar(args, bootstrap, records, work)
             else:
+                assert python is not None
                 outcomes[name] = run_peer(args, bootstrap, records, work, python)
             o = outcomes[name]
             log(f"{name}: {o.retried:,} retried in {fmt(o.wall_s, 2)} s = {fmt(o.rate)}/s")
@@ -916,26 +989,34 @@ def main(argv: list[str] | None = None) -> int:
         log("stopping the broker")
         broker.stop()
         log("broker stopped")
-    data_file = work / "broker" / "kafka.json"
-    if not args.no_broker_scan and data_file.exists():
+    scan_note = None
+    if args.no_broker_scan:
+        scan_note = "not scanned (--no-broker-scan)"
+    else:
         wanted = {t: (p, offs) for o in outcomes.values() for (t, p, offs) in o.stored_from.values()}
         try:
-            stored = scan_stored(data_file, wanted)
-            log("scanned the broker's data file")
+            stored = scan_stored(broker, wanted)
+            log("scanned the broker's files")
             for o in outcomes.values():
                 o.stored = {role: stored[t] for role, (t, _p, _offs) in o.stored_from.items()}
         except (ValueError, OSError) as e:
+            scan_note = f"not scanned: {e}"
             print(f"broker-side scan failed: {e}", file=sys.stderr)
     sidecar = outcomes.get("sidecar") or Outcome("sidecar (not run)", 0)
     peer = outcomes.get("peer") or Outcome("retriable-kafka-client (not run)", 0)
     table = markdown(sidecar, peer, args)
+    print("\n".join(header(env)) + "\n")
     print(table)
+    if scan_note is not None:
+        print(f"- bytes stored by the broker: {scan_note}")
     for o in (sidecar, peer):
         for note in o.notes:
             print(f"- {o.name}: {note}")
     result = {
-        "command": " ".join(["bench/bench_nack.py", *(argv if argv is not None else sys.argv[1:])]),
-        "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime(started)),
+        "command": command,
+        "date_utc": env["date"],
+        "broker": env["broker"],
+        "environment": env,
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "machine": {
             "cpus": os.cpu_count(),

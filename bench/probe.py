@@ -20,7 +20,7 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaExcepti
 from confluent_kafka.admin import AdminClient, NewTopic
 
 DELIVER_AT = "delay-deliver-at"
-_LEADER_MOVING = {
+LEADER_MOVING = {
     KafkaError.NOT_LEADER_FOR_PARTITION,
     KafkaError.UNKNOWN_TOPIC_OR_PART,
     KafkaError.LEADER_NOT_AVAILABLE,
@@ -78,9 +78,7 @@ class Watermarks:
             try:
                 return int(self._consumer.get_watermark_offsets(partition, timeout=10, cached=False)[1])
             except KafkaException as e:
-                if (
-                    not e.args[0].retriable() and e.args[0].code() not in _LEADER_MOVING
-                ) or time.monotonic() > deadline:
+                if (not e.args[0].retriable() and e.args[0].code() not in LEADER_MOVING) or time.monotonic() > deadline:
                     raise
                 time.sleep(0.1)
 

@@ -107,7 +107,7 @@ def main() -> int:
         kafka_hosts=[args.bootstrap],
         username="",
         password="",
-        # The library defaults to SASL_SSL with SCRAM; the embedded broker speaks plaintext.
+        # The library defaults to SASL_SSL with SCRAM; the bench's local broker speaks plaintext.
         additional_settings={"security.protocol": "PLAINTEXT"},
         group_id=args.group,
         target=workload,
