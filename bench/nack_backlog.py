@@ -1,10 +1,11 @@
 """A backlog of nacks: how fast the sidecar redelivers 90,000 nacks written at once.
 
-Usage: .venv/bin/python bench/nack_backlog.py [--messages 90000] [--rounds 2] [--due past|later|live] [--spread-s S]
+Usage: .venv/bin/python -m bench.nack_backlog [--messages 90000] [--rounds 2] [--due past|later|live] [--spread-s S]
 
-Each round, on one fresh embedded broker: N records of 100 bytes are produced and delivered to the
-subscription's outbound topic by a sidecar, which then stops cleanly. While it is down, a nack of
-every record is written to the control topic, due one second before it was written (`--due past`)
+Each round, on one broker of its own (Apache Kafka; DELAY_SIDECAR_BROKER_KIND=noida-db for the
+fallback's figures), the same for every round: N records of 100 bytes are produced and delivered to
+the subscription's outbound topic by a sidecar, which then stops cleanly. While it is down, a nack
+of every record is written to the control topic, due one second before it was written (`--due past`)
 or all at one instant 15 s later (`--due later`). The sidecar starts again: it no longer holds the
 payloads it kept since intake (dispatch/recent.py), so every redelivery reads its payload back
 from the inbound log. The round ends when every record came back.
@@ -47,6 +48,7 @@ from bench.bench_nack import (
     read_back,
 )
 from bench.procs import Child, bench_broker, start_sidecar
+from bench.report import command_line, dated_lines
 from sidecar.broker.ports import free_port
 from sidecar.client import deliver_at as deliver_at_of
 from sidecar.client import redelivery_count
@@ -157,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     try:
         with bench_broker(work / "broker") as broker:
+            dated = dated_lines(broker, command_line("bench.nack_backlog", argv))
             for _ in range(args.rounds):
                 rows.append(
                     one_round(broker.bootstrap_servers, work, args.messages, args.due, args.timeout_s, args.spread_s)
@@ -164,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(json.dumps(rows[-1]), file=sys.stderr)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    print(dated + "\n")
     print(table(rows))
     print(f"\n- load average at the end: {Path('/proc/loadavg').read_text().split()[0]}")
     return 0 if all(row["redelivered"] == args.messages for row in rows) else 1
