@@ -1,15 +1,15 @@
 """The Spark audit on N inbound and N x subscriptions outbound records: where the time goes.
 
-Starts an embedded broker in a temporary directory, writes the records directly with confluent-kafka
-(a batching producer; outbound records carry the contract's headers, every one on time), then runs
-the audit job in this process on local[2] with the embedded Python Kafka source and prints a
-markdown table: Spark start-up (the JVM and session), then the audit's own phases (snapshot of the
-offsets, read = Kafka into the cached, reduced inputs, analysis, write of the anomalies and chart),
-the CPU seconds this process and its children used (JVM and Python workers), the memory the cached
-inputs took per million records, and the load average (the machine is shared: compare CPU, not
-only wall time).
+Starts a broker of its own in a temporary directory (Apache Kafka; DELAY_SIDECAR_BROKER_KIND=noida-db
+for the fallback's figures), writes the records directly with confluent-kafka (a batching producer;
+outbound records carry the contract's headers, every one on time), then runs the audit job in this
+process on local[2] with the embedded Python Kafka source and prints a markdown table: Spark
+start-up (the JVM and session), then the audit's own phases (snapshot of the offsets, read = Kafka
+into the cached, reduced inputs, analysis, write of the anomalies and chart), the CPU seconds this
+process and its children used (JVM and Python workers), the memory the cached inputs took per
+million records, and the load average (the machine is shared: compare CPU, not only wall time).
 
-Usage: .venv/bin/python bench/bench_audit.py [--inbound 1000000] [--subscriptions 2] [--partitions 4]
+Usage: .venv/bin/python -m bench.bench_audit [--inbound 1000000] [--subscriptions 2] [--partitions 4]
 """
 
 from __future__ import annotations
@@ -27,9 +27,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from confluent_kafka import Producer  # noqa: E402
-from confluent_kafka.admin import AdminClient, NewTopic  # noqa: E402
 
+from bench.probe import create_topic  # noqa: E402
 from bench.procs import bench_broker  # noqa: E402
+from bench.report import command_line, dated_lines  # noqa: E402
 from sidecar.outbound.records import outbound_headers  # noqa: E402
 from spark.audit_job import audit  # noqa: E402
 from spark.session import build_session  # noqa: E402
@@ -103,7 +104,7 @@ def cached_mb(spark: Any) -> float:
     return sum(int(i.memSize()) + int(i.diskSize()) for i in infos) / 1e6
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--inbound", type=int, default=1_000_000)
     parser.add_argument("--subscriptions", type=int, default=2)
@@ -111,17 +112,16 @@ def main() -> None:
     parser.add_argument("--master", default="local[2]")
     parser.add_argument("--shuffle-partitions", type=int, default=None, help="default: sized by the audit")
     parser.add_argument("--driver-memory", default="4g")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     subs = [f"s{i}" for i in range(args.subscriptions)]
     with tempfile.TemporaryDirectory(prefix="bench-audit-") as tmp:
         tmp_path = Path(tmp)
         with bench_broker(tmp_path / "broker") as broker:
             bootstrap = broker.bootstrap_servers
+            dated = dated_lines(broker, command_line("bench.bench_audit", argv))
             topic = "bench.orders"
-            admin = AdminClient({"bootstrap.servers": bootstrap})
-            names = [topic, *(f"{topic}.{s}" for s in subs), f"{topic}.dlt"]
-            for future in admin.create_topics([NewTopic(n, args.partitions) for n in names]).values():
-                future.result(30)
+            for name in [topic, *(f"{topic}.{s}" for s in subs), f"{topic}.dlt"]:
+                create_topic(bootstrap, name, args.partitions)
             produce_s = produce(bootstrap, topic, args.inbound, subs, args.partitions)
             policies = tmp_path / "policies.yaml"
             policies.write_text(
@@ -170,7 +170,8 @@ def main() -> None:
     anomalies = sum(outcome.result.anomaly_counts.values())
     t = outcome.report["timings_s"]
     shuffle = outcome.report["spark"]["shuffle_partitions"]
-    print(f"\nAudit benchmark ({args.master}, Python Kafka source, {args.partitions} partitions per topic, ", end="")
+    print(f"\n{dated}\n")
+    print(f"Audit benchmark ({args.master}, Python Kafka source, {args.partitions} partitions per topic, ", end="")
     print(f"{shuffle} shuffle partitions, maxRecordsPerPartition {settings.max_records_per_partition:,})\n")
     print(
         "| inbound | outbound | produce s | Spark start-up s | snapshot s | read s | analysis s | write s "
@@ -184,8 +185,10 @@ def main() -> None:
         f"| {cpu:.0f} | {peak_cache[0] / (total / 1e6):.0f} | {load_before:.1f} / {load_after:.1f} | {anomalies} |"
     )
     if anomalies or outcome.exit_code != 0:
-        sys.exit(f"the benchmark's records should audit clean: {outcome.result.anomaly_counts}")
+        print(f"the benchmark's records should audit clean: {outcome.result.anomaly_counts}", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
