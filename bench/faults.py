@@ -1,11 +1,13 @@
 """Faults from outside under a steady load, and what each one cost: the fault table of docs/reliability.md.
 
-Usage: .venv/bin/python bench/faults.py [--rate 2000] [--broker-restarts 5] [--kills 3] [--outage-s 3]
+Usage: .venv/bin/python -m bench.faults [--rate 2000] [--broker-restarts 5] [--kills 3] [--outage-s 3]
 
-Each scenario runs the sidecar as a process against an embedded broker of its own, produces delayed
-records (deliver-after 0-5 s) at a steady rate while the fault happens, then reads every outbound
-topic to its end and counts, per subscription: records lost, duplicated and delivered early. It
-samples /healthz every 100 ms, and reports the recovery time: from the end of the fault to ready.
+Each scenario runs the sidecar as a process against a broker of its own (Apache Kafka, stopped and
+started again with the same ports and data; DELAY_SIDECAR_BROKER_KIND=noida-db for the fallback's
+figures), produces delayed records (deliver-after 0-5 s) to an inbound topic of 3 partitions at a
+steady rate while the fault happens, then reads every outbound topic to its end and counts, per
+subscription: records lost, duplicated and delivered early. It samples /healthz every 100 ms, and
+reports the recovery time: from the end of the fault to ready.
 The test suite runs a short version (tests/test_faults.py).
 """
 
@@ -33,8 +35,9 @@ if __package__ in (None, ""):
 
 from confluent_kafka import Consumer, Message, Producer, TopicPartition
 
-from bench.probe import LiveReader
+from bench.probe import LiveReader, create_topic
 from bench.procs import ROOT, Child, bench_broker
+from bench.report import command_line, dated_lines
 from sidecar.broker.ports import free_port
 from sidecar.outbound.records import read_delivery
 
@@ -42,6 +45,7 @@ SUBSCRIPTIONS = ("shared", "ordered")
 GUARANTEE = ["at-least-once"]
 ISOLATION = ["read_uncommitted"]
 POLICY = "topics:\n  faults:\n    subscriptions: {shared: {}, ordered: {type: exclusive}}\n"
+PARTITIONS = 3
 
 
 @dataclass
@@ -138,6 +142,9 @@ class Rig:
         self.work = work
         self.broker = bench_broker(work / "broker")
         self.bootstrap = self.broker.start()
+        # Created here, not by the load's first record: an auto-created topic gets the broker's
+        # default partition count (1 on the Apache Kafka the benches start), and the readers want 3.
+        create_topic(self.bootstrap, "faults", PARTITIONS)
         self.policies = work / "policies.yaml"
         self.policies.write_text(POLICY)
         self.port = free_port()
@@ -197,7 +204,7 @@ def live_reader(bootstrap: str) -> tuple[LiveReader, dict[str, Counter[tuple[int
             copies[m.topic().split(".", 1)[1]][(d.partition, d.offset)] += 1
 
     topics = [f"faults.{s}" for s in SUBSCRIPTIONS]
-    return LiveReader(bootstrap, topics, 3, take, ISOLATION[0]), copies
+    return LiveReader(bootstrap, topics, PARTITIONS, take, ISOLATION[0]), copies
 
 
 def sample_health(rig: Rig, row: Row, during: Callable[[], None]) -> None:
@@ -218,9 +225,8 @@ def sample_health(rig: Rig, row: Row, during: Callable[[], None]) -> None:
         thread.join()
 
 
-def broker_restarts(work: Path, args: argparse.Namespace) -> Row:
+def broker_restarts(rig: Rig, args: argparse.Namespace) -> Row:
     row = Row("broker restart (stop, outage, start)", args.broker_restarts)
-    rig = Rig(work)
     try:
         rig.start_sidecar()
         rig.wait_ready()
@@ -239,16 +245,15 @@ def broker_restarts(work: Path, args: argparse.Namespace) -> Row:
         produced = load.stop()
         assert rig.sidecar is not None and rig.sidecar.alive(), rig.sidecar.tail() if rig.sidecar else ""
         rig.count(row, produced)
-        log = (work / "sidecar.log").read_text()
+        log = (rig.work / "sidecar.log").read_text()
         row.note = f"engine restarts {log.count('engine failed')}, client log lines {log.count('logger=librdkafka')}"
     finally:
         rig.close()
     return row
 
 
-def sidecar_kills(work: Path, args: argparse.Namespace) -> Row:
+def sidecar_kills(rig: Rig, args: argparse.Namespace) -> Row:
     row = Row("kill -9 of the sidecar, restart", args.kills)
-    rig = Rig(work)
     try:
         rig.start_sidecar()
         rig.wait_ready()
@@ -271,9 +276,8 @@ def sidecar_kills(work: Path, args: argparse.Namespace) -> Row:
     return row
 
 
-def empty_policies(work: Path, args: argparse.Namespace) -> Row:
+def empty_policies(rig: Rig, args: argparse.Namespace) -> Row:
     row = Row("policies saved empty for 2 s (truncate, then write)", 1)
-    rig = Rig(work)
     try:
         rig.start_sidecar()
         rig.wait_ready()
@@ -294,14 +298,13 @@ def empty_policies(work: Path, args: argparse.Namespace) -> Row:
     return row
 
 
-def wrong_sasl(work: Path, args: argparse.Namespace) -> Row:
+def wrong_sasl(rig: Rig, args: argparse.Namespace) -> Row:
     row = Row("SCRAM settings against a plaintext listener", 1)
-    rig = Rig(work)
     try:
         started = time.monotonic()
         done = subprocess.run(
             [sys.executable, "-m", "sidecar", "run", "--bootstrap-servers", rig.bootstrap, "--policies",
-             str(rig.policies), "--state-dir", str(work / "state"), "--metrics-port", "0",
+             str(rig.policies), "--state-dir", str(rig.work / "state"), "--metrics-port", "0",
              "--security-protocol", "SASL_PLAINTEXT", "--sasl-mechanism", "SCRAM-SHA-512",
              "--sasl-username", "u", "--sasl-password", "p"],
             capture_output=True, cwd=ROOT, timeout=120, check=False,
@@ -331,7 +334,7 @@ def table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rate", type=int, default=2_000, metavar="N", help="records produced per second")
     parser.add_argument("--broker-restarts", type=int, default=5, metavar="N")
@@ -339,17 +342,23 @@ def main() -> None:
     parser.add_argument("--outage-s", type=float, default=3.0, metavar="S", help="how long the broker stays down")
     parser.add_argument("--scenarios", default=",".join(SCENARIOS), metavar="LIST", help=",".join(SCENARIOS))
     parser.add_argument("--exactly-once", action="store_true", help="exactly-once mode; read_committed readers")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.exactly_once:
         GUARANTEE[0], ISOLATION[0] = "exactly-once", "read_committed"
     rows = []
+    dated = ""
     for name in args.scenarios.split(","):
         with tempfile.TemporaryDirectory(prefix=f"faults-{name}-") as work:
-            rows.append(SCENARIOS[name](Path(work), args))
+            rig = Rig(Path(work))
+            note = "a fresh one for each scenario"
+            dated = dated or dated_lines(rig.broker, command_line("bench.faults", argv), note)
+            rows.append(SCENARIOS[name](rig, args))
             print(table(rows[-1:]).splitlines()[-1], flush=True)
     print()
+    print(dated + "\n")
     print(table(rows))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

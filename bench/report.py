@@ -94,10 +94,14 @@ def header(env: dict[str, Any]) -> list[str]:
     ]
 
 
-def dated_lines(broker: BrokerLauncher, command: str) -> str:
+def dated_lines(broker: BrokerLauncher, command: str, broker_note: str = "") -> str:
     """The dated header of a bench that keeps no environment of its own. Taken once its broker has
-    started (the load average is the one at the start) and printed above its table at the end."""
-    return "\n".join(header(environment(broker, command)))
+    started (the load average is the one at the start) and printed above its table at the end;
+    `broker_note` follows the broker's name (a bench that starts one per scenario says so)."""
+    env = environment(broker, command)
+    if broker_note:
+        env["broker"] = f"{env['broker']}, {broker_note}"
+    return "\n".join(header(env))
 
 
 def targets(results: list[Result]) -> list[dict[str, Any]]:
