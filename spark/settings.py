@@ -76,7 +76,7 @@ class AuditSettings(KafkaSettings):
     )
     source: Literal["auto", "kafka", "python"] = Field(
         "auto",
-        description="Kafka reader. auto (default): Spark's built-in source, the spark-sql-kafka-0-10 connector of "
+        description="Kafka reader. auto: Spark's built-in source, the spark-sql-kafka-0-10 connector of "
         "this Spark's version, fetched once from --connector-repository into the cache "
         "($DELAY_SIDECAR_CACHE_DIR, else ~/.cache/delay-sidecar) and reused; when it can be neither fetched "
         "nor found, the embedded Python source, with a warning and the reason in the report. kafka: the "

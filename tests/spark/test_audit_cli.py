@@ -116,11 +116,6 @@ def test_a_connector_that_cannot_be_fetched_falls_back_to_python_with_one_warnin
     assert f"Kafka source: python (fallback: {why})\n" in done.stdout
     assert report["spark"]["kafka_connectors"] == [] and "--connector-repository" in report["spark"]["fallback_reason"]
     assert report["records_read"]["inbound"] == 3 and report["subscriptions"][0]["delivered"] == 3
-    # --source kafka does not fall back: exit 2, with what to do.
-    done = run([*command, "--master", "local[1]", "--source", "kafka"], env=env)
-    assert done.returncode == EXIT_CANNOT_RUN
-    [error] = [line for line in done.stderr.splitlines() if line.startswith("delay-sidecar audit: error:")]
-    assert "could not be fetched" in error and "--connector-repository" in error and "--source python" in error
 
 
 def test_spark_submit_without_the_venv_on_path_names_both_versions_and_exits_2(

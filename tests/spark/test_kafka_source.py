@@ -80,8 +80,8 @@ def test_reads_records_and_honours_offsets_like_the_built_in_source(
         kafka_helper.produce(topic, f"v{i}".encode(), None if i % 2 else b"k", headers, partition=i % 2, timestamp=ts)
     kafka_helper.flush()
 
-    def read(**options: str) -> list[tuple[object, ...]]:
-        reader = spark.read.format(SOURCE_NAME).option("kafka.bootstrap.servers", kafka).option("subscribe", topic)
+    def read(fmt: str = SOURCE_NAME, **options: str) -> list[tuple[object, ...]]:
+        reader = spark.read.format(fmt).option("kafka.bootstrap.servers", kafka).option("subscribe", topic)
         for key, value in options.items():
             reader = reader.option(key, value)
         rows = reader.load().orderBy("partition", "offset").collect()
@@ -103,12 +103,16 @@ def test_reads_records_and_honours_offsets_like_the_built_in_source(
         ],
     )
     assert rows[5][:5] == (None, b"v1", topic, 1, 0) and rows[5][7] is None  # no headers: null, as the built-in
-    ranged = read(
-        startingOffsets=json.dumps({topic: {"0": 1, "1": -2}}),
-        endingOffsets=json.dumps({topic: {"0": 3, "1": -1}}),
-        minPartitions="4",
-    )
+    # The built-in source itself (the shared session has Spark's connector) gives the same rows.
+    assert read("kafka", includeHeaders="true") == rows
+    offsets = {
+        "startingOffsets": json.dumps({topic: {"0": 1, "1": -2}}),
+        "endingOffsets": json.dumps({topic: {"0": 3, "1": -1}}),
+        "minPartitions": "4",
+    }
+    ranged = read(**offsets)
     assert [(r[3], r[4]) for r in ranged] == [(0, 1), (0, 2), (1, 0), (1, 1), (1, 2), (1, 3), (1, 4)]
+    assert read("kafka", **offsets) == ranged
     assert read(startingTimestamp=str(ts + 1)) == []
     with pytest.raises(KafkaSourceError, match="cannot be 'earliest'"):
         plan_ranges({"kafka.bootstrap.servers": kafka, "subscribe": topic, "endingOffsets": "earliest"})
