@@ -53,7 +53,13 @@ CONTROL_TOPIC = "delay-sidecar.control"
 FIXED_DELAY_S = 5
 
 
-def one_run(bootstrap: str, workdir: Path, workers: int, records: int, partitions: int) -> dict[str, float]:
+def per_second(records: int, span_s: float) -> float | None:
+    """None when every record came within one poll of the outbound topics: no rate can be told then
+    (a small run on a fast broker)."""
+    return round(records / span_s) if span_s > 0 else None
+
+
+def one_run(bootstrap: str, workdir: Path, workers: int, records: int, partitions: int) -> dict[str, float | None]:
     run = f"w{workers}-{uuid.uuid4().hex[:6]}"
     passthrough, burst, fixed = f"pass-{run}", f"burst-{run}", f"fixed-{run}"
     for topic in (passthrough, burst, fixed):
@@ -72,7 +78,7 @@ def one_run(bootstrap: str, workdir: Path, workers: int, records: int, partition
     rss = RssSampler(sidecar.pid).start()
     metrics = MetricsRecorder(worker_ports).start()
     wm = Watermarks(bootstrap)
-    figures: dict[str, float] = {"workers": workers}
+    figures: dict[str, float | None] = {"workers": workers}
     try:
         figures["settle_s"] = round(settle(worker_ports, 2 * partitions + wm.partitions(CONTROL_TOPIC)), 1)
         # Due burst: produced and indexed well before T, then all due at T.
@@ -83,7 +89,8 @@ def one_run(bootstrap: str, workdir: Path, workers: int, records: int, partition
         progress = wait_for_outbound(wm, outbound, records, timeout_s=180 + records / 2_000, alive=sidecar.alive)
         if progress.done_s is None:
             raise RuntimeError(f"burst not delivered: {progress.counts}; log {sidecar.log}")
-        figures["index_rate"] = round(metrics.rate("delay_sidecar_messages_delayed_total", records) or 0)
+        index_rate = metrics.rate("delay_sidecar_messages_delayed_total", records)
+        figures["index_rate"] = None if index_rate is None else round(index_rate)
         figures["burst_drain_per_sub"] = round(records / (progress.done_s - due_mono))
         figures["burst_first_s_after_due"] = round((progress.first_s or due_mono) - due_mono, 2)
         # Fixed delay: due at the producer's rate, FIXED_DELAY_S after each record.
@@ -93,7 +100,7 @@ def one_run(bootstrap: str, workdir: Path, workers: int, records: int, partition
         progress = wait_for_outbound(wm, outbound, records, timeout_s=180 + records / 2_000, alive=sidecar.alive)
         if progress.first_s is None or progress.done_s is None:
             raise RuntimeError(f"fixed not delivered: {progress.counts}; log {sidecar.log}")
-        figures["fixed_per_sub"] = round(records / max(progress.done_s - progress.first_s, 1e-3))
+        figures["fixed_per_sub"] = per_second(records, progress.done_s - progress.first_s)
         figures["fixed_last_late_s"] = round(max(progress.done_s - last_due, 0.0), 2)
         # Passthrough: a backlog the workers do not read until the policies name its topic.
         run_load(load_argv(bootstrap, passthrough, records), workdir / f"{run}-pass-load.log")
@@ -104,7 +111,7 @@ def one_run(bootstrap: str, workdir: Path, workers: int, records: int, partition
         progress = wait_for_outbound(wm, outbound, records, timeout_s=120 + records / 2_000, alive=sidecar.alive)
         if progress.first_s is None or progress.done_s is None:
             raise RuntimeError(f"passthrough not delivered: {progress.counts}; log {sidecar.log}")
-        figures["passthrough_per_sub"] = round(records / (progress.done_s - progress.first_s))
+        figures["passthrough_per_sub"] = per_second(records, progress.done_s - progress.first_s)
     finally:
         metrics.stop()
         wm.close()
@@ -139,12 +146,15 @@ def main(argv: list[str] | None = None) -> int:
           "(rec/s per sub) | peak RSS, all processes (MiB) |")  # fmt: skip
     print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for i, row in enumerate(rows, 1):
-        print(
-            f"| {i} | {int(row['workers'])} | {row['index_rate']:,.0f} | {row['burst_drain_per_sub']:,.0f} | "
-            f"{row['fixed_per_sub']:,.0f} | {row['fixed_last_late_s']:.2f} | {row['passthrough_per_sub']:,.0f} | "
-            f"{row['peak_rss_mib']:,.0f} |"
-        )
+        cells = [str(i), f"{row['workers']:.0f}"]
+        cells += [_cell(row[k]) for k in ("index_rate", "burst_drain_per_sub", "fixed_per_sub")]
+        cells += [_cell(row["fixed_last_late_s"], ".2f"), _cell(row["passthrough_per_sub"]), _cell(row["peak_rss_mib"])]
+        print("| " + " | ".join(cells) + " |")
     return 0
+
+
+def _cell(value: float | None, spec: str = ",.0f") -> str:
+    return "-" if value is None else format(value, spec)
 
 
 if __name__ == "__main__":
