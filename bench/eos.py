@@ -8,9 +8,10 @@ every outbound topic while the sidecar runs, and the lateness of a record is the
 there minus its deliver-at (not the outbound record's timestamp, which is when it was written).
 The delivery rate is records per subscription from the first arrival to the last.
 
-Runs, each on a fresh topic of the same embedded broker: pass-through and delayed (deliver-at
-uniform over the window, pre-produced) in both modes at the default commit interval, then the
-delayed scenario in exactly-once mode at each commit interval. Prints a markdown table.
+Runs, each on a fresh topic of the same broker of its own (Apache Kafka; DELAY_SIDECAR_BROKER_KIND=
+noida-db for the fallback's figures): pass-through and delayed (deliver-at uniform over the window,
+pre-produced) in both modes at the default commit interval, then the delayed scenario in
+exactly-once mode at each commit interval. Prints a markdown table under the run's dated header.
 """
 
 from __future__ import annotations
