@@ -13,12 +13,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from confluent_kafka import Producer
+from confluent_kafka import Consumer, Producer, TopicPartition
 
 from sidecar.broker.ports import free_port
 from sidecar.client import MessageId
 from sidecar.client_cancel import Canceller, OutcomeReader
+from sidecar.control.cancels import ALREADY_CANCELLED
 from sidecar.outbound.records import DELIVER_AT, ORIGIN_OFFSET, ORIGIN_PARTITION, REDELIVERY_COUNT
+from sidecar.partitions.holds import Holds
 from tests.kafka_helpers import (
     KafkaHelper,
     LiveReader,
@@ -27,11 +29,13 @@ from tests.kafka_helpers import (
     SidecarProcess,
     ThreadedSidecar,
     TopicFactory,
+    committed,
     deliveries,
     early,
     run_args,
     scrape,
     settings_for,
+    settled_control,
     start_serving,
     wait_for,
 )
@@ -151,7 +155,9 @@ def test_cancels_and_reschedules_hold_across_kill_9_and_a_lost_state_dir(
     tmp_path: Path,
 ) -> None:  # fmt: skip
     """Commands answered before a kill -9 keep their word when the state dir is gone: the rebuild
-    applies the facts again, and nothing goes out until it has read every one."""
+    applies the facts again, and nothing goes out until it has read every one. Some reschedules
+    follow a cancel of the same record: refused when it was cancelled for every subscription, for
+    the others only when it was cancelled for one."""
     topic, control = topic_factory("cancelkill"), f"ctl-{uuid.uuid4().hex[:8]}"
     port, group, state = free_port(), f"g-{topic}", tmp_path / "state"
     args = run_args(kafka, policies(topic, policy_file), state, port, group, "--control-topic", control,
@@ -166,6 +172,10 @@ def test_cancels_and_reschedules_hold_across_kill_9_and_a_lost_state_dir(
     one = set(range(1, count, 9))  # cancelled for fraud only
     moved = {o: due + 4_000 + o for o in range(2, count, 6)}  # later
     sooner = {o: due - 12_000 for o in range(5, count, 6)}  # earlier
+    refused = {o: due + 6_000 for o in range(0, count, 12)}  # after their cancel: ALREADY_CANCELLED
+    partly = {o: due + 5_000 + o for o in range(1, count, 18)}  # after their fraud cancel: billing only
+    reschedules = {**moved, **sooner, **refused, **partly}
+    assert refused.keys() <= cancelled and partly.keys() <= one
     producer = Producer({"bootstrap.servers": kafka})
     base = {"topic": topic, "partition": 0}
     try:
@@ -175,17 +185,22 @@ def test_cancels_and_reschedules_hold_across_kill_9_and_a_lost_state_dir(
             command(producer, control, {**base, "type": "cancel", "offset": o, "id": f"c{o}"})
         for o in sorted(one):
             command(producer, control, {**base, "type": "cancel", "offset": o, "subscription": "fraud", "id": f"f{o}"})
-        for o, at in sorted({**moved, **sooner}.items()):
+        for o, at in sorted(reschedules.items()):  # (each after the cancels of its record: one key, one partition)
             command(producer, control, {**base, "type": "reschedule", "offset": o, "deliver_at": at, "id": f"r{o}"})
         assert producer.flush(10) == 0
-        sent = len(cancelled) + len(one) + len(moved) + len(sooner)
+        sent = len(cancelled) + len(one) + len(reschedules)
         wait_for(lambda: sum(map(len, outcomes(kafka_helper, control, committed_only=True).values())) >= sent,
                  60, "every command answered")  # fmt: skip
-        time.sleep(1.0)  # a commit after the answers
+        # Every command's offset committed before the kill, so that no command is judged again. At
+        # least once: the control partitions' commit at their end (these commands take back no nack,
+        # so they write no acceptance). Exactly once, an answer read_committed says so already: the
+        # request it answers was written in the transaction that committed its command's offset.
+        if mode == "at-least-once":
+            wait_for(lambda: settled_control(kafka, kafka_helper, group, control, 0), 60, "every command committed")
         sidecar.kill()
         shutil.rmtree(state)
         sidecar.start()
-        last = max([due + count, *moved.values()])
+        last = max([due + count, *reschedules.values()])
         wait_for(lambda: time.time() * 1000 > last + 2_000, 60, "every time passed")
         wait_for(lambda: scrape(port, "delay_sidecar_tracked_messages", topic=topic) == 0, 60, "nothing pending")
         assert sidecar.stop() == 0, sidecar.tail()
@@ -197,17 +212,21 @@ def test_cancels_and_reschedules_hold_across_kill_9_and_a_lost_state_dir(
     got = {k: v[0]["outcome"] for k, v in answers.items()}
     assert all(got[f"c{o}"] == "cancelled" for o in cancelled)
     assert all(got[f"f{o}"] == "cancelled" for o in one)
-    assert all(got[f"r{o}"] in ("rescheduled", "too-late") for o in {**moved, **sooner})
-    rescheduled = {o: at for o, at in {**moved, **sooner}.items() if got[f"r{o}"] == "rescheduled"}
-    assert len(rescheduled) == len(moved) + len(sooner) - len(cancelled & set(rescheduled))
+    # Sent long before their records fall due: none too late. Refused exactly those cancelled for
+    # every subscription; moved for billing alone those cancelled for fraud.
+    decided = {o: (answers[f"r{o}"][0]["outcome"], answers[f"r{o}"][0].get("code")) for o in reschedules}
+    assert decided == {o: ("rejected", ALREADY_CANCELLED) if o in cancelled else ("rescheduled", None)
+                       for o in reschedules}  # fmt: skip
+    assert all(answers[f"r{o}"][0]["subscriptions"] == ["billing"] for o in partly)
+    rescheduled = {o: at for o, at in reschedules.items() if got[f"r{o}"] == "rescheduled"}
     for sub, gone in (("billing", cancelled), ("fraud", cancelled | one)):
         records = kafka_helper.read_to_end(f"{topic}.{sub}", committed_only=mode == "exactly-once")
         counts = by_offset(records)
         expected = Counter({o: 1 for o in range(count) if o not in gone})
         assert counts == expected, (sub, sorted((counts - expected).items()), sorted((expected - counts).items()))
         assert not early(records)
-        at = {int(r.headers[ORIGIN_OFFSET]): r.header_int(DELIVER_AT) for r in records}
-        assert all(at[o] == new for o, new in rescheduled.items() if o not in gone), sub
+        stamped = {int(r.headers[ORIGIN_OFFSET]): r.header_int(DELIVER_AT) for r in records}
+        assert all(stamped[o] == new for o, new in rescheduled.items() if o not in gone), sub
 
 
 @pytest.mark.parametrize(("mode", "state_topic"), [("at-least-once", "none"), ("exactly-once", "")])
@@ -260,7 +279,10 @@ def test_cancels_and_reschedules_take_back_or_move_pending_nack_redeliveries_acr
             command(producer, control, body)
         assert producer.flush(10) == 0
         wait_for(lambda: len(outcomes(kafka_helper, control, committed_only=committed)) == 7, 60, "7 answers")
-        time.sleep(1.0)  # a commit after the answers
+        if not committed:  # exactly once, a committed answer's transaction committed its command's offset
+            # 10 nacks, and an acceptance per subscription each command took a nack back from (7).
+            accepted = 10 + 2 + 1 + 2 + 1 + 1
+            wait_for(lambda: settled_control(kafka, kafka_helper, group, control, accepted), 60, "a commit after them")
         sidecar.kill()
         shutil.rmtree(state)
         sidecar.start()
@@ -430,17 +452,27 @@ def test_a_cancelled_nack_already_due_at_a_restart_stays_cancelled(
         command(producer, control, {**base, "type": "cancel", "id": "c"})
         assert producer.flush(10) == 0
         wait_for(lambda: len(outcomes(kafka_helper, control)) == 1, 60, "the answer")
-        time.sleep(1.0)  # a commit after the answer
+        # The nack and the cancel's acceptance read back and committed; the nack's entry still pending.
+        wait_for(lambda: settled_control(kafka, kafka_helper, group, control, 2), 60, "a commit after the answer")
+        assert not nothing_pending(kafka, group, control), "the nack was not pending at the kill"
         sidecar.kill()
         shutil.rmtree(state)
         wait_for(lambda: time.time() * 1000 > nack_at + 1_000, 30, "the nack's time passed")
         start_serving(sidecar, port)
-        time.sleep(3.0)  # a redelivery would come now
+        # The new owner read both back, settled the nack's entry and committed past it: had it
+        # redelivered the nack, it would have done so before that commit.
+        wait_for(lambda: nothing_pending(kafka, group, control), 60, "the nack settled after the restart")
         assert sidecar.stop() == 0, sidecar.tail()
     finally:
         sidecar.close()
     assert outcomes(kafka_helper, control)["c"][0]["outcome"] == "cancelled"
     assert by_offset(kafka_helper.read_to_end(f"{topic}.billing")) == Counter({0: 1}), "redelivered after cancel"
+
+
+def nothing_pending(kafka: str, group: str, control: str) -> bool:
+    """Each committed control partition's commit says no nack is pending before its offset."""
+    commits = [(offset, meta) for offset, meta in committed(kafka, group, control, 3) if offset > 0]
+    return bool(commits) and all(meta is None or json.loads(meta)["earliest"] == offset for offset, meta in commits)
 
 
 @dataclass
@@ -499,29 +531,58 @@ def held_behind_an_open_transaction(
 
 
 def test_a_partition_with_facts_pending_holds_until_a_transaction_still_closing_is_read(
-    kafka: str, kafka_helper: KafkaHelper, topic_factory: TopicFactory, policy_file: PolicyFile, tmp_path: Path
-) -> None:
+    kafka: str, kafka_helper: KafkaHelper, topic_factory: TopicFactory, policy_file: PolicyFile, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
     """Exactly once: a new owner holds a partition whose commit says facts may lie past it until
     it has read to the partition's end. That end includes a transaction that is still open (an
     earlier owner's commit still closing, with facts in it): the last stable offset, a
     read_committed consumer's own end, lies below it. A chaos run delivered 10 cancelled records
     when the hold ended there."""
     held = held_behind_an_open_transaction("holdtxn", kafka, kafka_helper, topic_factory, policy_file, tmp_path)
-    second = SidecarProcess(held.args, tmp_path / "log2")
-    try:
-        second.start()
-        wait_for(lambda: "partitions assigned" in second.log.read_text(), 60, "assigned")
-        time.sleep(3.0)  # would it deliver now?
-        assert "partition delivering again" not in second.log.read_text(), "released below the open transaction"
+    stable = last_stable_offset(kafka, held.topic)
+    assert stable == 6, "the open transaction's record is the partition's 7th"
+    turns = watch_holds(monkeypatch, held.topic)
+    settings = settings_for(kafka, held.policies, held.state, group_id=held.group, control_topic=held.control,
+                            processing_guarantee="exactly-once")  # fmt: skip
+    with ThreadedSidecar(settings):
+        # The new owner has read all it can (its position is the last stable offset) and judged its
+        # hold there: what a release below the open transaction would have needed.
+        wait_for(lambda: any(position >= stable for position, _ in turns), 60, "the hold judged at the stable end")
+        assert all(holding for _, holding in turns), f"released below the open transaction: {turns}"
         held.txn.commit_transaction(10)
-        wait_for(lambda: "partition delivering again" in second.log.read_text(), 60, "released once read")
+        wait_for(lambda: bool(turns) and not turns[-1][1], 60, "released once read")
         # Record 1, and the transaction's record once committed.
         wait_for(lambda: sum(held.billing(kafka_helper).values()) == 2, 60, "all but the cancelled record")
         delivered = held.billing(kafka_helper)
         assert delivered[0] == 0 and delivered[1] == 1, delivered
-        assert second.stop() == 0, second.tail()
+
+
+def last_stable_offset(kafka: str, topic: str) -> int:
+    """Partition 0's end as a read_committed consumer sees it: below any transaction still open."""
+    consumer = Consumer({"bootstrap.servers": kafka, "group.id": "lso", "isolation.level": "read_committed"})
+    try:
+        return int(consumer.get_watermark_offsets(TopicPartition(topic, 0), timeout=10, cached=False)[1])
     finally:
-        second.close()
+        consumer.close()
+
+
+def watch_holds(monkeypatch: pytest.MonkeyPatch, topic: str) -> list[tuple[int, bool]]:
+    """Each turn's judgement of partition 0's hold in this process's sidecar: (its intake position
+    then, whether it still holds after). A log line says when a hold ends, not that a hold was
+    judged at a given position, which is what shows that the new owner got that far."""
+    turns: list[tuple[int, bool]] = []
+    release = Holds.release
+
+    def judged(holds: Holds) -> None:
+        release(holds)
+        state = holds._states.get((topic, 0))
+        if state is not None:
+            [position] = holds._position([TopicPartition(topic, 0)])
+            turns.append((position.offset, state.hold_until is not None))
+
+    monkeypatch.setattr(Holds, "release", judged)
+    return turns
 
 
 def test_a_transaction_open_past_the_transaction_timeout_holds_a_partition_no_longer(
