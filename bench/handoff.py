@@ -2,17 +2,18 @@
 
 Usage: .venv/bin/python -m bench.handoff [--pending N] [--partitions P] [--quick] [--variants none,default]
 
-Each variant runs on fresh topics and a fresh consumer group on one embedded broker:
+Each variant runs on fresh topics and a fresh consumer group on one broker of its own (Apache Kafka;
+DELAY_SIDECAR_BROKER_KIND=noida-db for the fallback's figures):
 
 1. Instance A starts alone and owns every partition (12 inbound and the control topic's).
 2. N records are produced with deliver-at spread uniformly over a window that starts at a planned
    handoff instant H, far enough out that nothing falls due while A indexes them. The bench waits
    until A has indexed all N and committed every inbound partition up to its end.
 3. At H - lead (6 s), instances B and C start together (fresh state dirs, so no local state of
-   their own). A is idle then (nothing due, nothing to commit): on the embedded broker a member that
-   joins while another one commits costs a lost assignment (ILLEGAL_GENERATION, an engine restart
-   and duplicates; seen with a 3 s lead, when the join took 4 s and A was already delivering), so
-   the join is placed where A has nothing to do. The group rebalances (roundrobin): B and C get 2/3
+   their own). A is idle then (nothing due, nothing to commit): on noida-db a member that joins
+   while another one commits cost a lost assignment (ILLEGAL_GENERATION, an engine restart and
+   duplicates; seen with a 3 s lead, when the join took 4 s and A was already delivering), so the
+   join is placed where A has nothing to do, on either broker. The group rebalances (roundrobin): B and C get 2/3
    of the partitions, which they must rebuild. The window starts a few seconds after their
    assignment, which the report prints; first deliveries are counted from the later of the two.
 4. Everything is delivered; the bench reads the outbound topic back and stops the instances.
