@@ -126,7 +126,9 @@ def test_a_rebuild_applying_the_facts_again_gets_the_same_table() -> None:
         table.apply(decision.fact, index)
     again = Overrides()
     for fact in facts:
-        again.apply(Fact.decode(fact.encode()) or fact, index)
+        decoded = Fact.decode(fact.encode())  # the rebuild reads the fact's record, not the object
+        assert decoded is not None and decoded == fact, (decoded, fact)
+        again.apply(decoded, index)
     for offset in (5, 6, 10):
         index.pop(offset)
         assert again.popped(offset, SUBS, index) == table.popped(offset, SUBS, index)
