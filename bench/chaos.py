@@ -4,16 +4,18 @@ restart and a zombie, with nacks, checked by counting every record of every subs
 Usage: .venv/bin/python -m bench.chaos [--records 20000] [--kills 20] [--seed 14] [--no-broker-restart]
        [--no-state-loss] [--no-zombie] [--window-s 30]
 
-A broker of its own (noida-db), one inbound topic with two subscriptions: `shared` (shared) and
-`excl` (exclusive, delivered at publish time). Records carry deliver-after 0 to `window` seconds. A
-consumer of `shared` (read_committed) nacks 5% of what it receives (--nack-fraction), once each, 1 to 5 s later. While
-records fall due, the sidecar (exactly-once) is killed with SIGKILL and started again on its state
-dir `--kills` times; once the state dir is deleted before the restart; the broker is stopped and
-started once; and once the sidecar is stopped with SIGSTOP, a second sidecar with the same instance
-id takes its place, and the first is woken (SIGCONT): it must be fenced. At the end every outbound
-topic is read to its high watermark, read_committed, and counted per record (`audit`), and the
-records of `excl` are checked for their order: each inbound partition's on the outbound partition of
-its number, first copies in inbound order.
+A broker of its own (Apache Kafka, stopped and started again with the same ports and data for the
+broker restart; DELAY_SIDECAR_BROKER_KIND=noida-db for the fallback's figures), one inbound topic
+with two subscriptions: `shared` (shared) and `excl` (exclusive, delivered at publish time). Records
+carry deliver-after 0 to `window` seconds. A consumer of `shared` (read_committed) nacks 5% of what
+it receives (--nack-fraction), once each, 1 to 5 s later. While records fall due, the sidecar
+(exactly-once) is killed with SIGKILL and started again on its state dir `--kills` times; once the
+state dir is deleted before the restart; the broker is stopped and started once; and once the
+sidecar is stopped with SIGSTOP, a second sidecar with the same instance id takes its place, and the
+first is woken (SIGCONT): it must be fenced. At the end every outbound topic is read to its high
+watermark, read_committed, and counted per record (`audit`), and the records of `excl` are checked
+for their order: each inbound partition's on the outbound partition of its number, first copies in
+inbound order.
 
 With --spark-audit, `delay-sidecar audit` then judges the same topics independently. The run passes
 only if the audit exits 0 AND its counts equal the bench's own (`disagreements`): two oracles that
@@ -32,7 +34,6 @@ import itertools
 import json
 import os
 import random
-import shlex
 import shutil
 import signal
 import subprocess
@@ -46,13 +47,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from confluent_kafka import OFFSET_BEGINNING, Consumer, Producer, TopicPartition
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, Producer, TopicPartition
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.probe import create_topic, now_ms
 from bench.procs import Child, bench_broker
+from bench.report import command_line, dated_lines
 from sidecar.client import Nacker
 from sidecar.outbound.records import read_delivery
 
@@ -63,7 +65,9 @@ ROOT = Path(__file__).resolve().parents[1]
 TOPIC, PARTITIONS, CONTROL = "chaos", 2, "delay-sidecar.control"
 # noida-db lists aborted transactions that ended before a fetch's offset, and librdkafka then drops
 # the later records of that producer (tests/broker/test_transactions.py): readers here start at
-# offset 0 and take each partition in one fetch, so they see every abort marker in order.
+# offset 0 and take each partition in one fetch, so they see every abort marker in order. Apache
+# Kafka needs none of this (it lists only the aborts a fetch's range overlaps); the large limits
+# cost it nothing at these sizes, so both brokers are read the same way.
 WHOLE_PARTITION_FETCH = {
     "max.partition.fetch.bytes": 256 * 1024 * 1024,
     "fetch.max.bytes": 512 * 1024 * 1024,
@@ -168,6 +172,8 @@ class Outcome:
     notes: list[str] = field(default_factory=list)
     spark: SparkAudit | None = None
     """The Spark audit's verdict and counts, when it ran."""
+    dated: str = ""
+    """The run's dated header (date, commit, command, broker, machine load), for above its table."""
 
     @property
     def passed(self) -> bool:
@@ -252,13 +258,20 @@ class Nacks(Background):
     def _loop(self) -> None:
         """A long-lived consumer would stop seeing the sidecar's records after its first aborted
         transaction on noida-db (see WHOLE_PARTITION_FETCH), so the topic is read again from the
-        start every half second, and only records not seen before are considered."""
+        start every half second, and only records not seen before are considered (on either broker,
+        so that both runs nack alike)."""
         producer = Producer({"bootstrap.servers": self._bootstrap, "linger.ms": 5})
         nacker = Nacker(producer, CONTROL, subscription="shared")
         seen: set[tuple[int, int]] = set()
         try:
             while not self._stop.wait(0.5):
-                for m in read_all(self._bootstrap, f"{TOPIC}.shared"):
+                try:
+                    found = read_all(self._bootstrap, f"{TOPIC}.shared")
+                except KafkaException:
+                    # The broker is restarting (Apache Kafka's restart refuses connections for
+                    # seconds): an application rides it out and reads again, and so does this one.
+                    continue
+                for m in found:
                     if (m.partition(), m.offset()) in seen:
                         continue
                     seen.add((m.partition(), m.offset()))
@@ -470,14 +483,18 @@ def visible(bootstrap: str, records: int, nacks: Nacks, cancels: Cancels) -> boo
     return counts["excl"] >= records and counts["shared"] >= records - cancelled + len(nacks.sent)
 
 
-def run(plan: Plan, workdir: Path, log: Any = print, spark: SparkSession | None = None) -> Outcome:
+def run(
+    plan: Plan, workdir: Path, log: Any = print, spark: SparkSession | None = None, command: str = "bench.chaos"
+) -> Outcome:
     """The chaos run; with `plan.spark_audit`, the Spark audit judges it too (in `spark` when given,
-    a session shared across runs, else in a `delay-sidecar audit` process of its own)."""
+    a session shared across runs, else in a `delay-sidecar audit` process of its own). `command`
+    is named in the outcome's dated header."""
     started = time.monotonic()
     rng = random.Random(plan.seed)
     outcome = Outcome(plan, Audit())
     broker = bench_broker(workdir / "broker")
     bootstrap = broker.start()
+    outcome.dated = dated_lines(broker, command)
     policies = workdir / "policies.yaml"
     policies.write_text(f"topics:\n  {TOPIC}:\n    subscriptions: {{shared: {{}}, excl: {{type: exclusive}}}}\n")
     create_topic(bootstrap, TOPIC, PARTITIONS)
@@ -724,7 +741,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="also write the outcome as JSON")
     parser.add_argument("--spark-audit", action="store_true", help="also run delay-sidecar audit over the run")
     args = parser.parse_args(argv)
-    command = shlex.join([".venv/bin/python", "-m", "bench.chaos", *(sys.argv[1:] if argv is None else argv)])
+    command = command_line("bench.chaos", argv)
     plan = Plan(args.records, args.kills, args.window_s, args.seed, not args.no_broker_restart,
                 not args.no_state_loss, not args.no_zombie, nack_fraction=args.nack_fraction,
                 cancel_fraction=args.cancel_fraction,
@@ -732,12 +749,13 @@ def main(argv: list[str] | None = None) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="bench-chaos-"))
     outcome: Outcome | None = None
     try:
-        outcome = run(plan, workdir, log=lambda line: print(line, file=sys.stderr, flush=True))
+        outcome = run(plan, workdir, log=lambda line: print(line, file=sys.stderr, flush=True), command=command)
     finally:
         if outcome is not None and outcome.passed:
             shutil.rmtree(workdir, ignore_errors=True)
         else:  # the sidecars' logs and state dirs are the evidence
             print(f"kept {workdir} (the sidecars' logs and state dirs, the broker's data)", file=sys.stderr)
+    print(outcome.dated + "\n")
     print(table(outcome, command))
     if args.json:
         spark = asdict(outcome.spark) if outcome.spark is not None else None
