@@ -1,8 +1,9 @@
 """A Spark batch data source over confluent-kafka with the schema and options of Spark's built-in `kafka`.
 
-Spark's own Kafka source lives in the spark-sql-kafka-0-10 connector, which comes from Maven
-(`--packages`); where that cannot be downloaded, this Python data source (pyspark.sql.datasource)
-reads the same records into the same schema, so code written against one runs on the other:
+Spark's own Kafka source lives in the spark-sql-kafka-0-10 connector, which comes from a Maven
+repository (spark.connector fetches it once; the audit reads with it by default); where it can be
+neither fetched nor found, this Python data source (pyspark.sql.datasource) reads the same records
+into the same schema, so code written against one runs on the other (tests compare them):
 
     key binary, value binary, topic string, partition int, offset long, timestamp timestamp,
     timestampType int, headers array<struct<key:string,value:binary>>   (headers: includeHeaders=true)
