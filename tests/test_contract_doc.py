@@ -8,19 +8,24 @@ constants), so a new one is caught without anyone updating a list in this file. 
 
 import argparse
 import ast
+import os
 import re
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import get_args
+from unittest import mock
 
 import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.metrics import MetricWrapperBase
-from pydantic_settings import CliSettingsSource
+from pydantic import BaseModel
+from pydantic_settings import BaseSettings, CliSettingsSource, CliSubCommand
 
 from sidecar.cli import DelaySidecar
 from sidecar.cli_help import add_argument
 from sidecar.control import cancels
+from sidecar.control.cancels import CANCELLED, REJECTED, RESCHEDULED, TOO_LATE, UNKNOWN_MESSAGE_OUTCOME, Outcome
 from sidecar.metrics import Metrics
 from sidecar.settings import ENV_PREFIX
 from sidecar.supervisor import SupervisorMetrics
@@ -189,11 +194,13 @@ def registered_metrics() -> dict[str, MetricFact]:
 
 def test_metrics_are_collected_from_every_registry() -> None:
     """Metrics registered outside an attribute would be missed by registered_metrics; compare with
-    what the registry itself exposes."""
-    metrics = Metrics(CollectorRegistry())
-    exposed = {f.name + "_total" if f.type == "counter" else f.name for f in metrics.registry.collect()}
-    assert exposed <= set(registered_metrics())
-    assert "delay_sidecar_messages_in_total" in exposed
+    what each registry served on a metrics port exposes: a worker's (Metrics) and the supervisor's
+    (SupervisorMetrics, served by `run --workers N`)."""
+    exposed: set[str] = set()
+    for registry in (Metrics(CollectorRegistry()).registry, SupervisorMetrics().registry):
+        exposed |= {f.name + "_total" if f.type == "counter" else f.name for f in registry.collect()}
+    assert exposed == set(registered_metrics())
+    assert {"delay_sidecar_messages_in_total", "delay_sidecar_workers_restarted_total"} <= exposed
 
 
 def metric_problems(section: str, facts: Mapping[str, MetricFact]) -> list[str]:
@@ -273,18 +280,114 @@ def test_every_run_flag_is_documented_with_its_environment_variable() -> None:
     assert flag_problems(subsection(sections(contract_text())[6], "`run`"), flags) == []
 
 
-def test_every_flag_of_the_other_commands_is_documented() -> None:
-    section = sections(contract_text())[6]
-    leaves = {name: p for name, p in commands().items() if name.split()[0] not in UNDOCUMENTED_COMMANDS}
-    assert {"run", "broker", "demo", "policies show", "policies validate"} <= set(leaves)
-    missing = [
-        f"{name} {flag}"
-        for name, parser in sorted(leaves.items())
-        for flag in long_flags(parser)
-        if not re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", section)
-    ]
-    assert missing == []
-    assert [name for name in leaves if f"delay-sidecar {name}" not in section] == []
+_SUBCOMMAND = get_args(CliSubCommand)[1]
+"""The marker pydantic-settings puts on a subcommand field."""
+
+
+def command_models() -> dict[str, type[BaseModel]]:
+    """Every leaf command (`run`, `policies show`, ...) -> the model its flags come from."""
+    leaves: dict[str, type[BaseModel]] = {}
+    pending: list[tuple[str, type[BaseModel]]] = [("", DelaySidecar)]
+    while pending:
+        prefix, model = pending.pop()
+        children = [
+            (f"{prefix} {(info.alias or name).replace('_', '-')}".strip(), sub)
+            for name, info in model.model_fields.items()
+            if _SUBCOMMAND in info.metadata
+            for sub in get_args(info.annotation)
+            if isinstance(sub, type) and issubclass(sub, BaseModel)
+        ]
+        if children:
+            pending += children
+        elif prefix:
+            leaves[prefix] = model
+    return leaves
+
+
+def _reads(info: object, variable: str) -> bool:
+    """Whether a field's default factory reads `variable` (policies' `--policies`, DELAY_SIDECAR_POLICIES)."""
+    sentinel = "/set-by-test-contract-doc"
+    with mock.patch.dict(os.environ, {variable: sentinel}):
+        return sentinel in str(info.get_default(call_default_factory=True))  # type: ignore[attr-defined]
+
+
+def environment_variables(model: type[BaseModel]) -> dict[str, str]:
+    """`--flag` -> the DELAY_SIDECAR_* variable the command reads for it. A settings model with the
+    sidecar's prefix reads one per field (an aliased field reads its alias instead); another model
+    only where a field's default comes from one."""
+    settings = issubclass(model, BaseSettings) and model.model_config.get("env_prefix") == ENV_PREFIX
+    found: dict[str, str] = {}
+    for name, info in model.model_fields.items():
+        variable = ENV_PREFIX + name.upper()
+        if (settings and info.alias is None) or (info.default_factory is not None and _reads(info, variable)):
+            found["--" + name.replace("_", "-")] = variable
+    return found
+
+
+@dataclass(frozen=True)
+class CommandFacts:
+    flags: frozenset[str]
+    variables: Mapping[str, str]
+    """Its flags that have a DELAY_SIDECAR_* variable -> the variable."""
+
+
+def other_commands() -> dict[str, CommandFacts]:
+    """Every documented command but `run` (its table is checked above), from its real parser and model."""
+    parsers, models = commands(), command_models()
+    assert set(parsers) == set(models), "the parser walk and the model walk disagree on the commands"
+    facts: dict[str, CommandFacts] = {}
+    for name, parser in parsers.items():
+        if name == "run" or name.split()[0] in UNDOCUMENTED_COMMANDS:
+            continue
+        flags = frozenset(long_flags(parser))
+        variables = {f: v for f, v in environment_variables(models[name]).items() if f in flags}
+        facts[name] = CommandFacts(flags, variables)
+    return facts
+
+
+def command_part(section: str, name: str) -> str:
+    """A command's own lines of section 6: its synopsis (with continuation lines) and its bullet
+    under Other commands, so that a flag or variable of one command is not found in another's."""
+    lines = section.splitlines()
+    part: list[str] = []
+    for i, line in enumerate(lines):
+        synopsis = re.fullmatch(rf"delay-sidecar {re.escape(name)}(?: .*)?", line)
+        bullet = re.match(rf"- \*\*`{re.escape(name)}[` ]", line)
+        if synopsis or bullet:
+            part.append(line)
+            for following in lines[i + 1 :]:
+                if not following.startswith(" "):
+                    break
+                part.append(following)
+    return "\n".join(part)
+
+
+def _mentions(text: str, word: str) -> bool:
+    return re.search(rf"(?<![\w-]){re.escape(word)}(?![\w-])", text) is not None
+
+
+def other_command_problems(section: str, facts: Mapping[str, CommandFacts]) -> list[str]:
+    problems: list[str] = []
+    for name, fact in sorted(facts.items()):
+        part = command_part(section, name)
+        if not part:
+            problems.append(f"{name} has no synopsis or bullet of its own")
+        problems += [f"{name} {flag} is not in its part" for flag in sorted(fact.flags) if not _mentions(part, flag)]
+        problems += [
+            f"{name} {flag}: {variable} is not in its part"
+            for flag, variable in sorted(fact.variables.items())
+            if not _mentions(part, variable)
+        ]
+        stray = {flag for flag in re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", part) if flag not in fact.flags}
+        problems += [f"{name} {flag} is in its part but not a flag of {name}" for flag in sorted(stray)]
+    return problems
+
+
+def test_every_flag_of_the_other_commands_is_documented_in_its_own_part() -> None:
+    facts = other_commands()
+    assert {"broker", "demo", "policies show", "policies validate", "messages show"} <= set(facts)
+    assert facts["broker"].variables["--nodes"] == "DELAY_SIDECAR_NODES", "the model walk found no variables"
+    assert other_command_problems(sections(contract_text())[6], facts) == []
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -445,17 +548,39 @@ def test_every_nack_rejection_code_is_documented_with_the_control_topic() -> Non
 CANCEL_HEADING = "### Cancel and reschedule"
 
 
+def table_column(text: str, heading: str) -> set[str]:
+    """The code spans in the first column of the table whose header row starts with `heading`."""
+    found: set[str] = set()
+    rows: list[list[str]] | None = None
+    for line in text.splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")] if line.startswith("|") else None
+        if cells is None:
+            rows = None
+        elif rows is None:
+            rows = [] if cells[0] == heading else None
+        else:
+            found.update(spans(cells[0]))
+    return found
+
+
+def outcome_problems(text: str) -> list[str]:
+    """The outcome table against the outcomes an OutcomeRecord can carry (its type's values)."""
+    values, documented = set(get_args(Outcome)), table_column(text, "outcome")
+    return [f"outcome {o!r} is not in the outcome table" for o in sorted(values - documented)] + [
+        f"outcome {o!r} is in the outcome table but no OutcomeRecord carries it" for o in sorted(documented - values)
+    ]
+
+
 def test_every_cancel_outcome_and_code_is_documented() -> None:
-    """The outcome codes are the cancels module's constants: each must be in the subsection's tables, and
-    nothing more."""
+    """The outcomes are the values OutcomeRecord.outcome can take, and the module's constants name
+    exactly those: the outcome table must list them, and nothing more. The codes are the module's
+    constants."""
     text = sections(contract_text())[5].split(CANCEL_HEADING)[1]
     codes = {v for k, v in vars(cancels).items() if k == v and isinstance(v, str) and _ERROR_CODE.fullmatch(v)}
     assert {"INVALID_COMMAND", "FIXED_DELAY_TOPIC", "DEAD_LETTERED"} <= codes
     assert code_problems(text, codes, "cancel codes") == []
-    outcomes = {v for k, v in vars(cancels).items() if k in {"CANCELLED", "RESCHEDULED", "TOO_LATE", "REJECTED",
-                                                           "UNKNOWN_MESSAGE_OUTCOME"}}  # fmt: skip
-    documented = {s for cells in table_rows(text) for s in spans(cells[0])}
-    assert outcomes <= documented, outcomes - documented
+    assert {CANCELLED, RESCHEDULED, TOO_LATE, REJECTED, UNKNOWN_MESSAGE_OUTCOME} == set(get_args(Outcome))
+    assert outcome_problems(text) == []
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -485,6 +610,27 @@ def test_the_checks_report_a_drifted_contract() -> None:
     assert flag_problems(without_flag, flags) == ["--linger-ms is not in the run table"]
     wrong_env = run_table.replace("`DELAY_SIDECAR_LINGER_MS`", "`DELAY_SIDECAR_LINGER`")
     assert flag_problems(wrong_env, flags) == ["--linger-ms: its row does not name DELAY_SIDECAR_LINGER_MS"]
+
+    facts = other_commands()
+    known = set(other_command_problems(parts[6], facts))  # (what the contract lacks now is another test's)
+
+    def drifted(section6: str) -> list[str]:
+        return sorted(set(other_command_problems(section6, facts)) - known)
+
+    without_variable = parts[6].replace("`DELAY_SIDECAR_NODES`", "the nodes variable")
+    assert drifted(without_variable) == ["broker --nodes: DELAY_SIDECAR_NODES is not in its part"]
+    # `--policies` is still in section 6 (run's table, demo's bullet): only its own part counts.
+    without_flag = parts[6].replace("delay-sidecar policies show TOPIC [--json] [--policies PATH]",
+                                    "delay-sidecar policies show TOPIC [--json]")  # fmt: skip
+    assert drifted(without_flag) == ["policies show --policies is not in its part"]
+    borrowed = parts[6].replace("  - `--records`: 2 to 11", "  - `--records` and `--nodes`: 2 to 11")
+    assert drifted(borrowed) == ["demo --nodes is in its part but not a flag of demo"]
+
+    cancel_text = parts[5].split(CANCEL_HEADING)[1]
+    assert outcome_problems(cancel_text.replace("| `too-late` |", "| `too_late` |")) == [
+        "outcome 'too-late' is not in the outcome table",
+        "outcome 'too_late' is in the outcome table but no OutcomeRecord carries it",
+    ]
 
     codes = sidecar_codes().codes
     without_code = "\n".join(line for line in parts[3].splitlines() if not line.startswith("| `TOPIC_REMOVED`"))
