@@ -270,7 +270,11 @@ def sidecar_kills(rig: Rig, args: argparse.Namespace) -> Row:
             row.recovery_s.append(time.monotonic() - started)
         row.health["ready"] += 1
         rig.count(row, load.stop())
-        row.note = "at least once: duplicates are what was delivered since the last checkpoint"
+        row.note = (
+            "at least once: duplicates are what was delivered since the last checkpoint"
+            if GUARANTEE[0] == "at-least-once"
+            else "exactly-once: read_committed readers must see each record once"
+        )
     finally:
         rig.close()
     return row
