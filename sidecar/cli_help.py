@@ -50,6 +50,7 @@ METAVARS: dict[str, str] = {
     "from_time": "TIME",
     "to_time": "TIME",
     "master": "URL",
+    "connector_repository": "URL",
     "driver_memory": "SIZE",
     "payload_cache_bytes": "BYTES",
 }
