@@ -3,15 +3,18 @@
 Usage: .venv/bin/python -m bench [--quick] [--records N] [--scenarios ceiling,relay-2,passthrough,...]
                                  [--fixed-rate R] [--plot] [--profile delayed,...] [--out bench/results/e2e.json]
 
-Runs the scenarios in order, each on a fresh embedded broker (noida-db) of its own, prints a
-markdown table and writes it with every figure to bench/results/e2e.json (and a lateness chart with
---plot). The sidecar and the relay run as processes of their own; see bench/scenarios.py for what
-is timed.
+Runs the scenarios in order, each on a fresh broker of its own (Apache Kafka;
+DELAY_SIDECAR_BROKER_KIND=noida-db for the fallback's figures, DELAY_SIDECAR_NODES=3 for three
+nodes), prints a markdown table under the run's dated header and writes it with every figure to
+bench/results/e2e.json (and a lateness chart with --plot). The sidecar and the relay run as
+processes of their own; see bench/scenarios.py for what is timed.
 
-A broker of its own per scenario, because noida-db keeps every record in memory and writes all of
+A broker of its own per scenario, because noida-db kept every record in memory and wrote all of
 them to one file about once a second: after five scenarios that file held 2 GB, and writing it took
 CPU from the scenario then running, while the relay it is compared with ran first, on an empty
-broker. `--one-broker` runs every scenario on one broker, as runs before 2026-11-27 13:00 UTC did.
+broker. Apache Kafka keeps its log on disk, but a fresh broker per scenario still gives each the
+same start (no earlier scenario's log, page cache or group state). `--one-broker` runs every
+scenario on one broker, as runs before 2026-11-27 13:00 UTC did.
 """
 
 from __future__ import annotations
