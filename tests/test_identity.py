@@ -5,10 +5,12 @@ import json
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from sidecar.app import member_instance_id, transactional_ids
+from sidecar.cli import main
 from sidecar.errors import ConfigError, StorageError
 from sidecar.identity import IDS_FILE, InstanceLock, TransactionalIds
 from sidecar.settings import ENV_PREFIX, RunSettings
@@ -117,6 +119,90 @@ def test_every_instance_gets_a_distinct_stable_transactional_id(
     assert prefixes == [transactional_ids(s).prefix for s in again]  # type: ignore[union-attr]  # stable
     dynamic = leave and protocol == "SASL_SSL"
     assert all((member_instance_id(s) is None) == dynamic for s in first)  # the member id may go, the identity stays
+
+
+class _Built(BaseException):
+    """Raised by the writer's own producer: the path from the command line has reached it."""
+
+
+@pytest.fixture
+def producers(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[dict[str, Any]]]:
+    """The config of each Producer the writer creates, and of the engine's Consumer, recorded instead
+    of connecting (there is no SASL_SSL cluster here). The writer's own producer ends the run."""
+    made: dict[str, list[dict[str, Any]]] = {"writer": [], "fence": [], "consumer": []}
+
+    class Producer:
+        def __init__(self, config: dict[str, Any], logger: object = None) -> None:
+            own = "on_delivery" in config  # the writer's own producer; a fence's has no delivery callback
+            made["writer" if own else "fence"].append(dict(config))
+            if own:
+                raise _Built
+
+        def init_transactions(self, timeout: float) -> None:
+            """A fence opens the earlier id once."""
+
+    class Consumer:
+        def __init__(self, config: dict[str, Any], logger: object = None) -> None:
+            made["consumer"].append(dict(config))
+
+        def close(self) -> None:
+            """Closed by the engine when its writer could not be built."""
+
+    monkeypatch.setattr("sidecar.outbound.writer.Producer", Producer)
+    monkeypatch.setattr("sidecar.engine.Consumer", Consumer)
+    # What asks the cluster before the engine is built: its metadata, and its id for the state's owner.
+    monkeypatch.setattr("sidecar.broker.external.wait_for_metadata", lambda *args, **kwargs: None)
+    monkeypatch.setattr("sidecar.app.state_owner", lambda settings, config: f"secured/{settings.group_id}")
+    # Signal handlers and the root logger are this pytest process's: left alone.
+    monkeypatch.setattr("sidecar.cli.run_until_signalled", lambda app: app.run())
+    monkeypatch.setattr("sidecar.cli.setup_logging", lambda level: None)
+    for key in [k for k in os.environ if k.startswith(ENV_PREFIX)]:
+        monkeypatch.delenv(key)
+    return made
+
+
+def test_instances_on_a_sasl_ssl_cluster_leaving_on_stop_give_their_producers_distinct_ids_and_the_credentials(
+    producers: dict[str, list[dict[str, Any]]], policy_file: PolicyFile, tmp_path: Path
+) -> None:
+    """`delay-sidecar run` from its command line (sidecar/cli.py) through SidecarApp and the engine to
+    the writer, for two instances on one host: what the Producer is created with. The settings-level
+    test above compares prefixes; this is the transactional.id the broker would see. A restart of
+    one instance gets a new id (one per producer, identity.py) with the same prefix, and fences the
+    id of the incarnation before it first."""
+    policies = policy_file("allow_empty: true\ntopics: {}\n")
+    ca = tmp_path / "ca.pem"
+    ca.write_text("")  # only passed on: nothing connects
+    secured = {"bootstrap.servers": "kafka.example:9093", "security.protocol": "SASL_SSL",
+               "sasl.mechanism": "SCRAM-SHA-512", "sasl.username": "sidecar", "sasl.password": "s3cret",
+               "ssl.ca.location": str(ca)}  # fmt: skip
+
+    def run(instance: str) -> tuple[dict[str, Any], dict[str, Any], list[dict[str, Any]]]:
+        """(the writer's producer config, the engine's consumer config, the fences' configs)."""
+        for made in producers.values():
+            made.clear()
+        with pytest.raises(_Built):
+            main(["run", "--bootstrap-servers", secured["bootstrap.servers"], "--security-protocol", "SASL_SSL",
+                  "--sasl-mechanism", "SCRAM-SHA-512", "--sasl-username", "sidecar", "--sasl-password", "s3cret",
+                  "--ssl-ca-location", str(ca), "--leave-group-on-stop", "--processing-guarantee", "exactly-once",
+                  "--group-id", "orders", "--state-dir", str(tmp_path / instance), "--policies", str(policies),
+                  "--metrics-port", "0", "--tracker", "memory", "--payload-cache-bytes", "0"])  # fmt: skip
+        [writer], [consumer] = producers["writer"], producers["consumer"]
+        return writer, consumer, list(producers["fence"])
+
+    alpha, alpha_consumer, alpha_fenced = run("alpha")
+    beta, _, _ = run("beta")
+    again, _, again_fenced = run("alpha")  # a restart of alpha, on its state dir
+
+    ids = [config["transactional.id"] for config in (alpha, beta, again)]
+    prefixes = [i.rpartition("-")[0] for i in ids]
+    assert ids[0] != ids[1] and prefixes[0] != prefixes[1], ids  # two instances: two identities
+    assert all(p.startswith("orders-") and "default" not in p for p in prefixes), ids
+    assert prefixes[2] == prefixes[0] and ids[2] != ids[0], ids  # the same identity, a new producer's id
+    assert alpha_fenced == [] and [f["transactional.id"] for f in again_fenced] == [ids[0]]
+    for config in (alpha, beta, again, *again_fenced):
+        assert {key: config.get(key) for key in secured} == secured, config
+    assert "group.instance.id" not in alpha_consumer, "leave-group-on-stop on SASL_SSL: a dynamic member"
+    assert {key: alpha_consumer.get(key) for key in secured} == secured
 
 
 def test_two_processes_with_one_identity_are_refused_at_start(
