@@ -39,8 +39,18 @@ def test_data_survives_a_restart(tmp_path: Path) -> None:
 def test_broker_command_stops_on_sigterm(tmp_path: Path) -> None:
     port = free_port()
     process = subprocess.Popen(
-        [sys.executable, "-m", "sidecar", "broker", "--broker-kind", "noida-db", "--port", str(port), "--data-dir",
-         str(tmp_path)],
+        [
+            sys.executable,
+            "-m",
+            "sidecar",
+            "broker",
+            "--broker-kind",
+            "noida-db",
+            "--port",
+            str(port),
+            "--data-dir",
+            str(tmp_path),
+        ],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
