@@ -6,9 +6,16 @@ through gaps of up to `max_gap` records and seeks only across wider ones.
 
 A partition is unassigned as soon as its wanted offsets are read, and assigned afresh at the next
 read, rather than paused and resumed: librdkafka does not wake its fetcher for a resume, nor for a
-seek to offset 0 right after one, and such a read waited 0.8 to 1.0 s for its first record, where
-a fresh assignment waits 0.02 to 0.1 s (measured on the embedded broker, librdkafka 2.16). A pause
-drops what was fetched ahead anyway, so keeping the partition saved nothing.
+seek to offset 0 right after one. That is the client's doing, so both brokers need this: a resume
+and a seek to 0 waited 0.70 s (median of 8) for the first record on Apache Kafka 4.1.1 and on
+noida-db alike, a fresh assignment 0.013 and 0.021 s (librdkafka 2.16). A pause drops what was
+fetched ahead anyway, so keeping the partition saved nothing.
+
+The reader takes the shared consumer settings (kafka_io.CONSUMER_DEFAULTS) as they are. Its own
+queued.min.messages of 1,000 once kept a suspended read from fetching at a partition's end, which
+noida-db answers at once; since the shared setting became 1 (fetch only once the queue is empty),
+that override did the opposite: a read suspended near the log end made 5,800 fetches a second on
+noida-db and 80 on Apache Kafka, at most one without it, and it read no faster on either.
 """
 
 import logging
@@ -52,20 +59,7 @@ class LogReader:
         self._assigned: set[TopicPartitionKey] = set()
         """Partitions of the read under way whose wanted offsets are not all read yet."""
         # Positions come from the tracker; a wanted offset deleted by retention is reported as gone.
-        self._consumer = log_reader(
-            client_config,
-            "delay-sidecar.log-reader",
-            **{
-                # Fetch again only once a partition's queue is nearly read. A read that is
-                # suspended between loop turns (read-ahead, roll) has often been sent the whole
-                # rest of a partition in one fetch; librdkafka then kept fetching at its end,
-                # and noida-db answers at once instead of waiting fetch.wait.max.ms: a spin
-                # that cost 0.15 core here and 0.25 in the broker for one reader of 4 partitions,
-                # against 0.04 and 0.10 with this (measured, librdkafka 2.16).
-                "queued.min.messages": 1_000,
-                "fetch.queue.backoff.ms": 20,
-            },
-        )
+        self._consumer = log_reader(client_config, "delay-sidecar.log-reader")
 
     def read(
         self, wanted: dict[TopicPartitionKey, list[int]]
