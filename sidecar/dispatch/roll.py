@@ -29,6 +29,9 @@ nothing ahead for one whose pass is. On a broker that answers each fetch with th
 partition (noida-db), any read of a partition is a pass over it: a due entry popped during the
 first read would cost a pass of its own for what the first read brings a moment later, and
 read-ahead steps and the catch-up took turns reading the same records (docs/scaling.md).
+Apache Kafka does not need this: it honours max.partition.fetch.bytes, so reading 10 offsets at
+the start of a 40 MB partition fetched 1.0 MB in 0.01 to 0.03 s there, against the whole 44 MB in
+0.5 to 1.3 s on noida-db; kept for the fallback broker, noida-db.
 """
 
 import logging

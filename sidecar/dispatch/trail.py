@@ -33,8 +33,9 @@ READ_PER_TURN = 5_000
 SEEK_OVER = 2_000
 # The reader trails the log end by the runs' delay, so every fetch finds a whole backlog: its own
 # limits keep each answer to about a turn's reading (READ_PER_TURN records of a few hundred bytes)
-# and what librdkafka queues ahead to a few fetches, instead of the intake's 32 MiB.
-# noida-db ignores them (it answers with the rest of the partition): see README, Monotone runs.
+# and what librdkafka queues ahead to a few fetches, instead of the intake's 32 MiB. Apache Kafka
+# honours them (a 40 MB partition read in answers of at most 2 MiB); noida-db ignores them (it
+# answers with the rest of the partition, 40 MB at once): see README, Monotone runs.
 FETCH_LIMITS: dict[str, Any] = {
     "max.partition.fetch.bytes": 1024 * 1024,
     "fetch.max.bytes": 4 * 1024 * 1024,
