@@ -7,8 +7,11 @@ fence each other in turn, so the second one on a host is refused at start (`Inst
 
 Each producer gets a transactional.id of its own, `<group>-<identity>-<n>`, never used before
 (`TransactionalIds`). Reusing one id across restarts keeps one producer id across an abort, and
-the embedded broker then hides that producer's later commits from read_committed readers that
-kept reading past the abort marker. Before the new producer writes, every id this identity used
+the fallback broker, noida-db, then hides that producer's later commits from read_committed
+readers that kept reading past the abort marker. Apache Kafka does not need new ids for this: a
+read_committed reader following a partition in 4 KiB fetches saw all 250 commits of one
+transactional.id across two aborts and a re-init that aborted an open transaction (noida-db: 50);
+the ids stay for the fallback broker. Before the new producer writes, every id this identity used
 before and did not close cleanly is opened once: that fences a zombie still holding it and ends
 whatever transaction it left open, so the last stable offset moves on. Fencing a zombie that moved
 to another state dir (the same --instance-id on another host) is done at assignment, from the
