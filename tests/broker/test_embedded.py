@@ -3,7 +3,6 @@
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -14,6 +13,7 @@ from confluent_kafka import Consumer, Producer, TopicPartition
 from sidecar.broker.base import wait_for_metadata
 from sidecar.broker.embedded import EmbeddedBroker
 from sidecar.broker.ports import EPHEMERAL_RANGE, LOWEST_FREE_PORT, free_port
+from tests.broker.test_orphans import noida_broker_command
 from tests.kafka_helpers import ROOT
 
 
@@ -39,18 +39,7 @@ def test_data_survives_a_restart(tmp_path: Path) -> None:
 def test_broker_command_stops_on_sigterm(tmp_path: Path) -> None:
     port = free_port()
     process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "sidecar",
-            "broker",
-            "--broker-kind",
-            "noida-db",
-            "--port",
-            str(port),
-            "--data-dir",
-            str(tmp_path),
-        ],
+        noida_broker_command(port, tmp_path),
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

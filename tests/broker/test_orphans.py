@@ -28,6 +28,12 @@ from tests.kafka_helpers import ROOT
 DEADLINE_S = 60.0
 
 
+def noida_broker_command(port: int, data_dir: Path) -> list[str]:
+    """`delay-sidecar broker` on noida-db: the launcher these tests are about (the default is Apache Kafka)."""
+    return [sys.executable, "-m", "sidecar", "broker", "--broker-kind", "noida-db", "--port", str(port),
+            "--data-dir", str(data_dir)]  # fmt: skip
+
+
 def wait_until(condition: Callable[[], bool], what: str, timeout_s: float = DEADLINE_S) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():
@@ -102,18 +108,7 @@ def kill_and_check_broker_goes(parent: subprocess.Popen[bytes], port: int, reape
 def test_kill_9_of_the_broker_command_takes_the_broker_with_it(tmp_path: Path, reaper: list[psutil.Process]) -> None:
     port = free_port()
     cli = start(
-        [
-            sys.executable,
-            "-m",
-            "sidecar",
-            "broker",
-            "--broker-kind",
-            "noida-db",
-            "--port",
-            str(port),
-            "--data-dir",
-            str(tmp_path / "broker"),
-        ],
+        noida_broker_command(port, tmp_path / "broker"),
         tmp_path / "cli.log",
     )
     kill_and_check_broker_goes(cli, port, reaper)
@@ -152,18 +147,7 @@ def test_a_restart_after_kill_9_runs_on_its_own_broker_with_the_data(
     port = free_port()
     data_dir = tmp_path / "broker"
     cli = start(
-        [
-            sys.executable,
-            "-m",
-            "sidecar",
-            "broker",
-            "--broker-kind",
-            "noida-db",
-            "--port",
-            str(port),
-            "--data-dir",
-            str(data_dir),
-        ],
+        noida_broker_command(port, data_dir),
         tmp_path / "cli.log",
     )
     bootstrap = f"127.0.0.1:{port}"
