@@ -36,9 +36,6 @@ from sidecar.broker.ports import free_ports, port_in_use
 from sidecar.errors import BrokerError
 
 logger = logging.getLogger(__name__)
-_QUIET = logging.getLogger("librdkafka.broker-start")
-_QUIET.propagate = False  # "connection refused" while the nodes start is expected, not news
-_QUIET.addHandler(logging.NullHandler())
 
 CLUSTER_FILE = "cluster.json"
 START_TIMEOUT_S = 180.0
@@ -337,6 +334,7 @@ class ApacheKafka(BrokerLauncher):
 
     def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> None:
         """Until every running node is a registered broker that answers metadata requests."""
+        # "Connection refused" while the nodes start is expected, not news: the client logs nothing.
         admin = AdminClient({"bootstrap.servers": self.bootstrap_servers, "log_level": 0})
         deadline = time.monotonic() + timeout_s
         while True:
