@@ -208,6 +208,7 @@ class SidecarApp:
                     batch_size=settings.batch_size,
                     idle_fetch_pause_ms=settings.idle_fetch_pause_ms,
                     new_topic_partitions=settings.new_topic_partitions,
+                    replication_factor=settings.replication_factor,
                     control_topic=settings.control_topic,
                     read_ahead_ms=settings.read_ahead_ms,
                     recent_records_bytes=settings.recent_records_bytes,

@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 
 
 class RunCommand(RunSettings):
-    """Run the sidecar (starts the embedded broker when no bootstrap servers are given)."""
+    """Run the sidecar (starts a local broker when no bootstrap servers are given)."""
 
     def cli_cmd(self) -> None:
         setup_logging(self.log_level)

@@ -28,6 +28,7 @@ METAVARS: dict[str, str] = {
     "broker_port": "PORT",
     "broker_kind": "KIND",
     "nodes": "N",
+    "replication_factor": "N",
     "metrics_port": "PORT",
     "host": "HOST",
     "metrics_host": "HOST",
@@ -58,6 +59,7 @@ METAVARS: dict[str, str] = {
 # By flag name, for flags without a value of their own: what happens when they are not given.
 UNSET: dict[str, str] = {
     "bootstrap_servers": "none",
+    "replication_factor": "the broker's default.replication.factor, at least min(3, brokers)",
     "security_protocol": "librdkafka's, PLAINTEXT",
     "sasl_mechanism": "librdkafka's, GSSAPI",
     "driver_memory": "Spark's",

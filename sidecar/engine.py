@@ -103,6 +103,7 @@ class Sidecar:
         batch_size: int = 10_000,
         idle_fetch_pause_ms: int = 0,
         new_topic_partitions: int = 3,
+        replication_factor: int | None = None,
         control_topic: str = "delay-sidecar.control",
         read_ahead_ms: int = 10_000,
         recent_records_bytes: int = 0,
@@ -158,7 +159,7 @@ class Sidecar:
         except BaseException:
             self._consumer.close()  # the engine is built again, after a pause: not one consumer per attempt
             raise
-        self._admin = TopicAdmin(client_config, new_topic_partitions)
+        self._admin = TopicAdmin(client_config, new_topic_partitions, replication_factor)
         self._nacks = LatestNacks(changelog=bool(state_topic and mirror))
         self._state_topic = (
             StateTopic(state_topic, client_config, self._admin, writer, mirror, self._nacks, metrics)

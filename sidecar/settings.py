@@ -191,6 +191,12 @@ class RunSettings(KafkaSettings):
     new_topic_partitions: int = Field(
         3, ge=1, description="Partitions of inbound topics the sidecar creates because they did not exist"
     )
+    replication_factor: int | None = Field(
+        None,
+        ge=1,
+        description="Replication factor of the topics the sidecar creates (inbound, outbound, dead-letter, "
+        "control, state); min.insync.replicas is one less, at least 1",
+    )
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="Log level")
 
     @property

@@ -8,7 +8,7 @@ from collections.abc import Callable
 import pytest
 from confluent_kafka import Consumer, KafkaError
 
-from sidecar.broker.admin import TopicAdmin
+from sidecar.broker.admin import TopicAdmin, replication
 from sidecar.kafka_io import LIBRDKAFKA, Connectivity, RepeatFilter, consumer_config, is_fatal
 
 
@@ -92,3 +92,20 @@ def test_a_topic_created_after_the_subscription_is_assigned_at_the_next_refresh(
         assert sorted(tp.topic for tp in consumer.assignment()) == sorted([known, name])
     finally:
         consumer.close()
+
+
+@pytest.mark.parametrize(
+    ("explicit", "broker_default", "brokers", "expected"),
+    [
+        (None, 1, 1, (1, 1)),  # a single broker: nothing to replicate to
+        (None, 1, 2, (2, 1)),
+        (None, 1, 3, (3, 2)),  # Kafka's default of 1, raised
+        (None, 1, 5, (3, 2)),
+        (None, 4, 5, (4, 3)),  # an operator's higher default is kept
+        (2, 1, 5, (2, 1)),  # --replication-factor wins
+    ],
+)
+def test_new_topics_are_replicated_by_the_broker_default_or_min_3_brokers(
+    explicit: int | None, broker_default: int, brokers: int, expected: tuple[int, int]
+) -> None:
+    assert replication(explicit, broker_default, brokers) == expected

@@ -30,11 +30,29 @@ COORDINATOR_MOVING = {
 RETENTION_REFRESH_S = 60.0
 
 
+def replication(explicit: int | None, broker_default: int, brokers: int) -> tuple[int, int]:
+    """Replication factor and min.insync.replicas of the topics the sidecar creates.
+
+    The broker's default.replication.factor, raised to min(3, brokers) where it is lower: Kafka's
+    own default is 1, and one broker's loss then loses records the sidecar acknowledged. An explicit
+    --replication-factor wins. min.insync.replicas is one less (at least 1), so that acks=all writes,
+    which every producer of the sidecar makes (idempotence), go on through one broker's loss.
+    """
+    factor = explicit if explicit is not None else max(broker_default, min(3, brokers))
+    return factor, max(1, factor - 1)
+
+
 class TopicAdmin:
-    def __init__(self, client_config: dict[str, Any], new_partitions: int) -> None:
+    def __init__(
+        self, client_config: dict[str, Any], new_partitions: int, replication_factor: int | None = None
+    ) -> None:
         self._admin = AdminClient(client_config, logger=LIBRDKAFKA)
         self._client_config = client_config
         self._new_partitions = new_partitions
+        self._replication_factor = replication_factor
+        self._replication: tuple[int, int] | None = None
+        self._warned: set[str] = set()
+        """Topics already named by `warn_unreplicated`: each is named once, not at every reload."""
         self.partitions: dict[str, int] = {}
         """Partition count of every topic the policies name, after `ensure`."""
         self.retention_ms: dict[str, int | None] = {}
@@ -51,18 +69,74 @@ class TopicAdmin:
         config: dict[str, str] | None = None,
         advice: str = "create it yourself or grant CREATE on the cluster",
     ) -> None:
-        """Create topics with these partition counts; one that exists already is not an error."""
+        """Create topics with these partition counts, replicated (`replication`); one that exists
+        already is not an error."""
+        factor, min_isr = self.replication()
+        settings = {"min.insync.replicas": str(min_isr), **(config or {})}
         futures = self._admin.create_topics(
-            [NewTopic(t, n, config=config or {}) for t, n in wanted.items()], operation_timeout=ADMIN_TIMEOUT_S
+            [NewTopic(t, n, replication_factor=factor, config=settings) for t, n in wanted.items()],
+            operation_timeout=ADMIN_TIMEOUT_S,
         )
         for topic, future in futures.items():
             try:
                 future.result()
-                logger.info("topic created topic=%s partitions=%d", topic, wanted[topic])
+                logger.info("topic created topic=%s partitions=%d replication_factor=%d", topic, wanted[topic], factor)
             except Exception as e:
                 if "TOPIC_ALREADY_EXISTS" not in str(e):
+                    if "REPLICATION_FACTOR" in str(e):
+                        advice = f"lower --replication-factor (it is {factor}) to the number of brokers or fewer"
                     raise BrokerError(f"cannot create topic {topic}: {e}; {advice}") from e
         self._wait_for_leaders(wanted)
+
+    def replication(self) -> tuple[int, int]:
+        """Replication factor and min.insync.replicas of new topics, chosen once from the cluster."""
+        if self._replication is None:
+            metadata = self._admin.list_topics(timeout=ADMIN_TIMEOUT_S)
+            default = self._broker_default_replication(sorted(metadata.brokers))
+            self._replication = replication(self._replication_factor, default, len(metadata.brokers))
+            logger.info(
+                "replication of new topics replication_factor=%d min_insync_replicas=%d brokers=%d broker_default=%d",
+                *self._replication,
+                len(metadata.brokers),
+                default,
+            )
+        return self._replication
+
+    def _broker_default_replication(self, brokers: list[int]) -> int:
+        """The cluster's default.replication.factor; 1 (Kafka's default) when it cannot be read."""
+        if not brokers:
+            return 1
+        resource = ConfigResource("broker", str(brokers[0]))
+        try:
+            entry = self._admin.describe_configs([resource], request_timeout=ADMIN_TIMEOUT_S)[resource].result()
+            value = entry.get("default.replication.factor")
+            return int(value.value) if value is not None and value.value is not None else 1
+        except Exception as e:  # no DESCRIBE_CONFIGS on the cluster, or a broker that lacks the call
+            logger.warning("broker default replication unknown; taking 1 error=%s", e)
+            return 1
+
+    def warn_unreplicated(self, topics: Iterable[str]) -> list[str]:
+        """Log the topics the sidecar relies on that have one replica on a cluster of several brokers:
+        one broker's loss loses their records. Returns them."""
+        metadata = self._admin.list_topics(timeout=ADMIN_TIMEOUT_S)
+        if len(metadata.brokers) < 2:
+            return []
+        thin = sorted(
+            name
+            for name in set(topics)
+            if (topic := metadata.topics.get(name)) is not None
+            and topic.error is None
+            and any(len(p.replicas) < 2 for p in topic.partitions.values())
+        )
+        self._warned.update(thin)
+        if thin:
+            logger.warning(
+                "topics with a single replica on a cluster of %d brokers: a broker's loss loses their records; "
+                "raise their replication factor (kafka-reassign-partitions) topics=%s",
+                len(metadata.brokers),
+                ",".join(thin),
+            )
+        return thin
 
     def _wait_for_leaders(self, wanted: dict[str, int]) -> None:
         """Until the cluster's metadata shows every partition of these topics with a leader.
@@ -93,7 +167,7 @@ class TopicAdmin:
     def ensure(self, policies: PolicySet, own: Iterable[str]) -> None:
         """Create what is missing: `own` are the sidecar's own topics (control topics and theirs).
         Afterwards `partitions` counts every topic the policies name."""
-        existing = self.existing()
+        existing, own = self.existing(), list(own)
         wanted: dict[str, int] = {name: self._new_partitions for name in own if name not in existing}
         for name, route in policies.topics.items():
             partitions = existing.get(name, self._new_partitions)
@@ -105,6 +179,10 @@ class TopicAdmin:
         if wanted:
             self.create(wanted)
         self.partitions = {**existing, **wanted}
+        relied = [*own, *policies.topics]
+        for route in policies.topics.values():
+            relied += [route.dead_letter_topic, *(s.outbound for s in route.subscriptions)]
+        self.warn_unreplicated(t for t in relied if t in existing and t not in self._warned)
 
     def group_offsets(self, group_id: str) -> dict[tuple[str, int], tuple[int, str | None]]:
         """Every offset the group has committed, with its metadata, whatever topic it is for: a topic

@@ -91,6 +91,17 @@ def previous_broker(data_dir: Path) -> int | None:
     return pid if _running_noida(pid) else None
 
 
+def _exiting_broker(data_dir: Path) -> bool:
+    """The process this data dir's control file names still exists, in whatever state: a broker whose
+    parent was killed can hold its port for a moment after its threads stop counting as running
+    (seen once in CI, under load, as "port already in use" right after a kill -9 of `broker`)."""
+    try:
+        pid = int(json.loads((data_dir / CONTROL_FILE).read_text())["pid"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    return Path(f"/proc/{pid}").exists()
+
+
 def listening_inodes(port: int) -> set[str] | None:
     """Socket inodes listening on the port, from /proc/net; None where /proc/net is missing (not Linux)."""
     inodes: set[str] = set()
@@ -201,12 +212,15 @@ class EmbeddedBroker(BrokerLauncher):
             busy = port_in_use(self.host, self.port)
             if previous is None and not busy:
                 return
-            if previous is None:
+            if previous is None and not (_exiting_broker(self.data_dir) and time.monotonic() < deadline):
                 raise BrokerError(
                     f"port {self.port} on {self.host} is already in use by another process, so the embedded broker "
                     f"cannot listen there; stop that process, or pick another port (--broker-port for run, --port "
                     f"for broker), or give --bootstrap-servers to use a broker that is already running"
                 )
+            if previous is None:  # this data dir's broker, exiting: its port goes with it
+                time.sleep(0.2)
+                continue
             if time.monotonic() >= deadline:
                 raise BrokerError(self._taken(previous))
             if not waiting_logged:
