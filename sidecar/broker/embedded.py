@@ -82,24 +82,26 @@ def _running_noida(pid: int) -> bool:
     return False
 
 
-def previous_broker(data_dir: Path) -> int | None:
-    """The pid of a noida-db still serving this data dir, from its control file; None when there is none."""
+def _control_pid(data_dir: Path) -> int | None:
+    """The pid this data dir's control file names; None when there is no readable one."""
     try:
-        pid = int(json.loads((data_dir / CONTROL_FILE).read_text())["pid"])
+        return int(json.loads((data_dir / CONTROL_FILE).read_text())["pid"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    return pid if _running_noida(pid) else None
+
+
+def previous_broker(data_dir: Path) -> int | None:
+    """The pid of a noida-db still serving this data dir, from its control file; None when there is none."""
+    pid = _control_pid(data_dir)
+    return pid if pid is not None and _running_noida(pid) else None
 
 
 def _exiting_broker(data_dir: Path) -> bool:
     """The process this data dir's control file names still exists, in whatever state: a broker whose
     parent was killed can hold its port for a moment after its threads stop counting as running
     (seen once in CI, under load, as "port already in use" right after a kill -9 of `broker`)."""
-    try:
-        pid = int(json.loads((data_dir / CONTROL_FILE).read_text())["pid"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return False
-    return Path(f"/proc/{pid}").exists()
+    pid = _control_pid(data_dir)
+    return pid is not None and Path(f"/proc/{pid}").exists()
 
 
 def listening_inodes(port: int) -> set[str] | None:
