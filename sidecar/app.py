@@ -13,7 +13,6 @@ from typing import Any, Protocol
 from confluent_kafka.admin import AdminClient
 
 from sidecar.broker import BrokerLauncher, ExternalBroker, local_broker
-from sidecar.broker.local import default_data_dir
 from sidecar.clock import Clock, SystemClock
 from sidecar.dispatch.payload_cache import PayloadCache
 from sidecar.engine import Sidecar
@@ -44,9 +43,7 @@ def launcher_for(settings: RunSettings, stop: threading.Event | None = None) -> 
     """The cluster the settings name, or a local broker under the state dir when they name none."""
     if settings.bootstrap_servers:
         return ExternalBroker(settings.bootstrap_servers, settings.client_config(settings.bootstrap_servers), stop)
-    return local_broker(
-        settings.broker_kind, default_data_dir(settings.state_dir, settings.broker_kind), port=settings.broker_port
-    )
+    return local_broker(settings.broker_kind, None, port=settings.broker_port, state_dir=settings.state_dir)
 
 
 STATE_TAIL_OFFSETS = 10_000

@@ -14,7 +14,7 @@ from pydantic import Field, ValidationError
 from pydantic_settings import BaseSettings, CliApp, CliSettingsSource, CliSubCommand, SettingsConfigDict
 
 from sidecar.app import SidecarApp, run_until_signalled
-from sidecar.broker.local import KIND_HELP, BrokerKind, default_data_dir, local_broker
+from sidecar.broker.local import KIND_HELP, BrokerKind, local_broker
 from sidecar.cli_help import add_argument
 from sidecar.demo import run_demo
 from sidecar.errors import SidecarError
@@ -65,8 +65,7 @@ class BrokerCommand(BaseSettings):
         stop = threading.Event()
         signal.signal(signal.SIGTERM, lambda *_: stop.set())
         signal.signal(signal.SIGINT, lambda *_: stop.set())
-        data_dir = self.data_dir or default_data_dir(Path(".state"), self.broker_kind)
-        with local_broker(self.broker_kind, data_dir, port=self.port, host=self.host, nodes=self.nodes) as broker:
+        with local_broker(self.broker_kind, self.data_dir, port=self.port, host=self.host, nodes=self.nodes) as broker:
             print(
                 f"broker ready: {broker.description}, bootstrap servers {broker.bootstrap_servers} (Ctrl-C stops)",
                 flush=True,

@@ -157,6 +157,7 @@ class ApacheKafka(BrokerLauncher):
             self._ports_chosen = True
         self.bootstrap_servers = ",".join(f"{self.host}:{self.broker_port(n.node_id)}" for n in self.nodes)
         cluster_id = self._cluster_id()  # before anything is written: a refused data dir stays as it was
+        (self.data_dir / "log4j2.properties").write_text(_LOG4J)  # one for every node
         for node in self.nodes:
             self._write_config(node)
         self._format(cluster_id)
@@ -230,7 +231,6 @@ class ApacheKafka(BrokerLauncher):
         }
         node.directory.mkdir(parents=True, exist_ok=True)
         (node.directory / "server.properties").write_text("".join(f"{k}={v}\n" for k, v in settings.items()))
-        (self.data_dir / "log4j2.properties").write_text(_LOG4J)
 
     def _cluster_id(self) -> str:
         """The id this data dir was formatted with, or a new one for a new data dir.

@@ -24,12 +24,12 @@ KIND_HELP = (
 )
 
 
-def default_data_dir(state_dir: Path, kind: BrokerKind) -> Path:
-    """Each kind keeps its data in a folder of its own: a switch of kind never reads the other's files."""
-    return state_dir / ("broker" if resolve_kind(kind, quiet=True) == "noida-db" else "kafka")
+DATA_DIRS = {"apache-kafka": "kafka", "noida-db": "broker"}
+"""Each kind keeps its data in a folder of its own under the state dir: a switch of kind never reads
+the other's files."""
 
 
-def resolve_kind(kind: BrokerKind, quiet: bool = False) -> Literal["apache-kafka", "noida-db"]:
+def resolve_kind(kind: BrokerKind) -> Literal["apache-kafka", "noida-db"]:
     """The kind `auto` stands for on this machine; an explicit kind that cannot run is an error."""
     missing = missing_tools() if kind != "noida-db" else None
     if kind == "apache-kafka":
@@ -37,20 +37,26 @@ def resolve_kind(kind: BrokerKind, quiet: bool = False) -> Literal["apache-kafka
             raise BrokerError(f"cannot start Apache Kafka: {missing}; install it, or use --broker-kind noida-db")
         return kind
     if kind == "noida-db" or missing is not None:
-        if not quiet:
-            why = "asked for" if kind == "noida-db" else f"{missing}; falling back to the embedded broker"
-            logger.info("broker chosen kind=noida-db version=%s why=%r", noida_version(), why)
+        why = "asked for" if kind == "noida-db" else f"{missing}; falling back to the embedded broker"
+        logger.info("broker chosen kind=noida-db version=%s why=%r", noida_version(), why)
         return "noida-db"
-    if not quiet:
-        logger.info("broker chosen kind=apache-kafka version=%s why=%r", KAFKA_VERSION, "Java 17+ found")
+    logger.info("broker chosen kind=apache-kafka version=%s why=%r", KAFKA_VERSION, "Java 17+ found")
     return "apache-kafka"
 
 
 def local_broker(
-    kind: BrokerKind, data_dir: Path, port: int = 9092, host: str = "127.0.0.1", nodes: int = 1
+    kind: BrokerKind,
+    data_dir: Path | None,
+    port: int = 9092,
+    host: str = "127.0.0.1",
+    nodes: int = 1,
+    state_dir: Path = Path(".state"),
 ) -> BrokerLauncher:
-    """A launcher for the broker `kind` resolves to, with its data under `data_dir`."""
-    if resolve_kind(kind) == "apache-kafka":
+    """A launcher for the broker `kind` resolves to (resolved once: it runs `java -version`), with its
+    data under `data_dir`, or under the kind's own folder of `state_dir` (DATA_DIRS)."""
+    resolved = resolve_kind(kind)
+    data_dir = data_dir or state_dir / DATA_DIRS[resolved]
+    if resolved == "apache-kafka":
         return ApacheKafka(data_dir, port=port, host=host, nodes=nodes)
     if nodes != 1:
         raise BrokerError(f"noida-db runs a single node, not {nodes}: use --nodes 1, or --broker-kind apache-kafka")

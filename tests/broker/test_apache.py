@@ -16,10 +16,10 @@ import psutil
 import pytest
 from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic
 
-from sidecar.broker import ApacheKafka
+from sidecar.broker import ApacheKafka, EmbeddedBroker
 from sidecar.broker.admin import TopicAdmin
 from sidecar.broker.jars import CACHE_ENV, fetch_kafka, kafka_libs, missing_tools
-from sidecar.broker.local import default_data_dir, local_broker, resolve_kind
+from sidecar.broker.local import local_broker, resolve_kind
 from sidecar.broker.ports import free_port, free_ports
 from sidecar.errors import BrokerError
 from tests.broker.test_orphans import gone, wait_until
@@ -203,7 +203,8 @@ def test_without_java_auto_falls_back_to_noida_db_and_says_why(
     chosen = [r.getMessage() for r in caplog.records if r.getMessage().startswith("broker chosen")]
     assert len(chosen) == 1 and "kind=noida-db" in chosen[0], chosen
     assert "no Java on PATH" in chosen[0] and "falling back to the embedded broker" in chosen[0], chosen
-    assert default_data_dir(Path(".state"), "auto") == Path(".state/broker")
+    fallback = local_broker("auto", None)
+    assert isinstance(fallback, EmbeddedBroker) and fallback.data_dir == Path(".state/broker")
     with pytest.raises(BrokerError, match=r"cannot start Apache Kafka: no Java on PATH.*--broker-kind noida-db"):
         local_broker("apache-kafka", tmp_path / "kafka")
 
