@@ -22,7 +22,7 @@ from xdist.scheduler import LoadFileScheduling
 from sidecar.broker import ApacheKafka, BrokerLauncher, EmbeddedBroker, ExternalBroker
 from sidecar.broker.ports import free_port
 from sidecar.clock import ManualClock
-from tests.kafka_helpers import KafkaHelper
+from tests.kafka_helpers import KafkaHelper, broker_kind_of_run
 
 # CI must never fail by chance: on a loaded two-core machine a slow example is not a bug, so the
 # suite runs without hypothesis' deadline and too_slow check. HYPOTHESIS_PROFILE=default restores them.
@@ -91,18 +91,9 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> LoadFileS
     return _SparkTogether(config, log)
 
 
-TEST_BROKER = "DELAY_SIDECAR_TEST_BROKER"
-"""apache-kafka (default) or noida-db: the broker kind of this run, when KAFKA_BOOTSTRAP_SERVERS names none."""
 _DESCRIPTION = "DELAY_SIDECAR_TEST_BROKER_DESCRIPTION"
 """Set by the process that started the run's broker, for the workers and the report header."""
 _STARTED: list[BrokerLauncher] = []
-
-
-def test_broker_kind() -> str:
-    kind = os.environ.get(TEST_BROKER, "apache-kafka")
-    if kind not in ("apache-kafka", "noida-db"):
-        raise pytest.UsageError(f"{TEST_BROKER}={kind}: use apache-kafka or noida-db")
-    return kind
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -111,7 +102,7 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "fallback: also run on noida-db, the fallback broker (scripts/test.sh)")
     if hasattr(config, "workerinput") or os.environ.get("KAFKA_BOOTSTRAP_SERVERS"):
         return
-    if config.option.collectonly or test_broker_kind() != "apache-kafka":
+    if config.option.collectonly or broker_kind_of_run() != "apache-kafka":
         return
     data_dir = Path(tempfile.mkdtemp(prefix="delay-sidecar-test-kafka-"))
     launcher = ApacheKafka(data_dir, port=free_port())
@@ -132,7 +123,7 @@ def pytest_report_header(config: pytest.Config) -> str:
         return f"broker: {os.environ[_DESCRIPTION]} at {os.environ['KAFKA_BOOTSTRAP_SERVERS']}"
     if os.environ.get("KAFKA_BOOTSTRAP_SERVERS"):
         return f"broker: an external cluster at {os.environ['KAFKA_BOOTSTRAP_SERVERS']}"
-    return f"broker: {test_broker_kind()}, one per worker"
+    return f"broker: {broker_kind_of_run()}, one per worker"
 
 
 _LAUNCHER: list[BrokerLauncher] = []

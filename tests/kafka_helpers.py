@@ -13,8 +13,9 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
+import pytest
 from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 
@@ -441,7 +442,17 @@ def assert_records_once_each(records: list[Received], outbound: str, expected: i
     assert not early(records), f"{outbound}: delivered early"
 
 
+TEST_BROKER = "DELAY_SIDECAR_TEST_BROKER"
+"""apache-kafka (default) or noida-db: the broker kind of the run, when KAFKA_BOOTSTRAP_SERVERS names none."""
+
+
+def broker_kind_of_run() -> Literal["apache-kafka", "noida-db"]:
+    kind = os.environ.get(TEST_BROKER, "apache-kafka")
+    if kind not in ("apache-kafka", "noida-db"):
+        raise pytest.UsageError(f"{TEST_BROKER}={kind}: use apache-kafka or noida-db")
+    return "noida-db" if kind == "noida-db" else "apache-kafka"
+
+
 def own_broker(data_dir: Path) -> BrokerLauncher:
     """A broker of the test's own, to stop and start again: of the run's kind (tests/conftest.py)."""
-    kind = os.environ.get("DELAY_SIDECAR_TEST_BROKER", "apache-kafka")
-    return local_broker("noida-db" if kind == "noida-db" else "apache-kafka", data_dir, port=free_port())
+    return local_broker(broker_kind_of_run(), data_dir, port=free_port())

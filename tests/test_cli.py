@@ -16,7 +16,7 @@ from pydantic_settings import BaseSettings
 from sidecar.cli import BrokerCommand, DemoCommand, main
 from sidecar.settings import RunSettings
 from spark.command import AuditSettings
-from tests.kafka_helpers import ROOT
+from tests.kafka_helpers import ROOT, broker_kind_of_run
 
 
 def cli(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
@@ -33,7 +33,7 @@ def cli(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> s
 
 @pytest.mark.fallback
 def test_demo_runs_to_the_end() -> None:
-    kind = os.environ.get("DELAY_SIDECAR_TEST_BROKER", "apache-kafka")
+    kind = broker_kind_of_run()
     result = cli("demo", "--broker-kind", kind, timeout=180)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "rejected: INVALID_DELAY_HEADER" in result.stdout

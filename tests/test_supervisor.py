@@ -26,6 +26,7 @@ from tests.kafka_helpers import (
     PolicyFile,
     SidecarProcess,
     TopicFactory,
+    broker_kind_of_run,
     deliveries,
     early,
     outbound_end,
@@ -151,7 +152,7 @@ def test_kill_9_of_the_supervisor_takes_the_workers_and_the_local_broker_with_it
     policies = tmp_path / "policies.yaml"
     policies.write_text("topics:\n  orders:\n    subscriptions:\n      a: {}\n")
     port, broker_port = free_ports(3), free_ports(2)
-    kind = os.environ.get("DELAY_SIDECAR_TEST_BROKER", "apache-kafka")
+    kind = broker_kind_of_run()
     args = ["--policies", str(policies), "--state-dir", str(tmp_path / "state"), "--metrics-port", str(port),
             "--broker-port", str(broker_port), "--broker-kind", kind, "--workers", "2"]  # fmt: skip
     supervisor = SidecarProcess(args, tmp_path / "log").start()
