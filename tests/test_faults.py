@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from sidecar.broker.ports import free_port
+from sidecar.outbound.records import DELIVER_AT, ORIGIN_OFFSET
 from tests.kafka_helpers import (
     KafkaHelper,
     LiveReader,
@@ -23,6 +24,7 @@ from tests.kafka_helpers import (
     early,
     outbound_end,
     own_broker,
+    scrape,
     wait_for,
 )
 
@@ -138,3 +140,52 @@ def test_exactly_once_rides_out_kills_and_a_broker_restart_for_fresh_and_live_re
         sidecar.close()
         helper.close()
         broker.stop()
+
+
+@pytest.mark.fallback
+def test_records_due_while_the_broker_is_away_go_out_once_at_least_once(
+    policy_file: PolicyFile, tmp_path: Path
+) -> None:
+    """At least once, but no second copy of a record the broker never saw. Before: records falling due
+    during a broker outage longer than the session timeout went out twice: their first copies waited in
+    the producer's queue while the lost partitions were assigned again and their records, restored
+    from the snapshot, were dispatched a second time."""
+    broker = own_broker(tmp_path / "broker")
+    bootstrap = broker.start()
+    topic, count = "outage", 3_000
+    policies = policy_file(f"topics:\n  {topic}:\n    subscriptions: {{a: {{}}}}\n")
+    port = free_port()
+    args = ["--bootstrap-servers", bootstrap, "--policies", str(policies), "--state-dir", str(tmp_path / "state"),
+            "--metrics-port", str(port), "--group-id", "outage", "--commit-interval-ms", "200",
+            "--session-timeout-ms", "6000"]  # fmt: skip
+    sidecar = SidecarProcess(args, tmp_path / "sidecar.log")
+    helper = KafkaHelper(bootstrap)
+    try:
+        sidecar.start()
+        wait_for(lambda: health(port)[0] == 200, 60, "ready")
+        first_due = int(time.time() * 1000) + 4_000
+        for i in range(count):  # due over 9 s, most of them while the broker is away
+            helper.produce(topic, f"v{i}".encode(), headers=[("deliver-at", str(first_due + i * 3))])
+        helper.flush()
+        wait_for(lambda: scrape(port, "delay_sidecar_messages_delayed_total", topic=topic) >= count, 60, "indexed")
+        broker.stop()
+        away_since = int(time.time() * 1000)
+        wait_for(lambda: "partitions lost" in sidecar.log.read_text(), 120, "the partitions lost to the outage")
+        wait_for(lambda: time.time() * 1000 > first_due + 3 * count + 1_000, 60, "every record due")
+        back_at = int(time.time() * 1000)
+        broker.start()
+        wait_for(lambda: health(port)[0] == 200, 120, "/healthz ready again by itself")
+        wait_for(lambda: len(deliveries(helper.read_to_end(f"{topic}.a"))) >= count, 120, "every record delivered")
+        assert sidecar.stop() == 0, sidecar.tail()
+        records = helper.read_to_end(f"{topic}.a")
+    finally:
+        sidecar.close()
+        helper.close()
+        broker.stop()
+    copies = deliveries(records)
+    assert len(copies) == count and not early(records)
+    due_away = {int(r.headers[ORIGIN_OFFSET]) for r in records if away_since < int(r.headers[DELIVER_AT]) < back_at}
+    twice = [origin for origin, n in copies.items() if n > 1 and origin[1] in due_away]
+    print(f"duplicated={sum(copies.values()) - count} due_while_away={len(due_away)}")
+    assert due_away, "no record fell due while the broker was away"
+    assert not twice, f"{len(twice)} of {len(due_away)} records due while the broker was away went out twice"

@@ -36,6 +36,8 @@ ANY_PARTITION = -1
 # A transaction open this long (a stalled process) is aborted by the broker.
 TRANSACTION_TIMEOUT_MS = 60_000
 _FENCED = {KafkaError._FENCED, KafkaError.INVALID_PRODUCER_EPOCH, KafkaError.PRODUCER_FENCED}
+_PURGED = {KafkaError._PURGE_QUEUE, KafkaError._PURGE_INFLIGHT}
+"""Reports of records this writer dropped on purpose (drop_unacknowledged, close)."""
 _ABANDONED: list[Producer] = []
 """Producers stuck in a call: destroying a librdkafka handle during a call blocks, so they are kept."""
 
@@ -142,6 +144,17 @@ class Writer:
         except KafkaException as e:
             # Fenced or failed: the next producer fences this id, which aborts it on Kafka.
             logger.warning("aborting the transaction failed error=%s", e.args[0])
+
+    def drop_unacknowledged(self) -> None:
+        """Partitions were lost and the engine starts again from its last checkpoint, which sends
+        anew everything not acknowledged: nothing queued may reach the broker after that. Exactly
+        once, the open transaction is aborted; at least once, the queue is purged, records in flight
+        included (one the broker wrote without answering may still come twice: at least once)."""
+        if self.transactional:
+            self.abort()
+            return
+        self.producer.purge()
+        self.producer.poll(0)  # serves the purged records' reports, which are not failures
 
     def _begin(self) -> None:
         self._transaction(self.producer.begin_transaction, "begin")
@@ -277,7 +290,7 @@ class Writer:
             self.producer.flush(0)
 
     def _on_delivery(self, error: KafkaError | None, record: Message) -> None:
-        if error is not None:
+        if error is not None and error.code() not in _PURGED:
             self._errors.append(f"{record.topic()}: {error}")
 
 

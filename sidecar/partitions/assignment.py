@@ -24,8 +24,8 @@ class Assignment:
 
     `on_assign` opens each partition's tracker and seeks to where `PartitionState.start` says.
     `on_revoke` checkpoints first (the partition goes to another member with nothing left
-    uncommitted); `on_lost` does not (another member may own it already), and in exactly-once
-    mode aborts the open transaction and has the engine start again.
+    uncommitted); `on_lost` does not (another member may own it already): it drops what the
+    writer holds unacknowledged and has the engine start again from the last checkpoint.
     """
 
     def __init__(
@@ -34,8 +34,9 @@ class Assignment:
         is_control: Callable[[str], bool],
         checkpoint: Callable[[], None],
         forget: Callable[[PartitionState], None],
-        abort: Callable[[], None] | None = None,
+        drop_unsent: Callable[[], None] = lambda: None,
         *,
+        exact: bool = False,
         end_of: Callable[[str, int], int],
         incremental: bool = False,
         on_handoff: Callable[[str, int, int], None] | None = None,
@@ -56,8 +57,10 @@ class Assignment:
         self._load_rules = load_rules
         """The whole rule history a commit's `rules_ref` names, from the state topic (None: not found)."""
         self._restore = restore
-        self._abort = abort
-        """Exactly-once mode: drops the open transaction when partitions are lost."""
+        self._drop_unsent = drop_unsent
+        """Called when partitions are lost: the writer drops what the broker has not acknowledged
+        (exactly once, the open transaction; at least once, its queue)."""
+        self._exact = exact
         self.error: Exception | None = None
         """Why the engine must start again, found in a callback: raised from there, an exception
         would reach librdkafka's C code and come out of poll as a bare SystemError."""
@@ -92,7 +95,7 @@ class Assignment:
             if state is None:
                 tracker = self._factory(tp.topic, tp.partition)
                 control = self._is_control(tp.topic)
-                state = PartitionState(tp.topic, tp.partition, tracker, control=control, exact=self._abort is not None)
+                state = PartitionState(tp.topic, tp.partition, tracker, control=control, exact=self._exact)
                 self.states[key] = state
             committed = tp.offset if tp.offset >= 0 else None
             metadata = commit if commit.rules_ref is None else self._full_rules(state.name, commit)
@@ -119,7 +122,7 @@ class Assignment:
         self.assigned.set()
         self._handoff("assigned", len(starts))
         logger.info("partitions assigned partitions=%s", _names(starts))
-        if self._abort is not None and not self.failed:
+        if self._exact and not self.failed:
             # Exactly once: before this producer writes for them, the commits of the new partitions
             # name it, so that a successor of this identity fences it (identity.py). Only their last
             # commit again: the engine sets some of them up after this (a removed topic's drain).
@@ -189,15 +192,19 @@ class Assignment:
         logger.info("partitions revoked partitions=%s", _names(partitions))
 
     def on_lost(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
-        if self._abort is not None:
-            # Another member may own them and deliver what this transaction holds: abort it. Its
-            # pops of the partitions kept are undone only by starting again from the commit.
-            self._abort()
-            self.failed = True
-            self.error = BrokerError(
-                "partitions were lost to the group (this member was away longer than the session timeout); "
-                "their transaction was aborted and the engine starts again from the commit"
-            )
+        # Another member may own them already, or this one again after rejoining, restored from the
+        # last checkpoint: either sends anew what fell due since. Copies still in the writer's queue
+        # would reach the broker too, a second copy of records the broker never had: at least once,
+        # records due during a broker outage went out twice, 0.4 s apart. Exactly once, the open
+        # transaction also holds pops of the partitions kept, undone only by starting from the commit;
+        # at least once, the purge drops their copies too. Both start again from the last checkpoint.
+        self._drop_unsent()
+        self.failed = True
+        self.error = BrokerError(
+            "partitions were lost to the group (this member was away longer than the session timeout); "
+            f"{'the open transaction was aborted' if self._exact else 'unacknowledged records were dropped'} "
+            "and the engine starts again from the last checkpoint"
+        )
         _release(consumer, partitions)
         self._drop(partitions)
         self._handoff("lost", len(partitions))
