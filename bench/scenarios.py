@@ -55,9 +55,20 @@ SCENARIOS = (
     "fixed",
     "burst",
 )
-# Run only when named: the delayed scenario again without the payload cache, for a comparison in one run.
-EXTRA_SCENARIOS = ("delayed-nocache",)
+# Run only when named, for comparisons in one run (issue 42): the delayed and burst scenarios without
+# the payload cache (payloads read back from the log, ahead of time), and without it and the read-ahead
+# (read back only when due); the fixed-delay scenarios with monotone runs.
+EXTRA_SCENARIOS = (
+    "delayed-nocache",
+    "delayed-bare",
+    "burst-nocache",
+    "burst-bare",
+    "fixed-40k-runs",
+    "fixed-runs",
+)
 NO_CACHE = ("--payload-cache-bytes", "0")
+BARE = (*NO_CACHE, "--read-ahead-ms", "0")
+RUNS = ("--monotone-runs",)
 SMALL_CACHE_SHARE = 0.10
 """delayed-small-cache: the cache budget as a share of the data, so most payloads take the read-back path."""
 RECORD_OVERHEAD_BYTES = 80
@@ -296,22 +307,22 @@ def delayed_small_cache(ctx: Context) -> Result:
     return result
 
 
-def burst(ctx: Context) -> Result:
+def burst(ctx: Context, name: str = "burst", extra: tuple[str, ...] = ()) -> Result:
     sizes = ctx.sizes
     n = sizes.burst
     base_ms = now_ms() + sizes.lead_ms(n)
-    result, deliveries = _delayed_run(ctx, "burst", n, base_ms, 1000, "burst-load")
+    result, deliveries = _delayed_run(ctx, name, n, base_ms, 1000, f"{name}-load", extra=extra)
     if deliveries is not None and len(deliveries.delivered_ms):
         first_due = min(deliveries.deliver_at_ms)
         result.figures["drain_s"] = round((max(deliveries.delivered_ms) - first_due) / 1000, 2)
     return result
 
 
-def fixed(ctx: Context, name: str = "fixed", rate: float = 0.0) -> Result:
+def fixed(ctx: Context, name: str = "fixed", rate: float = 0.0, extra: tuple[str, ...] = ()) -> Result:
     """A fixed-delay topic fed live, at full speed (rate 0) or at `rate` records/s."""
     sizes = ctx.sizes
     result, deliveries = _delayed_run(
-        ctx, name, sizes.fixed, 0, 0, f"{name}-load", fixed_delay_ms=sizes.fixed_delay_ms, rate=rate
+        ctx, name, sizes.fixed, 0, 0, f"{name}-load", fixed_delay_ms=sizes.fixed_delay_ms, extra=extra, rate=rate
     )
     result.figures["fixed_delay_s"] = sizes.fixed_delay_ms / 1000
     if rate:
@@ -338,4 +349,9 @@ RUNNERS: dict[str, Callable[[Context], Result]] = {
     "fixed": fixed,
     "burst": burst,
     "delayed-nocache": delayed_nocache,
+    "delayed-bare": lambda ctx: delayed(ctx, "delayed-bare", BARE),
+    "burst-nocache": lambda ctx: burst(ctx, "burst-nocache", NO_CACHE),
+    "burst-bare": lambda ctx: burst(ctx, "burst-bare", BARE),
+    "fixed-40k-runs": lambda ctx: fixed(ctx, "fixed-40k-runs", ctx.sizes.fixed_rate, RUNS),
+    "fixed-runs": lambda ctx: fixed(ctx, "fixed-runs", extra=RUNS),
 }
