@@ -24,6 +24,9 @@ LEADER_MOVING = {
     KafkaError.NOT_LEADER_FOR_PARTITION,
     KafkaError.UNKNOWN_TOPIC_OR_PART,
     KafkaError.LEADER_NOT_AVAILABLE,
+    # Three nodes on two cores: a busy leader answered a watermark request after more than 10 s
+    # (the 3-node end-to-end run of 2026-11-28 stopped there), so a timeout is asked again too.
+    KafkaError._TIMED_OUT,
 }
 
 
