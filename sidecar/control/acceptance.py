@@ -36,8 +36,8 @@ from sidecar.control.commands import (
 from sidecar.control.forwarding import Forwarding
 from sidecar.control.nacks import LatestNacks
 from sidecar.control.topics import ControlTopics, side_topics
-from sidecar.dispatch.reader import LogReader
-from sidecar.errors import Refused, RejectedRecord, SidecarError
+from sidecar.dispatch.reader import LogReader, NoSuchPartition
+from sidecar.errors import Refused, RejectedRecord
 from sidecar.metrics import Metrics
 from sidecar.outbound.writer import Writer
 from sidecar.partitions import TopicPartitionKey
@@ -275,7 +275,7 @@ class Acceptance:
         if command.offset >= high:
             try:
                 _, high = self._reader.watermarks(command.topic, command.partition)
-            except SidecarError:
+            except NoSuchPartition:
                 high = -1
             self._high_watermarks[key] = high
         if command.offset >= high:

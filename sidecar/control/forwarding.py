@@ -30,9 +30,9 @@ from sidecar.control.cancels import (
 )
 from sidecar.control.outcomes import Outcomes
 from sidecar.control.topics import ControlTopics
-from sidecar.dispatch.reader import LogReader
+from sidecar.dispatch.reader import LogReader, NoSuchPartition
 from sidecar.durations import format_duration_ms
-from sidecar.errors import Refused, SidecarError
+from sidecar.errors import Refused
 from sidecar.outbound.records import OutHeaders
 from sidecar.outbound.writer import Writer
 from sidecar.partitions import TopicPartitionKey
@@ -159,7 +159,7 @@ class Forwarding:
             return True
         try:
             _, end = self._reader.watermarks(topic, partition)
-        except SidecarError:
+        except NoSuchPartition:
             end = -1
         self._ends[key] = end
         return offset < end

@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from confluent_kafka import KafkaError, Message, TopicPartition
+from confluent_kafka import KafkaError, KafkaException, Message, TopicPartition
 
 from sidecar.errors import BrokerError, SidecarError
 from sidecar.kafka_io import consume_batch, log_reader
@@ -42,8 +42,20 @@ DEFAULT_MAX_GAP = 2_000
 READ_ERROR_DEADLINE_S = 30.0
 
 
+# Asking a partition's end again while the broker cannot answer (a leader moving, a node away)
+# before the engine gives up and starts again from its last checkpoint.
+END_READ_DEADLINE_S = 30.0
+UNKNOWN_FOR_S = 2.0
+"""How long the broker must keep saying a partition does not exist before a command about it is refused."""
+_NO_SUCH_PARTITION = {KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_PARTITION, KafkaError._UNKNOWN_TOPIC}
+
+
 class ReadInterrupted(SidecarError):
     """The sidecar is stopping; nothing read after the last checkpoint is committed."""
+
+
+class NoSuchPartition(SidecarError):
+    """The broker says the topic or partition does not exist: a command about it names no message."""
 
 
 @dataclass
@@ -139,13 +151,35 @@ class LogReader:
             return record
         return None
 
-    def watermarks(self, topic: str, partition: int) -> tuple[int, int]:
-        """(low, high) offsets of an inbound partition, asked of the broker."""
-        try:
-            low, high = self._consumer.get_watermark_offsets(TopicPartition(topic, partition), timeout=5, cached=False)
-        except Exception as e:
-            raise SidecarError(f"cannot read the watermarks of {topic}/{partition}: {e}") from e
-        return int(low), int(high)
+    def watermarks(self, topic: str, partition: int, deadline_s: float = END_READ_DEADLINE_S) -> tuple[int, int]:
+        """(low, high) offsets of an inbound partition, asked of the broker.
+
+        A failure to answer is asked again, and after `deadline_s` is a BrokerError (the engine starts
+        again from its last checkpoint and judges the command again). Before, it counted as an end of
+        0: on three nodes a valid nack was refused UNKNOWN_MESSAGE ("has no offset 1 (its end is 0)")
+        while its message had been delivered. NoSuchPartition: the partition does not exist."""
+        deadline = time.monotonic() + deadline_s
+        unknown_since: float | None = None
+        while True:
+            try:
+                low, high = self._consumer.get_watermark_offsets(
+                    TopicPartition(topic, partition), timeout=5, cached=False
+                )
+                return int(low), int(high)
+            except KafkaException as e:
+                error: KafkaError = e.args[0]
+                if error.code() in _NO_SUCH_PARTITION:
+                    # Also what a client says whose metadata does not have the topic yet: asked again, briefly.
+                    unknown_since = unknown_since if unknown_since is not None else time.monotonic()
+                    if time.monotonic() - unknown_since >= UNKNOWN_FOR_S:
+                        raise NoSuchPartition(f"{topic}/{partition} does not exist ({error})") from e
+                elif time.monotonic() >= deadline:
+                    raise BrokerError(
+                        f"cannot read the end of {topic}/{partition} ({error}); check that the brokers are up. "
+                        "The engine starts again from its last checkpoint"
+                    ) from e
+                if self._stop.wait(0.2):
+                    raise ReadInterrupted("stopping while asking a partition's end") from e
 
     def close(self) -> None:
         self._consumer.close()
