@@ -260,7 +260,7 @@ class Nacks(Background):
         transaction on noida-db (see WHOLE_PARTITION_FETCH), so the topic is read again from the
         start every half second, and only records not seen before are considered (on either broker,
         so that both runs nack alike)."""
-        producer = Producer({"bootstrap.servers": self._bootstrap, "linger.ms": 5})
+        producer = Producer(producer_config(self._bootstrap))
         nacker = Nacker(producer, CONTROL, subscription="shared")
         seen: set[tuple[int, int]] = set()
         try:
@@ -308,7 +308,7 @@ class Cancels(Background):
         return self
 
     def _loop(self) -> None:
-        producer = Producer({"bootstrap.servers": self._bootstrap, "linger.ms": 5})
+        producer = Producer(producer_config(self._bootstrap))
         due: list[tuple[float, int]] = []
         seen = 0
         try:
@@ -454,10 +454,16 @@ Positions = dict[int, tuple[int, int]]
 """Record number -> (partition, offset), from the producer's delivery reports."""
 
 
+def producer_config(bootstrap: str) -> dict[str, Any]:
+    """Idempotent, as users' producers should be: on three nodes a plain producer wrote 3 cancel
+    commands twice when a leader moved (each copy was answered, so their ids were answered twice)."""
+    return {"bootstrap.servers": bootstrap, "linger.ms": 5, "enable.idempotence": True}
+
+
 def produce(bootstrap: str, plan: Plan, produced: list[float], positions: Positions) -> None:
     """Records spread over the first part of the run, each with deliver-after 0 to window s."""
     rng = random.Random(plan.seed)
-    producer = Producer({"bootstrap.servers": bootstrap, "linger.ms": 5})
+    producer = Producer(producer_config(bootstrap))
     spread_s = plan.window_s / 2
     started = time.monotonic()
     for i in range(plan.records):
