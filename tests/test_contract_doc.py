@@ -34,8 +34,8 @@ ROOT = Path(__file__).resolve().parents[1]
 CONTRACT = ROOT / "docs" / "contract.md"
 SIDECAR = ROOT / "sidecar"
 
-# Where code, configuration and prose cite the contract by section number.
-CITING_DIRS = ("sidecar", "spark", "tests", "policies", "examples", "deploy", "bench", "scripts")
+# Where code, configuration and prose cite the contract by section number (the docs site's pages too).
+CITING_DIRS = ("sidecar", "spark", "tests", "policies", "examples", "deploy", "bench", "scripts", "docs")
 CITING_FILES = ("README.md",)
 CITING_SUFFIXES = frozenset({".py", ".yaml", ".yml", ".md"})
 

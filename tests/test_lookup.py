@@ -129,7 +129,7 @@ def test_the_owner_shows_a_nack_that_another_member_holds(
         asked, elsewhere = owned[(topic, partition)]["metrics_port"], owned[(control, other)]["metrics_port"]
         assert sorted([asked, elsewhere]) == sorted(ports)
         # Both delivered. At least once, a member that joins while the other delivers may send one
-        # again (README, "A member that joins while another is busy"): origins, not a count.
+        # again (docs/guides/operators/scaling-out.md, "On the embedded broker"): origins, not a count.
         delivered = lambda: {r.headers[ORIGIN] for r in kafka_helper.read_to_end(f"{topic}.billing")}  # noqa: E731
         wait_for(lambda: delivered() == {f"{topic}/0/0".encode(), f"{topic}/1/0".encode()}, 60, "both delivered")
         nack_at = int(time.time() * 1000) + 600_000

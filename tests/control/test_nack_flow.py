@@ -166,8 +166,9 @@ def test_a_nack_of_a_dead_lettered_message_is_refused_when_it_falls_due_and_the_
     kafka: str, kafka_helper: KafkaHelper, topic_factory: TopicFactory, policy_file: PolicyFile, tmp_path: Path
 ) -> None:
     """A nack is accepted for any offset the log holds; when it falls due, its message is judged
-    again, so one that went to the dead-letter topic never reaches the subscription (README,
-    UNKNOWN_MESSAGE). Nacks of one batch for the same partition are redelivered around it."""
+    again, so one that went to the dead-letter topic never reaches the subscription
+    (docs/guides/consumers.md, UNKNOWN_MESSAGE). Nacks of one batch for the same partition are
+    redelivered around it."""
     topic, control = topic_factory("deadnack"), f"ctl-{uuid.uuid4().hex[:8]}"
     settings = settings_for(kafka, setup(topic, policy_file, max_delay="1m"), tmp_path, control_topic=control)
     with ThreadedSidecar(settings) as sidecar:
