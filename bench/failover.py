@@ -33,7 +33,6 @@ import json
 import logging
 import random
 import re
-import statistics
 import sys
 import tempfile
 import threading
@@ -267,15 +266,17 @@ class Load:
         self._producer.purge()
 
     def stop(self) -> int:
-        """Stop producing and wait until every record is acknowledged (the cluster may still be
-        recovering); the count acknowledged."""
+        """Stop producing and wait until every record has its delivery report (the cluster may still
+        be recovering); the count acknowledged. A report can be an error for a record that was written
+        all the same (its acknowledgement lost in a roll), so the inbound topic, not this count, says
+        what must go out: it holds at least the acknowledged records and at most the sent ones."""
         self._stop.set()
         self._thread.join()
         deadline = time.monotonic() + DEADLINE_S
         while self._producer.flush(5) and time.monotonic() < deadline:
             pass
-        if self.failed or self.acked != self.sent:
-            raise RuntimeError(f"the load lost records: {self.acked} of {self.sent} acknowledged, {self.failed[:3]}")
+        if self.acked + len(self.failed) != self.sent:
+            raise RuntimeError(f"{self.sent - self.acked - len(self.failed)} of {self.sent} records have no report")
         return self.acked
 
 
@@ -595,8 +596,10 @@ def run_trial(cluster: ApacheKafka, work: Path, fault: str, guarantee: str, rate
         time.sleep(2)  # records produced after the fault too
         produced = load.stop()
         expected = inbound_origins(stage.bootstrap, stage.inbound)
-        if len(expected) != produced:
-            raise RuntimeError(f"{stage.inbound} holds {len(expected)} records, {produced} were acknowledged")
+        if not produced <= len(expected) <= load.sent:
+            raise RuntimeError(
+                f"{stage.inbound} holds {len(expected)} records: {produced} acknowledged, {load.sent} sent"
+            )
 
         def all_seen() -> bool:
             with lock:
@@ -651,22 +654,22 @@ def rows(fault: str, trials: dict[str, list[Trial]]) -> list[str]:
         fresh = [t for trial in done for t in trial.fresh.values()]
         live = [t for trial in done for t in trial.live.values()]
         resumed = [t.resumed_s for t in done if t.resumed_s is not None]
-        struck = "; ".join(t.struck.detail for t in done)
-        lines.append(
-            f"| {guarantee} | {len(done)} | {sum(t.produced for t in done):,} "
-            f"| {sum(t.delivered for t in fresh):,} | {sum(t.lost for t in fresh)} "
-            f"| {sum(t.duplicated for t in fresh)} | {sum(t.early for t in fresh)} "
-            f"| {sum(t.lost for t in live)} / {sum(t.duplicated for t in live)} / {sum(t.early for t in live)} "
-            f"| {max(t.max_lateness_s for t in done):.1f} | {max(t.stall_s for t in done):.1f} "
-            f"| {max(resumed):.1f} | {sum(t.healthz[503] for t in done)} | {struck} |"
-            if resumed
-            else f"| {guarantee} | {len(done)} | {sum(t.produced for t in done):,} "
-            f"| {sum(t.delivered for t in fresh):,} | {sum(t.lost for t in fresh)} "
-            f"| {sum(t.duplicated for t in fresh)} | {sum(t.early for t in fresh)} "
-            f"| {sum(t.lost for t in live)} / {sum(t.duplicated for t in live)} / {sum(t.early for t in live)} "
-            f"| {max(t.max_lateness_s for t in done):.1f} | {max(t.stall_s for t in done):.1f} "
-            f"| - | {sum(t.healthz[503] for t in done)} | {struck} |"
-        )
+        cells = [
+            guarantee,
+            str(len(done)),
+            f"{sum(t.produced for t in done):,}",
+            f"{sum(t.delivered for t in fresh):,}",
+            str(sum(t.lost for t in fresh)),
+            str(sum(t.duplicated for t in fresh)),
+            str(sum(t.early for t in fresh)),
+            f"{sum(t.lost for t in live)} / {sum(t.duplicated for t in live)} / {sum(t.early for t in live)}",
+            f"{max(t.max_lateness_s for t in done):.1f}",
+            f"{max(t.stall_s for t in done):.1f}",
+            f"{max(resumed):.1f}" if resumed else "-",
+            str(sum(t.healthz[503] for t in done)),
+            "; ".join(t.struck.detail for t in done),
+        ]
+        lines.append(f"| {' | '.join(cells)} |")
     return lines
 
 
@@ -685,15 +688,25 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown {sorted(unknown)}: faults are {','.join(FAULTS)}; guarantees {','.join(GUARANTEES)}")
     results: dict[str, dict[str, list[Trial]]] = {f: {g: [] for g in guarantees} for f in faults}
+    failures: list[str] = []
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="bench-failover-") as work:
         cluster = ApacheKafka(Path(work) / "kafka", port=free_ports(2 * NODES), nodes=NODES)
         with cluster:
-            dated = dated_lines(cluster, command_line("bench.failover", argv), "one cluster for every trial")
+            dated = dated_lines(
+                cluster,
+                command_line("bench", ["failover", *(sys.argv[1:] if argv is None else argv)]),
+                "one cluster for every trial",
+            )
             for fault in faults:
                 for guarantee in guarantees:
                     for i in range(args.repeat):
-                        trial = run_trial(cluster, Path(work), fault, guarantee, args.rate, args.hold_s)
+                        try:
+                            trial = run_trial(cluster, Path(work), fault, guarantee, args.rate, args.hold_s)
+                        except (RuntimeError, SystemExit) as e:  # a trial that never finished: named, not counted
+                            failures.append(f"{fault} {guarantee} run {i + 1}: {e}"[:2000])
+                            print(f"[failover] {failures[-1]}", file=sys.stderr, flush=True)
+                            continue
                         results[fault][guarantee].append(trial)
                         fresh = [t for t in trial.fresh.values()]
                         print(f"[failover] {fault} {guarantee} run {i + 1}: produced={trial.produced} "
@@ -709,9 +722,9 @@ def main(argv: list[str] | None = None) -> int:
     lost = sum(t.lost for f in results.values() for g in f.values() for tr in g for t in tr.fresh.values())
     once = [tr for f in results.values() for tr in f.get("exactly-once", [])]
     dup = sum(t.duplicated + t.early for tr in once for t in [*tr.fresh.values(), *tr.live.values()])
-    stalls = [tr.stall_s for f in results.values() for g in f.values() for tr in g]
-    print(f"median stall s: {statistics.median(stalls):.1f}")
-    return 0 if lost == 0 and dup == 0 else 1
+    for failure in failures:
+        print(f"- not counted: {failure}")
+    return 0 if lost == 0 and dup == 0 and not failures else 1
 
 
 if __name__ == "__main__":
