@@ -42,6 +42,7 @@ SPARK_SESSION_FILES = "tests/spark/"
 OWN_UNITS = ("tests/spark/test_audit_cli.py",)
 """Spark tests that start JVMs of their own instead: a unit each, on another worker."""
 LONGEST_FIRST = (
+    "tests/failover/test_failover.py",
     "spark",
     "tests/spark/test_audit_cli.py",
     "tests/test_chaos.py",
