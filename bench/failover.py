@@ -497,14 +497,22 @@ def fresh_read(bootstrap: str, topic: str) -> list[Seen]:
     return _read(bootstrap, topic, "read_committed")
 
 
+def _end(consumer: Consumer, partition: TopicPartition) -> int:
+    """The high watermark, asked again while the partition's leader moves (stale metadata just after
+    a fault answers NOT_LEADER_FOR_PARTITION)."""
+    found: list[int] = []
+    wait_until(lambda: bool(found.append(consumer.get_watermark_offsets(partition, timeout=10, cached=False)[1]))
+               or True, f"the end of {partition.topic}/{partition.partition}")  # fmt: skip
+    return found[-1]
+
+
 def _read(bootstrap: str, topic: str, isolation: str, inbound: bool = False) -> list[Seen]:
     consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"failover-read-{uuid.uuid4().hex}",
                          "enable.auto.commit": False, "enable.partition.eof": True,
                          "isolation.level": isolation}, logger=_QUIET)  # fmt: skip
     try:
         partitions = consumer.list_topics(topic, timeout=10).topics[topic].partitions
-        ends = {p: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10, cached=False)[1]
-                for p in partitions}  # fmt: skip
+        ends = {p: _end(consumer, TopicPartition(topic, p)) for p in partitions}
         ends = {p: end for p, end in ends.items() if end > 0}
         consumer.assign([TopicPartition(topic, p, 0) for p in ends])
         out: list[Seen] = []
@@ -703,7 +711,7 @@ def main(argv: list[str] | None = None) -> int:
                     for i in range(args.repeat):
                         try:
                             trial = run_trial(cluster, Path(work), fault, guarantee, args.rate, args.hold_s)
-                        except (RuntimeError, SystemExit) as e:  # a trial that never finished: named, not counted
+                        except (Exception, SystemExit) as e:  # a trial that never finished: named, not counted
                             failures.append(f"{fault} {guarantee} run {i + 1}: {e}"[:2000])
                             print(f"[failover] {failures[-1]}", file=sys.stderr, flush=True)
                             continue
