@@ -375,14 +375,22 @@ class LiveReader:
                         self._take(m)
 
     def finish(self, timeout_s: float = 60.0) -> bool:
-        """True once caught up; False when `timeout_s` passed first."""
+        """True once caught up; False when `timeout_s` passed first. A watermark request that fails
+        (NOT_LEADER_FOR_PARTITION just after a leader's node was killed) is asked again."""
         deadline = time.monotonic() + timeout_s
         try:
             while time.monotonic() < deadline:
                 with self._lock:
                     positions = self._consumer.position(self._consumer.assignment())
-                    ends = [self._consumer.get_watermark_offsets(tp, timeout=10, cached=False)[1] for tp in positions]
-                if all(end <= 0 or tp.offset >= end for tp, end in zip(positions, ends, strict=True)):
+                    try:
+                        ends = [
+                            self._consumer.get_watermark_offsets(tp, timeout=10, cached=False)[1] for tp in positions
+                        ]
+                    except KafkaException:  # a leader moving (stale metadata after a broker fault): ask again
+                        ends = None
+                if ends is not None and all(
+                    end <= 0 or tp.offset >= end for tp, end in zip(positions, ends, strict=True)
+                ):
                     return True
                 time.sleep(0.2)
             return False
