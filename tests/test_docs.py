@@ -1,10 +1,13 @@
 """The README and the docs site stay usable: a README read in minutes, no picture left behind that no
-page shows, and a runbook section for every alert someone can receive.
+page shows, every page reachable from the site's navigation, and a runbook section for every alert
+someone can receive.
 
 `mkdocs build --strict` (./scripts/test.sh) already fails on broken links and missing pages; these
-are the checks it cannot make. Pure: no broker.
+are the checks it cannot make, and the nav check again (mkdocs' `validation.omitted_files`), so that
+a page left out of the nav fails here too, where a test run names it. Pure: no broker, no mkdocs.
 """
 
+import fnmatch
 import json
 import re
 from collections.abc import Iterable, Iterator
@@ -16,6 +19,7 @@ from ruamel.yaml import YAML
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 DEPLOY = ROOT / "deploy"
+MKDOCS = ROOT / "mkdocs.yml"
 RUNBOOK = DOCS / "operations" / "runbook.md"
 
 README_MAX_LINES = 200
@@ -69,6 +73,79 @@ def test_the_image_check_finds_an_unshown_image(tmp_path: Path) -> None:
         '![a](../shown.png "title") <img alt="b" src="also-shown.svg"> [not shown](../linked-only.png)\n'
     )
     assert unshown_images(tmp_path) == ["linked-only.png"]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Pages and the navigation
+
+
+def _nav_pages(entry: Any) -> Iterator[str]:
+    """The page paths in mkdocs.yml's `nav`, at any depth (a section is a mapping to a list)."""
+    if isinstance(entry, str):
+        if "://" not in entry:
+            yield entry
+    elif isinstance(entry, dict):
+        for value in entry.values():
+            yield from _nav_pages(value)
+    elif isinstance(entry, list):
+        for item in entry:
+            yield from _nav_pages(item)
+
+
+def _patterns(value: Any) -> list[str]:
+    """mkdocs' `exclude_docs` and `not_in_nav`: gitignore-style lines; these use plain paths and folders."""
+    return [line.strip() for line in str(value or "").splitlines() if line.strip() and not line.startswith("#")]
+
+
+def _matches(page: str, patterns: list[str]) -> bool:
+    return any(
+        page.startswith(pattern) if pattern.endswith("/") else fnmatch.fnmatch(page, pattern.lstrip("/"))
+        for pattern in patterns
+    )
+
+
+def pages_outside_nav(docs: Path, config: Any) -> list[str]:
+    """Pages under `docs` that the nav does not list and the config does not set aside on purpose."""
+    listed = set(_nav_pages(config.get("nav")))
+    aside = _patterns(config.get("exclude_docs")) + _patterns(config.get("not_in_nav"))
+    pages = (p.relative_to(docs).as_posix() for p in docs.rglob("*.md"))
+    return sorted(p for p in pages if p not in listed and not _matches(p, aside))
+
+
+def _mkdocs_config() -> Any:
+    # The round-trip loader keeps the `!!python/name:` tag of the mermaid fence as a tagged value.
+    return YAML(typ="rt").load(MKDOCS.read_text(encoding="utf-8"))
+
+
+def test_every_page_is_in_the_nav_or_set_aside() -> None:
+    """A page missing from the nav can only be found by a link or a search: a newcomer never finds it."""
+    config = _mkdocs_config()
+    assert "contract.md" in set(_nav_pages(config["nav"])), "the nav scan, not the config, broke"
+    assert pages_outside_nav(DOCS, config) == []
+
+
+def test_pages_set_aside_are_still_linked() -> None:
+    """A page kept out of the nav on purpose (the benchmarks' dated history) is reached from another page."""
+    config = _mkdocs_config()
+    texts = {p: p.read_text(encoding="utf-8") for p in DOCS.rglob("*.md")}
+    for pattern in _patterns(config.get("not_in_nav")):
+        aside = [p for p in texts if _matches(p.relative_to(DOCS).as_posix(), [pattern])]
+        assert aside, f"not_in_nav names {pattern}, which matches no page"
+        for page in aside:
+            linked_from = [p for p, text in texts.items() if p != page and f"]({page.name}" in text]
+            assert linked_from, f"{page.relative_to(DOCS)} is in no nav and no page links to it"
+
+
+def test_the_nav_check_finds_a_page_outside_it(tmp_path: Path) -> None:
+    for page in ("index.md", "a/listed.md", "a/forgotten.md", "history.md", "hooks/notes.md"):
+        (tmp_path / page).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / page).write_text("# page\n")
+    config = {
+        "nav": [{"Home": "index.md"}, {"Section": [{"Listed": "a/listed.md"}, {"Out": "https://example.org"}]}],
+        "exclude_docs": "hooks/\n",
+        "not_in_nav": "history.md\n",
+    }
+    assert pages_outside_nav(tmp_path, config) == ["a/forgotten.md"]
 
 
 # ---------------------------------------------------------------------------------------------------
