@@ -21,6 +21,7 @@ DOCS = ROOT / "docs"
 DEPLOY = ROOT / "deploy"
 MKDOCS = ROOT / "mkdocs.yml"
 RUNBOOK = DOCS / "operations" / "runbook.md"
+MONITORING = DOCS / "operations" / "monitoring.md"
 
 README_MAX_LINES = 200
 IMAGE_SUFFIXES = frozenset({".png", ".jpg", ".jpeg", ".gif", ".svg", ".webp"})
@@ -214,3 +215,25 @@ def test_the_runbook_check_finds_a_missing_section(tmp_path: Path) -> None:
     assert found == {"Shipped", "FromPanel"}
     page = "# Runbook\n\n## Shipped\n\ntext\n"
     assert missing_runbook_sections(page, found) == ["FromPanel"]
+
+
+# ---------------------------------------------------------------------------------------------------
+# The dashboard
+
+
+def dashboard_panels() -> list[str]:
+    titles: list[str] = []
+    for path in sorted((DEPLOY / "grafana" / "dashboards").glob("*.json")):
+        for panel in json.loads(path.read_text(encoding="utf-8")).get("panels") or []:
+            if panel.get("type") != "row" and panel.get("title"):
+                titles.append(str(panel["title"]))
+    return titles
+
+
+def test_every_dashboard_panel_is_explained() -> None:
+    """What to monitor names each panel of the shipped dashboard by its title, so a reader looking at a
+    panel can find what it shows; a panel added to the dashboard and not to the page fails here."""
+    titles = dashboard_panels()
+    assert titles, "no panel found: the scan, not the dashboard, broke"
+    text = MONITORING.read_text(encoding="utf-8")
+    assert [t for t in titles if f"**{t}**" not in text] == []
