@@ -4,14 +4,20 @@ someone can receive.
 
 `mkdocs build --strict` (./scripts/test.sh) already fails on broken links and missing pages; these
 are the checks it cannot make, and the nav check again (mkdocs' `validation.omitted_files`), so that
-a page left out of the nav fails here too, where a test run names it. Pure: no broker, no mkdocs.
+a page left out of the nav fails here too, where a test run names it. The command-line page is
+checked against the program's own `--help`. No broker.
 """
 
 import fnmatch
+import importlib.util
 import json
+import os
 import re
+import subprocess
+import sys
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from ruamel.yaml import YAML
@@ -237,3 +243,40 @@ def test_every_dashboard_panel_is_explained() -> None:
     assert titles, "no panel found: the scan, not the dashboard, broke"
     text = MONITORING.read_text(encoding="utf-8")
     assert [t for t in titles if f"**{t}**" not in text] == []
+
+
+# ---------------------------------------------------------------------------------------------------
+# The command-line page
+
+
+def _reference_hook() -> ModuleType:
+    path = DOCS / "hooks" / "reference.py"
+    spec = importlib.util.spec_from_file_location("docs_reference_hook", path)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_cli_page_shows_what_each_command_prints() -> None:
+    """The hook builds the page from the parser in-process (one import, not a process per command); this
+    checks that it prints, for every command, exactly what `python -m sidecar CMD --help` prints."""
+    hook = _reference_hook()
+    page = {name: hook._help(parser) for name, parser in hook._parsers()}
+    assert {"delay-sidecar run", "delay-sidecar messages show"} <= set(page), "the hook found no commands"
+    env = {**os.environ, "COLUMNS": hook.HELP_COLUMNS}
+    runs = {
+        name: subprocess.Popen(
+            [sys.executable, "-m", "sidecar", *name.split()[1:], "--help"],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for name in page
+    }
+    printed = {name: run.communicate(timeout=120)[0].rstrip() for name, run in runs.items()}
+    assert {name: run.returncode for name, run in runs.items()} == dict.fromkeys(page, 0)
+    assert [name for name in page if printed[name] != page[name]] == []
