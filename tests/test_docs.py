@@ -45,6 +45,41 @@ def test_readme_is_at_most_200_lines() -> None:
     assert len(lines) <= README_MAX_LINES, f"README.md has {len(lines)} lines; move sections to docs/"
 
 
+_LINK = re.compile(r"\[[^\]]*\]\(\s*<?([^)\s>]+)>?[^)]*\)")
+
+
+def broken_links(page: Path) -> list[str]:
+    """Relative links and images of a Markdown file outside the site that point at no file (mkdocs checks
+    only the pages under docs/)."""
+    text = page.read_text(encoding="utf-8")
+    targets = (t.split("#", 1)[0] for t in _LINK.findall(text) if "://" not in t and not t.startswith("mailto:"))
+    return sorted({t for t in targets if t and not (page.parent / t).exists()})
+
+
+def test_the_readme_links_into_the_site() -> None:
+    """The README is read on the repository's page, where mkdocs' link check does not reach: a page that
+    moves must not leave it pointing nowhere."""
+    readme = ROOT / "README.md"
+    assert sum("](docs/" in line for line in readme.read_text(encoding="utf-8").splitlines()) >= 10
+    assert broken_links(readme) == []
+
+
+def test_the_link_check_finds_a_broken_link(tmp_path: Path) -> None:
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "here.md").write_text("# here\n")
+    page = tmp_path / "README.md"
+    page.write_text("[a](docs/here.md#x) [b](docs/gone.md) [c](https://example.org/x.md) ![d](docs/gone.png)\n")
+    assert broken_links(page) == ["docs/gone.md", "docs/gone.png"]
+
+
+def test_the_readme_keeps_the_two_commands_ci_runs() -> None:
+    """CI (.ci/run) runs the README's test command on a clean clone; fresh machines follow the README."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert re.search(r"^\./scripts/run\.sh +#", readme, re.MULTILINE)
+    assert re.search(r"^\./scripts/test\.sh +#", readme, re.MULTILINE)
+    assert "exec ./scripts/test.sh" in (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+
+
 # ---------------------------------------------------------------------------------------------------
 # Images
 
