@@ -24,6 +24,7 @@ from tests.kafka_helpers import (
     early,
     outbound_end,
     own_broker,
+    run_args,
     scrape,
     wait_for,
 )
@@ -104,9 +105,7 @@ def test_exactly_once_rides_out_kills_and_a_broker_restart_for_fresh_and_live_re
     topic, count = "faults", 4_000
     policies = policy_file(f"topics:\n  {topic}:\n    subscriptions: {{a: {{}}, o: {{type: exclusive}}}}\n")
     port = free_port()
-    args = ["--bootstrap-servers", bootstrap, "--policies", str(policies), "--state-dir", str(tmp_path / "state"),
-            "--metrics-port", str(port), "--group-id", "faults", "--commit-interval-ms", "200",
-            "--processing-guarantee", "exactly-once"]  # fmt: skip
+    args = run_args(bootstrap, policies, tmp_path / "state", port, "faults", "--processing-guarantee", "exactly-once")
     sidecar = SidecarProcess(args, tmp_path / "sidecar.log")
     helper = KafkaHelper(bootstrap)
     live: LiveReader | None = None
@@ -155,9 +154,7 @@ def test_records_due_while_the_broker_is_away_go_out_once_at_least_once(
     topic, count = "outage", 3_000
     policies = policy_file(f"topics:\n  {topic}:\n    subscriptions: {{a: {{}}}}\n")
     port = free_port()
-    args = ["--bootstrap-servers", bootstrap, "--policies", str(policies), "--state-dir", str(tmp_path / "state"),
-            "--metrics-port", str(port), "--group-id", "outage", "--commit-interval-ms", "200",
-            "--session-timeout-ms", "6000"]  # fmt: skip
+    args = run_args(bootstrap, policies, tmp_path / "state", port, "outage", "--session-timeout-ms", "6000")
     sidecar = SidecarProcess(args, tmp_path / "sidecar.log")
     helper = KafkaHelper(bootstrap)
     try:
