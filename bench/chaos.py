@@ -74,6 +74,8 @@ WHOLE_PARTITION_FETCH = {
     "receive.message.max.bytes": 600 * 1024 * 1024,
 }
 SUBSCRIPTIONS = ("shared", "excl")
+HELD_EVERY = 100
+HOLD_S = 60.0
 ORDERED = ("excl",)
 """Subscriptions that promise inbound order (exclusive). Exclusive from the start, so none of their
 records is ever delayed: every first copy is an at-once delivery, in the order check."""
@@ -93,6 +95,14 @@ class Plan:
     cancel_fraction: float = 0.0
     """Records cancelled while the faults go on, each some time between its production and a window later."""
     spark_audit: bool = False
+
+    def held(self, i: int) -> bool:
+        """Record `i` is one of those held back and always cancelled: with cancels on, every
+        HELD_EVERY-th record falls due HOLD_S after the window, so its cancel (sent within the
+        window) is in time even when a loaded machine leaves the sidecar further behind than the
+        window. Cancels of the others race their records, so the run has both outcomes on any machine:
+        in CI, with the sidecar 15 s behind, all 78 cancels of a run had come too late."""
+        return self.cancel_fraction > 0 and i % HELD_EVERY == 0
 
 
 @dataclass
@@ -289,21 +299,20 @@ class Nacks(Background):
 
 
 class Cancels(Background):
-    """Cancels of a fixed share of the records, each sent at a random time between the record's
-    production and a window later: some before it falls due, some after (too late)."""
+    """Cancels of a fixed share of the records and of every held one (`Plan.held`), each sent at a
+    random time between the record's production and a window later: some before it falls due, some
+    after (too late)."""
 
-    def __init__(
-        self, bootstrap: str, seed: int, fraction: float, window_s: float, produced: list[float], positions: Positions
-    ) -> None:
+    def __init__(self, bootstrap: str, plan: Plan, produced: list[float], positions: Positions) -> None:
         super().__init__()
-        self._bootstrap, self._rng, self._window_s = bootstrap, random.Random(seed + 2), window_s
-        self._fraction, self._produced, self._positions = fraction, produced, positions
+        self._bootstrap, self._rng, self._window_s = bootstrap, random.Random(plan.seed + 2), plan.window_s
+        self._plan, self._produced, self._positions = plan, produced, positions
         self.sent: dict[str, tuple[int, int]] = {}
         """Command id -> (origin partition, origin offset)."""
         self._produced_all = threading.Event()
 
     def start(self) -> Cancels:
-        if self._fraction > 0:
+        if self._plan.cancel_fraction > 0:
             self._thread.start()
         return self
 
@@ -316,7 +325,7 @@ class Cancels(Background):
                 if self._produced_all.is_set() and not due and seen == len(self._produced):
                     return  # every record produced, every cancel chosen sent
                 for i in range(seen, len(self._produced)):
-                    if self._rng.random() < self._fraction:
+                    if self._rng.random() < self._plan.cancel_fraction or self._plan.held(i):
                         due.append((self._produced[i] + self._rng.uniform(0, self._window_s), i))
                 seen = len(self._produced)
                 due.sort()
@@ -461,13 +470,14 @@ def producer_config(bootstrap: str) -> dict[str, Any]:
 
 
 def produce(bootstrap: str, plan: Plan, produced: list[float], positions: Positions) -> None:
-    """Records spread over the first part of the run, each with deliver-after 0 to window s."""
+    """Records spread over the first part of the run, each with deliver-after 0 to window s (held
+    ones HOLD_S more)."""
     rng = random.Random(plan.seed)
     producer = Producer(producer_config(bootstrap))
     spread_s = plan.window_s / 2
     started = time.monotonic()
     for i in range(plan.records):
-        delay_ms = rng.randrange(int(plan.window_s * 1000))
+        delay_ms = rng.randrange(int(plan.window_s * 1000)) + (int(HOLD_S * 1000) if plan.held(i) else 0)
         producer.produce(TOPIC, f"v{i}".encode(), headers=[("deliver-after", str(delay_ms))], partition=i % PARTITIONS,
                          on_delivery=lambda err, m, i=i: positions.__setitem__(i, (m.partition(), m.offset()))
                          if err is None else None)  # fmt: skip
@@ -511,7 +521,7 @@ def run(
     nacks = Nacks(bootstrap, plan.seed, plan.nack_fraction).start()
     produced: list[float] = []
     positions: Positions = {}
-    cancels = Cancels(bootstrap, plan.seed, plan.cancel_fraction, plan.window_s, produced, positions).start()
+    cancels = Cancels(bootstrap, plan, produced, positions).start()
     try:
         sidecar.start()
         producer = threading.Thread(target=produce, args=(bootstrap, plan, produced, positions), daemon=True)

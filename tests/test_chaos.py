@@ -172,7 +172,7 @@ def test_three_kills_and_a_zombie_with_nacks_and_cancels_lose_duplicate_and_adva
     print(table(outcome, "tests/test_chaos.py"))
     assert_every_incarnation_ended_by_us(incarnations, 3, table(outcome, "tests/test_chaos.py"))
     assert outcome.audit.nacks_sent > 0
-    assert 0 < outcome.audit.cancelled < outcome.audit.cancels_sent, "cancels in time and too late, both"
+    assert 0 < outcome.audit.cancelled < outcome.audit.cancels_sent, "cancels in time (held ones) and too late"
     assert_clean(outcome)
 
 
