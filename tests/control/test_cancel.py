@@ -68,6 +68,17 @@ def by_offset(records: list[Received]) -> Counter[int]:
     return Counter(int(r.headers[ORIGIN_OFFSET]) for r in records)
 
 
+def wait_owed(kafka_helper: KafkaHelper, topic: str, owed: dict[str, int], committed_only: bool) -> None:
+    """Until each subscription has at least what it is owed (the caller then counts copies to the
+    high watermark). Not the tracked gauge alone: a member that took partitions over reads 0 before
+    it has rebuilt anything (in CI a restart under load took 57 s to subscribe, and a test that
+    trusted the gauge stopped it with 150 records owed)."""
+    arrived = lambda: all(  # noqa: E731
+        len(kafka_helper.read_to_end(f"{topic}.{sub}", committed_only=committed_only)) >= n for sub, n in owed.items()
+    )
+    wait_for(arrived, 180, f"every record owed delivered ({owed})")
+
+
 def test_cancel_and_reschedule_each_answered_once_and_honoured(
     kafka: str, kafka_helper: KafkaHelper, topic_factory: TopicFactory, policy_file: PolicyFile, tmp_path: Path
 ) -> None:
@@ -202,6 +213,8 @@ def test_cancels_and_reschedules_hold_across_kill_9_and_a_lost_state_dir(
         sidecar.start()
         last = max([due + count, *reschedules.values()])
         wait_for(lambda: time.time() * 1000 > last + 2_000, 60, "every time passed")
+        owed = {"billing": count - len(cancelled), "fraud": count - len(cancelled | one)}
+        wait_owed(kafka_helper, topic, owed, committed_only=mode == "exactly-once")
         wait_for(lambda: scrape(port, "delay_sidecar_tracked_messages", topic=topic) == 0, 60, "nothing pending")
         assert sidecar.stop() == 0, sidecar.tail()
     finally:
@@ -415,6 +428,7 @@ def test_cancels_hold_when_a_member_hands_its_partitions_over(
         assert a.stop() == 0, a.tail()  # a's partitions go to b
         wait_for(lambda: scrape(b_port, "delay_sidecar_assigned_partitions") >= partitions, 60, "b owns everything")
         wait_for(lambda: time.time() * 1000 > due + count + 2_000, 60, "every time passed")
+        wait_owed(kafka_helper, topic, dict.fromkeys(("billing", "fraud"), count - len(cancelled)), committed_only=True)
         wait_for(lambda: scrape(b_port, "delay_sidecar_tracked_messages", topic=topic) == 0, 60, "nothing pending")
         assert b.stop() == 0, b.tail()
     finally:
