@@ -190,6 +190,11 @@ class SidecarApp:
                     "rebalances the group instead of taking the partitions back at once",
                     settings.security_protocol,
                 )
+            if settings.monotone_runs:
+                logger.warning(
+                    "--monotone-runs is ignored: monotone runs were removed, the index is faster and "
+                    "later by less on Apache Kafka (docs, Tuning); drop the flag"
+                )
 
             def build() -> Sidecar:  # one engine per attempt, see _serve
                 return Sidecar(
@@ -210,7 +215,6 @@ class SidecarApp:
                     read_ahead_ms=settings.read_ahead_ms,
                     recent_records_bytes=settings.recent_records_bytes,
                     payload_cache=payload_cache,
-                    monotone_runs=settings.monotone_runs,
                     outbound_headers=settings.outbound_headers,
                     producer={"compression.type": settings.compression_type, "linger.ms": settings.linger_ms},
                     assignment_strategy=settings.assignment_strategy,

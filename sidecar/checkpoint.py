@@ -107,7 +107,7 @@ class Checkpoints:
                 # A draining partition's index was cleared and stays so: a local index "complete and
                 # empty" would hide from a restart the records its commit still says are pending.
                 if state.drain_from is None:
-                    state.tracker.checkpoint(state.next_offset, state.runs_text())
+                    state.tracker.checkpoint(state.next_offset)
                 if state_topic is not None:
                     state_topic.publish(state)
             point = state.commit_point(state.tracker.earliest_pending_offset(), exact, writer.transactional_id)

@@ -36,7 +36,6 @@ from sidecar.dispatch.reader import LogReader
 from sidecar.dispatch.recent import RecentRecords
 from sidecar.dispatch.removal import RemovedTopics
 from sidecar.dispatch.roll import HorizonRoll
-from sidecar.dispatch.trail import TrailReader
 from sidecar.errors import BrokerError
 from sidecar.identity import TransactionalIds
 from sidecar.inbound.admission import Admission
@@ -63,7 +62,6 @@ from sidecar.state.mirror import MirroredStorage
 from sidecar.state.topic import StateTopic
 from sidecar.tracker import DelayedDeliveryTracker
 from sidecar.tracker.memory import InMemoryTracker
-from sidecar.tracker.runs import Runs
 from sidecar.tracker.storage import SnapshotStorage
 
 logger = logging.getLogger(__name__)
@@ -109,7 +107,6 @@ class Sidecar:
         recent_records_bytes: int = 0,
         payload_cache: PayloadCache | None = None,
         producer: dict[str, Any] | None = None,
-        monotone_runs: bool = False,
         outbound_headers: HeaderForm = "compact",
         assignment_strategy: str = "roundrobin",
         transactional_ids: TransactionalIds | None = None,
@@ -205,7 +202,6 @@ class Sidecar:
         self._idle = IdleFetch(self._consumer, idle_fetch_pause_ms, self._paced)
         self._holds = Holds(states, self._idle.position, self._consumer)
         self._delivery = Delivery(writer, states, self._current_routes, retention, metrics, clock, outbound_headers)
-        trail = TrailReader(client_config, self._rejudge, self._lost)
         self._roll_reader = LogReader(client_config, self._stop) if payload_cache is not None else None
         self._roll = (
             HorizonRoll(self._roll_reader, payload_cache, self._rejudge, clock)
@@ -224,7 +220,6 @@ class Sidecar:
             read_ahead_ms,
             payload_cache,
             metrics,
-            trail,
             self._roll,
             self._copy_origins,
         )
@@ -239,7 +234,7 @@ class Sidecar:
             self._acceptance, writer, self._reader, self._recent, states, self._current_routes, retention,
             self._nacks, metrics, clock, outbound_headers,
         )  # fmt: skip
-        indexer = Indexer(self._dispatcher, self._delivery, monotone_runs)
+        indexer = Indexer(self._dispatcher, self._delivery)
         commands = CommandStep(group_id, writer, self._delivery, outcomes, self._reader, retention, control_topic)
         self._admission = Admission(retention, writer, self._delivery, indexer, metrics, commands)
         self._receiver = Receiver(
@@ -486,7 +481,7 @@ class Sidecar:
         if not self._redelivery.dispatch_due([s for s in states if s.control]):
             self._stalled_until = time.monotonic() + STALL_WAIT_S
         trackers = {(s.topic, s.partition): s.tracker for s in states if not s.control}
-        self._dispatcher.turn(trackers, read_ahead, self._runs())
+        self._dispatcher.turn(trackers, read_ahead)
         if self._roll is not None and read_ahead:
             self._roll.turn(trackers, self._intake_cursors)
         self._writer.poll()
@@ -497,7 +492,7 @@ class Sidecar:
         states = self._delivering()
         times = [t for s in states if s.control and (t := s.tracker.next_delivery_time()) is not None]
         trackers = {(s.topic, s.partition): s.tracker for s in states if not s.control}
-        wake = self._dispatcher.next_wake_ms(trackers, self._runs())
+        wake = self._dispatcher.next_wake_ms(trackers)
         if wake is not None:
             times.append(wake)
         wait = IDLE_WAIT_S if not times else max((min(times) - self.clock.now_ms()) / 1000, 0.0)
@@ -509,9 +504,6 @@ class Sidecar:
 
     def _observe_collection(self, reason: str, seconds: float) -> None:
         self.metrics.gc_pauses.labels(reason).observe(seconds)
-
-    def _runs(self) -> dict[tuple[str, int], Runs[Message]]:
-        return {(s.topic, s.partition): s.runs for s in self._delivering() if s.runs}
 
     def _intake_cursors(self) -> dict[tuple[str, int], int]:
         """The next offset intake reads, per inbound partition (for the horizon roll)."""
@@ -526,12 +518,6 @@ class Sidecar:
         state = self._assignment.states.get(partition)
         routes = self._routes.get(partition[0])
         return self._admission.rejudge(state, routes, record) if state is not None and routes is not None else None
-
-    def _lost(self, partition: str, count: int) -> None:
-        topic = partition.rsplit("/", 1)[0]
-        self.metrics.lost.labels(topic).inc(count)
-        logger.error("run members missing from the log partition=%s records=%d; raise the topic's retention.ms "
-                     "above its longest delay", partition, count)  # fmt: skip
 
     def _checkpoint(self, whole: bool = True) -> None:
         """`whole`: committed before this returns; else the commit may wait for the fsync (settle)."""

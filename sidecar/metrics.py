@@ -73,8 +73,8 @@ class Metrics:
         )
         self.payload_reads = Counter(
             PREFIX + "payload_reads",
-            "Payloads of due records fetched before delivery, by source: the local payload cache, the inbound "
-            "log read back by offset, or a run read back in order (run)",
+            "Payloads of due records fetched before delivery, by source: the local payload cache (cache), the "
+            "inbound log read back by offset (log), or the records kept for redeliveries (recent)",
             ["topic", "source"],
             registry=r,
         )
@@ -232,7 +232,7 @@ class Metrics:
         for topic in topics:
             for metric in (self.messages_in, self.messages_delayed, self.replayed, self.lost):
                 self.child(metric, topic)
-            for source in ("cache", "log", "run", "recent"):
+            for source in ("cache", "log", "recent"):
                 self.child(self.payload_reads, topic, source)
 
 

@@ -169,9 +169,8 @@ class RunSettings(KafkaSettings):
     )
     monotone_runs: CliImplicitFlag[bool] = Field(
         False,
-        description="Keep records whose deliver-at rises with the offset (fixed delays) as runs read back in "
-        "order, instead of indexing and caching each one (off: slower than the index on Apache Kafka; "
-        "see the docs, Tuning)",
+        description="Deprecated and ignored (a warning at start): monotone runs were removed, as the index "
+        "delivered faster and later by less on Apache Kafka (see the docs, Tuning)",
     )
     outbound_headers: Literal["compact", "v1"] = Field(
         "compact",

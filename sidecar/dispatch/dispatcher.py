@@ -24,12 +24,9 @@ from sidecar.dispatch.held import HeldPayloads
 from sidecar.dispatch.payload_cache import PayloadCache
 from sidecar.dispatch.read_ahead import CatchUp, ReadAhead
 from sidecar.dispatch.reader import LogReader
-from sidecar.dispatch.trail import Member, TrailReader
 from sidecar.metrics import Metrics
 from sidecar.partitions import TopicPartitionKey
 from sidecar.tracker import DelayedDeliveryTracker, Due
-from sidecar.tracker.base import KEY_SHIFT, pack
-from sidecar.tracker.runs import Runs
 
 logger = logging.getLogger(__name__)
 
@@ -48,10 +45,6 @@ MAX_POP_FROM_LOG = 100_000
 # A tracker whose next snapshot segment failed to load reports a due entry it cannot pop yet; wait
 # this long for its retry rather than spin.
 STALL_WAIT_MS = 50
-# How soon the loop looks again while a run's next members are still being read.
-TRAIL_POLL_MS = 20
-# Later than any deliver-at (year 9999).
-DRAIN_UNTIL_MS = 253_402_300_800_000
 
 
 class Dispatcher:
@@ -64,12 +57,10 @@ class Dispatcher:
         read_ahead_ms: int = 10_000,
         payloads: PayloadCache | None = None,
         metrics: Metrics | None = None,
-        trail: TrailReader | None = None,
         catch_up: CatchUp | None = None,
         origins: Origins | None = None,
     ) -> None:
         self._catch_up = catch_up
-        self._trail = trail
         self._payloads = payloads
         self._metrics = metrics
         self._due_reader = due
@@ -95,21 +86,11 @@ class Dispatcher:
         """
         return self._held.keep(partition, offset, record)
 
-    def next_wake_ms(
-        self,
-        trackers: dict[TopicPartitionKey, DelayedDeliveryTracker],
-        runs: dict[TopicPartitionKey, Runs[Message]] | None = None,
-    ) -> int | None:
+    def next_wake_ms(self, trackers: dict[TopicPartitionKey, DelayedDeliveryTracker]) -> int | None:
         """When the loop must run next: now while reading ahead, else the next delivery or read-ahead."""
         if self._ahead.reading:
             return 0
         times = [t for tracker in trackers.values() if (t := tracker.next_delivery_time()) is not None]
-        for partition, partition_runs in (runs or {}).items():
-            member = self._trail.next_time(partition) if self._trail is not None else None
-            if member is not None:
-                times.append(member)
-            elif partition_runs.pending:
-                times.append(self._clock.now_ms() + TRAIL_POLL_MS)  # members to read
         if not times:
             return None
         if self.read_ahead_ms > 0:
@@ -120,32 +101,18 @@ class Dispatcher:
         """The partition was revoked: drop what was read ahead for it."""
         self._ahead.forget(partition)
         self._from_log.discard(partition)
-        if self._trail is not None:
-            self._trail.forget(partition)
         self._held.drop(partition)
 
     # ----------------------------------------------------------------- one turn of the loop
 
-    def turn(
-        self,
-        trackers: dict[TopicPartitionKey, DelayedDeliveryTracker],
-        read_ahead: bool = True,
-        runs: dict[TopicPartitionKey, Runs[Message]] | None = None,
-    ) -> None:
-        """Deliver what is due; then, unless told not to, spend a slice of time reading ahead.
-
-        `runs`: the partitions with pending runs (tracker/runs.py), read back by the trail reader."""
-        runs = runs or {}
+    def turn(self, trackers: dict[TopicPartitionKey, DelayedDeliveryTracker], read_ahead: bool = True) -> None:
+        """Deliver what is due; then, unless told not to, spend a slice of time reading ahead."""
         self._held.recount()
-        if self._trail is not None and (runs or self._trail.reading):
-            self._trail.fill(runs, self._clock.now_ms())
-        self._deliver_due(trackers, runs)
+        self._deliver_due(trackers)
         if read_ahead:
             self._ahead.turn(trackers)
 
-    def _deliver_due(
-        self, trackers: dict[TopicPartitionKey, DelayedDeliveryTracker], runs: dict[TopicPartitionKey, Runs[Message]]
-    ) -> None:
+    def _deliver_due(self, trackers: dict[TopicPartitionKey, DelayedDeliveryTracker]) -> None:
         """Pop every due partition first, so what is not read ahead is fetched in one read for all."""
         popped: dict[TopicPartitionKey, list[Due]] = {}
         missing: dict[TopicPartitionKey, list[Due]] = {}
@@ -154,15 +121,9 @@ class Dispatcher:
         for partition, tracker in trackers.items():
             if catch_up is not None and not self._ahead.has_looked(partition) and catch_up.first_read(partition):
                 continue  # its first payloads are on their way; popping now would read them again
-            partition_runs = runs.get(partition)
-            if partition_runs:
-                due = self._pop_with_runs(partition, tracker, partition_runs)
-                if not due:
-                    continue
-            elif not tracker.has_message_available():
+            if not tracker.has_message_available():
                 continue
-            else:
-                due = tracker.pop_due(MAX_POP_FROM_LOG if partition in self._from_log else MAX_POP)
+            due = tracker.pop_due(MAX_POP_FROM_LOG if partition in self._from_log else MAX_POP)
             if not due:
                 self._stalled_until_ms = self._clock.now_ms() + STALL_WAIT_MS
                 continue
@@ -214,47 +175,6 @@ class Dispatcher:
             missing[partition] = missing[partition] + ahead  # still in deliver-at order: all after `last`
             room -= len(ahead)
 
-    def _pop_with_runs(
-        self, partition: TopicPartitionKey, tracker: DelayedDeliveryTracker, runs: Runs[Message]
-    ) -> list[Due]:
-        """Index entries and run members that are due, merged in key order: the delivered watermark
-        stays exact. A member's record comes with it (into the cache, where delivery looks)."""
-        assert self._trail is not None
-        members, held = self._trail.members(partition), self._held.of(partition)
-        now = self._clock.now_ms()
-        out: list[Due] = []
-        taken = 0
-        while len(out) < MAX_POP:
-            bound = pack(members[0][0], members[0][1]) if members else runs.lower_bound()
-            if tracker.has_message_available():
-                out += tracker.pop_due(MAX_POP - len(out), below_key=bound)
-            if not members or members[0][0] > now:
-                break
-            # Members up to the next index entry (one that failed to load included) go out in a row.
-            head = tracker.next_key()
-            limit = head if head is not None else DRAIN_UNTIL_MS << KEY_SHIFT
-            last: Member | None = None
-            while members and len(out) < MAX_POP:
-                member = members[0]
-                deliver_at, offset = member[0], member[1]
-                if deliver_at > now or (deliver_at << KEY_SHIFT | offset) >= limit:
-                    break
-                members.popleft()
-                held[offset] = member[2]
-                out.append(Due(deliver_at, offset))
-                member[3].delivered(offset, deliver_at)
-                last = member
-                taken += 1
-            if last is None:
-                self._stalled_until_ms = now + STALL_WAIT_MS  # an entry before it waits for its segment
-                break
-            runs.drop_done()
-            tracker.note_delivered(pack(last[0], last[1]))
-        self._held.count += taken
-        if taken and self._metrics is not None:
-            self._metrics.child(self._metrics.payload_reads, partition[0], "run").inc(taken)
-        return out
-
     def checkpointed(self, trackers: dict[TopicPartitionKey, DelayedDeliveryTracker]) -> None:
         """A checkpoint made the deliveries so far durable: delete their payloads from the cache.
 
@@ -269,6 +189,4 @@ class Dispatcher:
             self._metrics.payload_cache_bytes.set(self._payloads.budget.used)
 
     def close(self) -> None:
-        if self._trail is not None:
-            self._trail.close()
         self._ahead.close()

@@ -44,7 +44,6 @@ from sidecar.policy.intake import Judge
 from sidecar.policy.model import EffectiveDelay, PolicySet, Sourced
 from sidecar.policy.routes import IntakeRule
 from sidecar.tracker.base import pack
-from sidecar.tracker.runs import Runs
 
 logger = logging.getLogger(__name__)
 
@@ -157,7 +156,7 @@ class Drains:
         tracker.clear()
         tracker.restore_delivered_through(metadata.through)
         # The rules stay those `start` or live intake gave the partition: the commit's history.
-        state.rebuild, state.runs = None, Runs()
+        state.rebuild = None
         if committed is None:
             state.drain_from, state.next_offset = 0, None  # nothing committed: nothing of ours is pending
             return

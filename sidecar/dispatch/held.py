@@ -1,10 +1,9 @@
 """Payloads held in memory for upcoming deliveries, per partition by offset, within one bound.
 
-Intake keeps the records that are near due as it reads them, the read-ahead reads ahead of due
-time, and a run's members come with their records (trail.py); delivery takes them out. The bound,
-a count, not bytes (a `Message` is about 300 bytes with 100-byte values), stops the first two: past
-it, due records are read at due time, and that read, like a run's members, adds what it needs
-whatever the bound.
+Intake keeps the records that are near due as it reads them, and the read-ahead reads ahead of due
+time; delivery takes them out. The bound, a count, not bytes (a `Message` is about 300 bytes with
+100-byte values), stops both: past it, due records are read at due time, and that read adds what
+it needs whatever the bound.
 """
 
 from confluent_kafka import Message

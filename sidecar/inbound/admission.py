@@ -73,11 +73,11 @@ class Admission:
         stamps = [record.timestamp()[1] for record in records]
         published = [s if s > 0 else now for s in stamps]  # a record without a timestamp: read now
         fates = self.judge.many(rule, list(zip(headers, published, strict=True)))
-        delayed: list[tuple[Delayed, bool]] = []
+        delayed: list[Delayed] = []
         now_list: list[Due] = []
         ordered: list[Due] | None = [] if routes.ordered else None
         route = routes.route
-        for record, stamp, at, fate in zip(records, stamps, published, fates, strict=True):
+        for record, at, fate in zip(records, published, fates, strict=True):
             deliver_at, rejected, overridden, disabled, miscased = fate
             if rejected is not None:
                 self._writer.dead_letter(route.dead_letter_topic, record, rejected.code, rejected.message)
@@ -89,7 +89,7 @@ class Admission:
             if deliver_at is None:
                 now_list.append((at, offset, record))
             else:
-                delayed.append(((offset, deliver_at, record), stamp > 0))
+                delayed.append((offset, deliver_at, record))
             if ordered is not None:
                 ordered.append((at, offset, record))  # exclusive and failover ignore delays: now, in offset order
         state.next_offset = records[-1].offset() + 1
@@ -101,12 +101,9 @@ class Admission:
         if delayed:
             self._indexer.take(batch, state, routes, delayed)
 
-    def settle(self, batch: IntakeBatch) -> None:
-        """At the end of a batch: runs still on probation are indexed one by one."""
-        self._indexer.settle(batch)
-
     def rejudge(self, state: PartitionState, routes: Routes, record: Message) -> int | None:
-        """The deliver-at intake gave `record` (for reading runs back), or None: not delayed, or no timestamp."""
+        """The deliver-at intake gave `record` (for the horizon roll's read of payloads), or None: not
+        delayed, or no timestamp."""
         publish_ms = record.timestamp()[1]
         if publish_ms <= 0:
             return None

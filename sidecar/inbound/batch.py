@@ -12,8 +12,6 @@ from dataclasses import dataclass, field
 from sidecar.clock import Clock
 from sidecar.dispatch.payload_cache import CacheBatch, PayloadCache
 from sidecar.metrics import Metrics
-from sidecar.partitions import TopicPartitionKey
-from sidecar.partitions.state import PartitionState
 from sidecar.policy.routes import IntakeRule, Routes
 
 
@@ -30,8 +28,6 @@ class IntakeBatch:
     delayed: Counter[str] = field(default_factory=Counter)
     sent: defaultdict[str, Counter[str]] = field(default_factory=lambda: defaultdict(Counter))
     """Records written per topic and subscription."""
-    offered: dict[TopicPartitionKey, PartitionState] = field(default_factory=dict)
-    """Partitions whose open run took members in this batch (settled at its end)."""
 
     def rule(self, topic: str, routes: Routes, retention_ms: int | None) -> IntakeRule:
         found = self.rules.get(topic)

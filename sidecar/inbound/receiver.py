@@ -57,7 +57,6 @@ class Receiver:
             taken = self._rebuilder.take(batch, state, routes, chunk) if state.rebuild is not None else 0
             if taken < len(chunk):
                 self._admission.take(batch, state, routes, chunk[taken:])
-        self._admission.settle(batch)
         batch.settle()
         self._control.settle()
         self._poll()

@@ -16,7 +16,7 @@ def publish_index_gauges(metrics: Metrics, states: Iterable[PartitionState], top
     sums: dict[str, Counter[str]] = {name: Counter() for name in BUCKET_GAUGES}
     degraded = []
     for state in states:
-        tracked[state.topic] += len(state.tracker) + state.runs.pending
+        tracked[state.topic] += len(state.tracker)
         if isinstance(state.tracker, BucketTracker):
             stats = state.tracker.stats()
             for name, counts in sums.items():

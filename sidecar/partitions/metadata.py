@@ -12,16 +12,14 @@ Kafka's committed offset and its metadata are the durable truth of a partition. 
   owed then. Kafka caps commit metadata (offset.metadata.max.bytes), so a history that does not fit
   is written whole to the state topic (state/topic.py), and `rules_ref` names that record; the
   metadata then keeps only the newest rules that fit, for when the state topic cannot be read.
-- `runs`: the monotone runs still pending (tracker/runs.py), which no local index holds.
 - `producer`: exactly-once mode, the transactional.id whose transaction committed it. A sidecar of
   the same identity that takes the partition over fences it (sidecar/identity.py).
 
 Local state (the bucket tracker's RocksDB) is used only when it matches the commit: its cursor and
-watermark at or past the committed ones. It keeps the runs of its checkpoint too, which may be one
-ahead of the commit. State left behind by an earlier owner of the partition is discarded, never
+watermark at or past the committed ones. State left behind by an earlier owner of the partition is discarded, never
 merged. In exactly-once mode, local state ahead of the commit is discarded too: its pops may be
-deliveries of a transaction that was aborted, so only the commit says what was delivered (and
-which runs are pending), and local state must match it exactly.
+deliveries of a transaction that was aborted, so only the commit says what was delivered, and
+local state must match it exactly.
 
 In exactly-once mode a partition whose index is being rebuilt (or, on the control topic, whose
 accepted nacks are being read again) delivers nothing until it is done: the log is read in offset
@@ -35,11 +33,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from confluent_kafka import Message
-
 from sidecar.policy.routes import IntakeRule
 from sidecar.tracker.base import KEY_SHIFT, NOTHING_DELIVERED, pack
-from sidecar.tracker.runs import Runs
 
 METADATA_VERSION = 2
 # Kafka refuses commit metadata over offset.metadata.max.bytes (4096 by default).
@@ -52,8 +47,6 @@ class CommitMetadata:
     earliest: int | None = None
     through: int = NOTHING_DELIVERED
     rules: tuple[tuple[int, IntakeRule], ...] = ()
-    runs: tuple[list[int], ...] = ()
-    """Encoded runs (runs.Run.encode)."""
     producer: str | None = None
     rules_ref: str | None = None
     """Decoded only: the state-topic record holding the whole rule history (`spill`)."""
@@ -91,8 +84,6 @@ class CommitMetadata:
             data["producer"] = self.producer
         if self.through != NOTHING_DELIVERED:
             data["through"] = [self.through >> KEY_SHIFT, self.through & _MASK]
-        if self.runs:
-            data["runs"] = list(self.runs)
         if self.commands:
             data["commands"] = 1
         if self.control:
@@ -129,16 +120,16 @@ class CommitMetadata:
         watermark = NOTHING_DELIVERED
         if isinstance(through, list) and len(through) == 2 and all(isinstance(v, int) for v in through):
             watermark = pack(through[0], through[1])
-        runs = tuple(run.encode() for run in Runs[Message].decode(data.get("runs")).runs)
         producer, ref = data.get("producer"), data.get("rules_ref")
         return cls(
             earliest if isinstance(earliest, int) else None,
             watermark,
             tuple(rules),
-            runs,
             producer if isinstance(producer, str) else None,
             ref if isinstance(ref, str) else None,
-            data.get("commands") == 1,
+            # Pending monotone runs (written with --monotone-runs, since removed): their members are
+            # in no local index, so the partition is read again from `earliest` as with commands.
+            data.get("commands") == 1 or bool(data.get("runs")),
             data.get("control") == 1,
         )
 

@@ -9,13 +9,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from confluent_kafka import Message
-
 from sidecar.control.overrides import Overrides
 from sidecar.partitions.metadata import MAX_METADATA_BYTES, CommitMetadata, RuleHistory
 from sidecar.policy.routes import IntakeRule
 from sidecar.tracker.base import NOTHING_DELIVERED, DelayedDeliveryTracker
-from sidecar.tracker.runs import Runs
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +77,6 @@ class PartitionState:
     """Control partitions: commands below this offset were judged before a restart; not again."""
     rule: IntakeRule | None = None
     """The rule live intake noted last (the hot path compares identity, not values)."""
-    runs: Runs[Message] = field(default_factory=Runs)
     exact: bool = False
     """Exactly-once mode: local state is used only when it matches the commit exactly."""
     rules_record: tuple[str, bytes] | None = None
@@ -100,9 +96,6 @@ class PartitionState:
     """Deliver nothing from this partition before reading up to here: facts written by an earlier
     owner may lie past the commit, and a cancel in them must be in force before anything goes out."""
 
-    def runs_text(self) -> str:
-        return json.dumps(self.runs.encode(), separators=(",", ":"))
-
     @property
     def name(self) -> str:
         return f"{self.topic}/{self.partition}"
@@ -120,7 +113,6 @@ class PartitionState:
         if committed is not None:
             self.committed = (committed, metadata.encode())
         cursor = tracker.index_cursor()
-        self.runs = Runs[Message].decode(list(metadata.runs))
         self.overrides, self.unread_facts = Overrides(), set()
         if metadata.commands and cursor is not None:
             # The cancels in force are not in the local index: its facts are read again from the log.
@@ -130,11 +122,6 @@ class PartitionState:
         if cursor is not None:
             if self._usable(cursor, committed, tracker.delivered_through(), metadata.through):
                 self.next_offset = cursor
-                stored = tracker.stored_runs()
-                # As of the local checkpoint, which may be one ahead of the commit (never in
-                # exactly-once mode, where the commit's runs are the truth).
-                if stored is not None and not self.exact:
-                    self.runs = Runs[Message].decode(json.loads(stored))
                 return cursor
             logger.warning(
                 "local index is stale, discarding it partition=%s index_cursor=%d committed=%s "
@@ -160,14 +147,11 @@ class PartitionState:
             return committed
         tail = restore(self, committed, metadata) if restore is not None else None
         if self.control:  # accepted nacks: from the state topic's tail, else from the earliest pending
-            self.runs = Runs()
             self.replay_until = committed
             return earliest if tail is None else max(earliest, min(tail, committed))
-        # Run members are in no bucket, and cancels' facts are records: with either pending, read
-        # everything again (what the buckets hold is not indexed twice). The rebuild indexes run
-        # members one by one and applies facts in log order.
-        start = earliest if tail is None or metadata.runs or metadata.commands else max(earliest, min(tail, committed))
-        self.runs = Runs()
+        # Cancels' facts are records: with commands pending, read everything again (what the
+        # buckets hold is not indexed twice) and apply the facts in log order.
+        start = earliest if tail is None or metadata.commands else max(earliest, min(tail, committed))
         if start < committed:
             self.rebuild = Rebuild(start, committed, metadata.through)
             logger.info(
@@ -217,9 +201,8 @@ class PartitionState:
         draining = self.drain_from is not None
         if not exact and not draining and tracker.durable and tracker.index_cursor() != self.next_offset:
             return None  # the index is not durable up to here: the commit must not pass it
-        runs = self.runs
         earliest = min(
-            (o for o in (earliest_pending, runs.earliest_offset(), self.drain_from) if o is not None),
+            (o for o in (earliest_pending, self.drain_from) if o is not None),
             default=self.next_offset,
         )
         self.rules.prune(earliest)
@@ -227,7 +210,6 @@ class PartitionState:
             earliest,
             tracker.delivered_through(),
             self.rules.items(),
-            tuple(runs.encode()),
             producer,
             commands=not self.control
             and (bool(self.overrides) or bool(self.unread_facts) or self.hold_until is not None),

@@ -46,8 +46,8 @@ class Manifest:
     """Which sealed buckets make up a partition's index, and where the log must be read again from.
 
     Every indexed entry with an offset below `tail` is in one of `buckets` (or was delivered); the
-    entries from `tail` on are in the mutable bucket, in monotone runs, or not read yet. `cursor`
-    is the partition's next offset when the manifest was written (for operators and logs).
+    entries from `tail` on are in the mutable bucket or not read yet. `cursor` is the partition's
+    next offset when the manifest was written (for operators and logs).
     """
 
     buckets: tuple[int, ...]

@@ -133,7 +133,7 @@ class StateTopic:
         name = state.name
         buckets, next_id, lowest = snapshots.sealed_layout()
         cursor = state.next_offset
-        tail = min(o for o in (lowest, state.runs.earliest_offset(), cursor, state.drain_from) if o is not None)
+        tail = min(o for o in (lowest, cursor, state.drain_from) if o is not None)
         manifest = Manifest(buckets, next_id, tail, cursor)
         try:
             records, tombstones = self._mirror.take(name, buckets)

@@ -64,36 +64,33 @@ class DelayedDeliveryTracker(ABC):
         self.clock = clock
 
     @abstractmethod
-    def add(self, offset: int, deliver_at: int, hold_from: int | None = None, deliver_now: bool = True) -> bool:
+    def add(self, offset: int, deliver_at: int, *, deliver_now: bool = True) -> bool:
         """Index a delayed position. False when the caller must deliver it now.
 
         With `deliver_now` False a due position is indexed like any other (an exactly-once rebuild,
         which delivers nothing until it has read every pending record); positions at or below the
         watermark still return False.
 
-        That is when it is due and nothing indexed comes before it (nor a pending run member: their
-        smallest key is `hold_from`, see runs.py), or when it lies at or below
-        the delivered watermark (a rebuild finding a record that is due by an earlier pop); the
+        That is when it is due and nothing indexed comes before it, or when it lies at or below the
+        delivered watermark (a rebuild finding a record that is due by an earlier pop); the
         watermark then moves up to it. A due position that indexed entries precede is indexed
         and comes out with them, in order. Adding a position that is already indexed changes
         nothing (a replayed record is not delivered twice) and returns True.
         """
 
-    def add_many(self, offsets: list[int], deliver_ats: list[int], hold_from: int | None = None) -> list[int]:
+    def add_many(self, offsets: list[int], deliver_ats: list[int]) -> list[int]:
         """`add` of each (offsets[i], deliver_ats[i]), offsets strictly rising: the indexes of the
         positions the caller must deliver now. A tracker may index a whole slice of intake at once."""
         pairs = enumerate(zip(offsets, deliver_ats, strict=True))
-        return [i for i, (offset, at) in pairs if not self.add(offset, at, hold_from)]
+        return [i for i, (offset, at) in pairs if not self.add(offset, at)]
 
     @abstractmethod
     def next_delivery_time(self) -> int | None:
         """The earliest deliver-at still indexed, or None when the tracker is empty."""
 
     @abstractmethod
-    def pop_due(self, max_messages: int, until_ms: int | None = None, below_key: int | None = None) -> list[Due]:
+    def pop_due(self, max_messages: int, until_ms: int | None = None) -> list[Due]:
         """Remove and return up to max_messages entries due by until_ms (default: now), earliest first.
-
-        With below_key, only entries whose key (`pack`) is below it: a pending run member comes first.
 
         A later until_ms drains entries before their time: only for dead-lettering them.
 
@@ -111,21 +108,11 @@ class DelayedDeliveryTracker(ABC):
         """
 
     @abstractmethod
-    def next_key(self) -> int | None:
-        """No entry still indexed has a smaller key (`pack`) than this; None when empty.
-
-        Exact for entries due by now once pop_due has run; a run member below it may go out."""
-
-    @abstractmethod
     def contains(self, offset: int) -> bool: ...
 
     @abstractmethod
     def delivered_through(self) -> int:
         """The packed key (`pack`) of the last position delivered, or NOTHING_DELIVERED."""
-
-    @abstractmethod
-    def note_delivered(self, key: int) -> None:
-        """A run member at `key` went out (runs.py): the watermark moves up to it."""
 
     @abstractmethod
     def restore_delivered_through(self, key: int) -> None:
@@ -156,12 +143,11 @@ class DelayedDeliveryTracker(ABC):
         """The inbound offset up to which a durable index is complete, or None if unknown."""
         return None
 
-    def checkpoint(self, index_cursor: int, runs: str | None = None) -> None:  # noqa: B027 - optional
+    def checkpoint(self, index_cursor: int) -> None:  # noqa: B027 - optional
         """Make adds and pops durable, and record that the index is complete below index_cursor.
 
-        `runs`, the partition's encoded runs, is kept with it: local state one checkpoint ahead of
-        the commit has runs the commit lacks. Called after the producer is flushed and before
-        inbound offsets are committed; in-memory trackers have nothing to do.
+        Called after the producer is flushed and before inbound offsets are committed; in-memory
+        trackers have nothing to do.
         """
 
     def due_counts(self, limits: list[int]) -> list[int]:
@@ -176,10 +162,6 @@ class DelayedDeliveryTracker(ABC):
 
     def snapshots(self) -> Snapshots | None:
         """The index as sealed buckets for the state topic; None for an index that keeps none."""
-        return None
-
-    def stored_runs(self) -> str | None:
-        """The runs the last checkpoint kept (None: none kept, or not durable)."""
         return None
 
     def clear(self) -> None:  # noqa: B027

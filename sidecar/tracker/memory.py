@@ -24,18 +24,13 @@ class InMemoryTracker(DelayedDeliveryTracker):
         self._pending = BitMap64()
         self._popped = NOTHING_DELIVERED
 
-    def add(self, offset: int, deliver_at: int, hold_from: int | None = None, deliver_now: bool = True) -> bool:
+    def add(self, offset: int, deliver_at: int, *, deliver_now: bool = True) -> bool:
         if offset in self._pending:
             return True
         key = deliver_at << _OFFSET_BITS | offset
         if key <= self._popped:
             return False
-        if (
-            deliver_now
-            and deliver_at <= self.clock.now_ms()
-            and (not self._heap or key < self._heap[0])
-            and (hold_from is None or key < hold_from)
-        ):
+        if deliver_now and deliver_at <= self.clock.now_ms() and (not self._heap or key < self._heap[0]):
             self._popped = key
             return False
         heapq.heappush(self._heap, key)
@@ -49,10 +44,8 @@ class InMemoryTracker(DelayedDeliveryTracker):
     def next_delivery_time(self) -> int | None:
         return self._heap[0] >> _OFFSET_BITS if self._heap else None
 
-    def pop_due(self, max_messages: int, until_ms: int | None = None, below_key: int | None = None) -> list[Due]:
+    def pop_due(self, max_messages: int, until_ms: int | None = None) -> list[Due]:
         limit = ((self.clock.now_ms() if until_ms is None else until_ms) + 1) << _OFFSET_BITS
-        if below_key is not None and below_key < limit:
-            limit = below_key
         heap, due = self._heap, list[Due]()
         pop, discard = heapq.heappop, self._pending.discard
         while heap and heap[0] < limit and len(due) < max_messages:
@@ -84,12 +77,6 @@ class InMemoryTracker(DelayedDeliveryTracker):
 
     def delivered_through(self) -> int:
         return self._popped
-
-    def next_key(self) -> int | None:
-        return self._heap[0] if self._heap else None
-
-    def note_delivered(self, key: int) -> None:
-        self._popped = max(self._popped, key)
 
     def restore_delivered_through(self, key: int) -> None:
         self._popped = key

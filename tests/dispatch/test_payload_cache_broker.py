@@ -36,8 +36,7 @@ READ_AHEAD = ("--read-ahead-ms", "2000")
 
 
 def scattered(due: int) -> list[int]:
-    """Deliver-at times over 2 s in no rising order: records that form no run (tracker/runs.py), so
-    each one is indexed and its payload cached."""
+    """Deliver-at times over 2 s in no rising order: each record is indexed and its payload cached."""
     return [due + (i * 7_919) % 2_000 for i in range(COUNT)]
 
 

@@ -14,7 +14,6 @@ from sidecar.policy.routes import IntakeRule
 from sidecar.tracker import InMemoryTracker
 from sidecar.tracker.base import NOTHING_DELIVERED, pack
 from sidecar.tracker.bucket import BucketTracker
-from sidecar.tracker.runs import Run
 from sidecar.tracker.storage.fake import FakeSnapshotStorage
 
 FAR = 10**13
@@ -213,14 +212,15 @@ def test_an_index_from_the_state_topic_is_completed_from_its_tail_or_the_commit(
     assert calls == [100]
 
 
-def test_with_runs_pending_the_whole_range_is_read_again_even_after_a_restore() -> None:
-    """Run members are in no bucket: only the log has them. The buckets are restored all the same,
-    so the index's new buckets take ids after those the state topic holds."""
-    runs = (Run(50, 1_000, 60, 1_010, 64).encode(),)
+def test_a_commit_with_monotone_runs_pending_is_read_again_from_its_earliest_even_after_a_restore() -> None:
+    """Written with --monotone-runs (since removed): run members are in no bucket, only the log has
+    them. The buckets are restored all the same, so the index's new buckets take ids after those
+    the state topic holds."""
+    legacy = CommitMetadata.decode('{"v":2,"earliest":40,"runs":[[50,1000,60,1010,64]],"rules":[]}')
     restored: list[int] = []
     s = state(InMemoryTracker(ManualClock()))
-    assert s.start(100, CommitMetadata(40, runs=runs), lambda _, committed, __: restored.append(committed) or 90) == 40
-    assert s.rebuild is not None and s.rebuild.start == 40 and not s.runs
+    assert s.start(100, legacy, lambda _, committed, __: restored.append(committed) or 90) == 40
+    assert s.rebuild is not None and s.rebuild.start == 40
     assert restored == [100]
 
 

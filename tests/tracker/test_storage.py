@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -70,6 +71,14 @@ def test_encodings_round_trip() -> None:
     assert decode_bucket_meta(encode_bucket_meta(write.meta)) == write.meta
     meta = PartitionMeta("a/1", 42, 99 << 64 | 3, [1, 4], 5, 8)
     assert decode_partition_meta(encode_partition_meta(meta)) == meta
+
+
+def test_a_store_written_with_monotone_runs_pending_has_no_cursor() -> None:
+    """Run members (--monotone-runs, since removed) are in no bucket: a cursor would skip them. Without
+    one the index is set aside and the partition rebuilt from its commit. No run pending: as it was."""
+    doc = json.loads(encode_partition_meta(PartitionMeta("a/1", 42, 99 << 64 | 3, [1, 4], 5, 8)))
+    assert decode_partition_meta(json.dumps({**doc, "runs": "[[50,1000,60,1010,64]]"}).encode()).index_cursor is None
+    assert decode_partition_meta(json.dumps({**doc, "runs": "[]"}).encode()).index_cursor == 42
 
 
 def test_partition_prefixes_do_not_overlap() -> None:

@@ -78,7 +78,6 @@ class PartitionStore:
         self._backoff_s = backoff_s
         self._retry_interval_ms = retry_interval_ms
         self.durable_cursor: int | None = None
-        self.runs: str | None = None
         self.delivered_through = 0
         """The packed key through which pops are durable (see PartitionMeta)."""
         self.next_bucket_id = 1
@@ -103,7 +102,6 @@ class PartitionStore:
             bucket_ids=bucket_ids,
             next_bucket_id=self.next_bucket_id,
             wal_seq=self.wal_seq,
-            runs=self.runs,
         )
         return dataclasses.replace(meta, **changes)  # type: ignore[arg-type]
 
@@ -117,7 +115,6 @@ class PartitionStore:
             self.delivered_through = meta.delivered_through
             self.next_bucket_id = meta.next_bucket_id
             self.wal_seq = meta.wal_seq
-            self.runs = meta.runs
         return meta
 
     def load_bucket(self, bucket_id: int) -> tuple[BucketMeta, BitMap64, int]:

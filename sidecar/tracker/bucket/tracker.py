@@ -148,7 +148,7 @@ class BucketTracker(DelayedDeliveryTracker):
 
     # -- the tracker contract ---------------------------------------------------------------
 
-    def add(self, offset: int, deliver_at: int, hold_from: int | None = None, deliver_now: bool = True) -> bool:
+    def add(self, offset: int, deliver_at: int, *, deliver_now: bool = True) -> bool:
         mutable = self._mutable
         # An offset above every indexed one (the consumer moving on: nearly every add) cannot be
         # indexed yet, so only a replayed or re-added offset pays for the bitmap lookups.
@@ -165,7 +165,7 @@ class BucketTracker(DelayedDeliveryTracker):
         now = self.clock.now_ms()
         if deliver_at <= now and deliver_now:
             head = self.next_delivery_time()
-            if (head is None or deliver_at < head) and (hold_from is None or deliver_at << _SHIFT | offset < hold_from):
+            if head is None or deliver_at < head:
                 # Due, and nothing indexed comes first: delivered now, as if popped.
                 self._popped, self._popped_at = deliver_at << _SHIFT | offset, deliver_at
                 return False
@@ -183,7 +183,7 @@ class BucketTracker(DelayedDeliveryTracker):
         self._count += 1
         return True
 
-    def add_many(self, offsets: list[int], deliver_ats: list[int], hold_from: int | None = None) -> list[int]:
+    def add_many(self, offsets: list[int], deliver_ats: list[int]) -> list[int]:
         """A slice of intake in one step when it is the common case: every offset above every indexed
         one, none due or at the watermark, and no seal on the way. Else one `add` at a time."""
         mutable, n = self._mutable, len(offsets)
@@ -202,7 +202,7 @@ class BucketTracker(DelayedDeliveryTracker):
                 mutable.count += n
                 self._count += n
                 return []
-        return super().add_many(offsets, deliver_ats, hold_from)
+        return super().add_many(offsets, deliver_ats)
 
     def next_delivery_time(self) -> int | None:
         heap, mutable = self._sealed.heap, self._mutable
@@ -212,7 +212,7 @@ class BucketTracker(DelayedDeliveryTracker):
         at = min(head >> _SHIFT, mutable.unsorted_min_at)
         return None if at == NO_AT else at
 
-    def pop_due(self, max_messages: int, until_ms: int | None = None, below_key: int | None = None) -> list[Due]:
+    def pop_due(self, max_messages: int, until_ms: int | None = None) -> list[Due]:
         """Pops in key order, a run at a time: the entries of one source (a loaded segment, or the
         mutable bucket's sorted keys) that come before every other source's head are taken as one
         slice. A burst due at once pops in runs of thousands, where an entry at a time cost a heap
@@ -220,8 +220,6 @@ class BucketTracker(DelayedDeliveryTracker):
         runs are one entry: that case takes no slices, and each bitmap is updated once per call."""
         now = self.clock.now_ms() if until_ms is None else until_ms
         limit = (now + 1) << _SHIFT
-        if below_key is not None and below_key < limit:
-            limit = below_key
         mutable, sealed, store = self._mutable, self._sealed, self._store
         if mutable.unsorted_min_at <= now:
             mutable.merge_unsorted()
@@ -378,19 +376,6 @@ class BucketTracker(DelayedDeliveryTracker):
     def delivered_through(self) -> int:
         return self._popped
 
-    def next_key(self) -> int | None:
-        heap, mutable = self._sealed.heap, self._mutable
-        head = heap[0][0] if heap else NO_KEY
-        if mutable.sorted_keys:
-            head = min(head, mutable.sorted_keys[0])
-        if mutable.unsorted_min_at != NO_AT:
-            head = min(head, mutable.unsorted_min_at << _SHIFT)
-        return None if head == NO_KEY else head
-
-    def note_delivered(self, key: int) -> None:
-        if key > self._popped:
-            self._popped, self._popped_at = key, key >> _SHIFT
-
     def restore_delivered_through(self, key: int) -> None:
         self._store.delivered_through = self._popped = max(key, 0)
         self._popped_at = self._popped >> _SHIFT
@@ -437,7 +422,7 @@ class BucketTracker(DelayedDeliveryTracker):
         Raises StorageError when the local store cannot take it.
         """
         store = self._store
-        store.durable_cursor, store.runs, store.wal_seq = None, None, 0
+        store.durable_cursor, store.wal_seq = None, 0
         store.delivered_through = max(delivered_through, 0)
         store.next_bucket_id = next_bucket_id
         root = store.root([b.meta.bucket_id for b in buckets])
@@ -446,10 +431,7 @@ class BucketTracker(DelayedDeliveryTracker):
         self._reset_memory()
         self._recover()
 
-    def stored_runs(self) -> str | None:
-        return self._store.runs
-
-    def checkpoint(self, index_cursor: int, runs: str | None = None) -> None:
+    def checkpoint(self, index_cursor: int) -> None:
         """Make adds and pops durable and record index_cursor, in one atomic batch.
 
         On a storage failure the tracker degrades instead of raising: `index_cursor()` keeps
@@ -466,9 +448,7 @@ class BucketTracker(DelayedDeliveryTracker):
         popped = self._popped
         batch = SnapshotBatch(
             "checkpoint",
-            partition_meta=store.root(
-                self._sealed.ids(), index_cursor=index_cursor, delivered_through=popped, runs=runs
-            ),
+            partition_meta=store.root(self._sealed.ids(), index_cursor=index_cursor, delivered_through=popped),
         )
         chunk, replaces_log, wal_stored = self._mutable.wal_chunk()
         if chunk is not None:
@@ -486,7 +466,7 @@ class BucketTracker(DelayedDeliveryTracker):
             store.write(batch)
         except StorageError:
             return
-        store.durable_cursor, store.delivered_through, store.runs = index_cursor, popped, runs
+        store.durable_cursor, store.delivered_through = index_cursor, popped
         if chunk is not None:
             store.wal_seq += 1
         self._mutable.checkpointed(chunk is not None, wal_stored)

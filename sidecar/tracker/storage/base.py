@@ -47,8 +47,6 @@ class PartitionMeta:
     bucket_ids: list[int] = field(default_factory=list)
     next_bucket_id: int = 1
     wal_seq: int = 0
-    runs: str | None = None
-    """The partition's runs at this checkpoint (tracker/runs.py), which the index does not hold."""
 
 
 @dataclass(slots=True)

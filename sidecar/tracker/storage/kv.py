@@ -167,8 +167,6 @@ def encode_partition_meta(meta: PartitionMeta) -> bytes:
         "next_bucket_id": meta.next_bucket_id,
         "wal_seq": meta.wal_seq,
     }
-    if meta.runs is not None:
-        doc["runs"] = meta.runs
     return json.dumps(doc, separators=(",", ":")).encode()
 
 
@@ -178,6 +176,10 @@ def decode_partition_meta(data: bytes) -> PartitionMeta:
         raise ValueError(f"partition record version {doc.get('version')!r}, expected {FORMAT_VERSION}")
     at, offset = doc["delivered_through"]
     cursor = doc["index_cursor"]
+    if doc.get("runs") not in (None, "[]"):
+        # Written with --monotone-runs (removed): the pending runs' members are in no bucket. Without
+        # a cursor the index is set aside and rebuilt from the commit, which names those members.
+        cursor = None
     return PartitionMeta(
         partition=str(doc["partition"]),
         index_cursor=None if cursor is None else int(cursor),
@@ -185,7 +187,6 @@ def decode_partition_meta(data: bytes) -> PartitionMeta:
         bucket_ids=[int(b) for b in doc["buckets"]],
         next_bucket_id=int(doc["next_bucket_id"]),
         wal_seq=int(doc["wal_seq"]),
-        runs=doc["runs"] if isinstance(doc.get("runs"), str) else None,
     )
 
 
