@@ -154,7 +154,7 @@ def _delayed(state: PartitionState, owed: tuple[str, ...], offset: int, deliver_
         elif (name in held and indexed) or name in overrides.recently_cancelled(offset):
             found[name] = {"state": "cancelled"}
         elif indexed or pack(deliver_at, offset) > tracker.delivered_through():
-            found[name] = {"state": "pending", "deliver_at": deliver_at}  # (a run member is in no index)
+            found[name] = {"state": "pending", "deliver_at": deliver_at}  # (or in no index yet: being rebuilt)
         else:
             found[name] = {"state": "delivered", "deliver_at": deliver_at}
     return found

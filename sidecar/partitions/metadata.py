@@ -51,7 +51,8 @@ class CommitMetadata:
     rules_ref: str | None = None
     """Decoded only: the state-topic record holding the whole rule history (`spill`)."""
     commands: bool = False
-    """Cancels or reschedules are in force, or their facts may lie past the committed offset: the
+    """Cancels or reschedules are in force, or their facts may lie past the committed offset (or,
+    decoded, an older sidecar's commit names pending monotone runs, which no index holds): the
     next owner rebuilds the index from the log, facts included, and delivers nothing until it has
     read to the end of the partition (control/overrides.py)."""
     control: bool = False

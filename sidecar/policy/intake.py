@@ -80,9 +80,8 @@ class Judge:
     """`judge`, with shortcuts for the two common kinds of record.
 
     - Without headers, the fate depends on the rule alone (deliver-at is the publish time plus a
-      constant, or none, or a rejection), so it is worked out once per rule. Fixed-delay topics
-      judge every record twice (at intake and when a run is read back), and their records seldom
-      carry headers.
+      constant, or none, or a rejection), so it is worked out once per rule. Records of fixed-delay
+      topics seldom carry headers.
     - With one delay header of plain digits, the fate is arithmetic on the rule's values (`_Digits`):
       a third of the cost of parsing the header and building the decision.
     """
