@@ -16,8 +16,10 @@ import pytest
 from sidecar.broker.ports import free_port
 from sidecar.clock import SystemClock
 from sidecar.engine import Sidecar
+from sidecar.partitions.metadata import CommitMetadata
 from sidecar.policy import load_policies
 from sidecar.tracker import InMemoryTracker
+from sidecar.tracker.base import pack
 from sidecar.tracker.bucket import BucketTracker
 from sidecar.tracker.storage.fake import FakeSnapshotStorage
 from tests.kafka_helpers import (
@@ -35,11 +37,34 @@ from tests.kafka_helpers import (
     wait_for,
 )
 
+RESTART_S = 180.0
+"""After a (re)start: a kill -9 leaves the old member in the group until its session times out, and in
+CI a restart under load took 57 s to be assigned anything."""
+
+
+def assigned(port: int) -> bool:
+    """The process on `port` owns partitions. Until then its tracked gauge reads 0: it has restored nothing."""
+    return scrape(port, "delay_sidecar_assigned_partitions") > 0
+
+
+def committed_to_end(kafka: str, kafka_helper: KafkaHelper, group: str, topic: str, partitions: int) -> bool:
+    """The group's commit is at the end of every inbound partition: every record taken in and checkpointed."""
+    return [o for o, _ in committed(kafka, group, topic, partitions)] == kafka_helper.end_offsets(topic, partitions)
+
+
+def settled(kafka: str, kafka_helper: KafkaHelper, group: str, topic: str, partitions: int) -> bool:
+    """The group's commit is at the end of every inbound partition with nothing pending: every record
+    delivered and checkpointed, as the broker says. Not the tracked gauge: at least once, it is set
+    before the commit, which waits for the index's fsync (checkpoint.py)."""
+    commits = committed(kafka, group, topic, partitions)
+    ends = kafka_helper.end_offsets(topic, partitions)
+    return [o for o, _ in commits] == ends and all(CommitMetadata.decode(m).earliest == o for o, m in commits)
+
 
 def test_deliveries_after_a_restart_are_checkpointed_without_new_inbound_records(
     kafka: str, kafka_helper: KafkaHelper, topic_factory: TopicFactory, policy_file: PolicyFile, tmp_path: Path
 ) -> None:
-    """A restart that only delivers must still checkpoint: a second kill -9 must not send it all again."""
+    """A restart that only delivers must still checkpoint: a kill -9 after it must not send it all again."""
     topic = topic_factory("redeliver", partitions=2)
     policies = policy_file(f"topics:\n  {topic}:\n    subscriptions: {{a: {{}}, o: {{type: exclusive}}}}\n")
     port = free_port()
@@ -49,14 +74,23 @@ def test_deliveries_after_a_restart_are_checkpointed_without_new_inbound_records
         start_serving(sidecar, port)  # deliver-ats from now: none is due at intake however slow the start
         due = int(time.time() * 1000) + 6_000
         produce_due(kafka_helper, topic, [due + i % 1000 for i in range(count)], partitions=2)
-        wait_for(lambda: scrape(port, "delay_sidecar_tracked_messages", topic=topic) == count, 60, "a checkpoint")
-        sidecar.kill()  # before anything is due: the restart recovers every entry
+        # Every record taken in and committed; not the gauge at `count`, then a kill -9 "before anything is due":
+        # on a loaded machine records can fall due first (the gauge never reads `count`, or the kill redelivers).
+        wait_for(lambda: committed_to_end(kafka, kafka_helper, f"g-{topic}", topic, 2), 60, "every record taken in")
+        # A clean stop: what fell due before it is committed with it, and the restart delivers the rest.
+        assert sidecar.stop() == 0, sidecar.tail()
         for _ in range(3):
             sidecar.start()
-            wait_for(lambda: outbound_end(kafka_helper, f"{topic}.a", 2) >= count, 60, "every record delivered")
+            wait_for(lambda: assigned(port), RESTART_S, "the restart serving")  # its gauge reads 0 until then
+            wait_for(lambda: outbound_end(kafka_helper, f"{topic}.a", 2) >= count, RESTART_S, "every record delivered")
+            # The commit itself: the gauge reads 0 before a restart restored anything, and before an fsync's commit.
+            wait_for(
+                lambda: settled(kafka, kafka_helper, f"g-{topic}", topic, 2), RESTART_S, "a commit of every delivery"
+            )
             wait_for(lambda: scrape(port, "delay_sidecar_tracked_messages", topic=topic) == 0, 30, "a checkpoint")
             sidecar.kill()
         sidecar.start()
+        wait_for(lambda: assigned(port), RESTART_S, "the restart serving")  # its gauge reads 0 until then
         wait_for(lambda: scrape(port, "delay_sidecar_tracked_messages", topic=topic) == 0, 30, "a checkpoint")
         assert sidecar.stop() == 0, sidecar.tail()
     finally:
@@ -110,6 +144,8 @@ def test_a_stale_state_dir_is_discarded_after_another_member_owned_the_partition
         wait_for(lambda: outbound_end(kafka_helper, f"{topic}.a") >= 200, 60, "B delivering")
         assert b.stop() == 0, b.tail()
         a.start()
+        # A's verdict on its state dir: its gauge reads 0 from its start, before it is assigned anything.
+        wait_for(lambda: "local index is stale" in a.log.read_text(), RESTART_S, "A discarding its stale index")
         wait_for(lambda: scrape(port, "delay_sidecar_tracked_messages", topic=topic) == 0, 30, "A serving")
         assert a.stop() == 0, a.tail()
     finally:
@@ -296,6 +332,10 @@ def test_rebuild_skips_what_the_watermark_covers(
         produce_due(kafka_helper, topic, [now + (2_000 if i % 2 == 0 else 10_000) for i in range(1_000)])
         wait_for(lambda: outbound_end(kafka_helper, f"{topic}.a") == 500, 60, "the early half")
         wait_for(lambda: scrape(port, "delay_sidecar_tracked_messages", topic=topic) == 500, 30, "a checkpoint")
+        # The gauge is set before the commit (it waits for the fsync): a kill and a lost state dir in between redeliver.
+        last_early = pack(now + 2_000, 998)
+        through = lambda: CommitMetadata.decode(committed(kafka, f"g-{topic}", topic, 1)[0][1]).through  # noqa: E731
+        wait_for(lambda: through() >= last_early, 60, "a commit whose watermark covers the early half")
         sidecar.kill()
         if lost == "state dir deleted":
             shutil.rmtree(state)

@@ -14,6 +14,7 @@ from tests.kafka_helpers import (
     PolicyFile,
     SidecarProcess,
     TopicFactory,
+    committed,
     deliveries,
     early,
     outbound_end,
@@ -55,8 +56,14 @@ def test_a_policy_change_after_a_lost_state_dir_applies_only_to_new_records(
         kafka_helper.produce(kept_topic, b"accepted", headers=[("deliver-after", "12s")])
         kafka_helper.produce(kept_topic, b"beyond retention", headers=[("deliver-after", "30s")])
         kafka_helper.flush()
+
+        def committed_to_end(topic: str) -> bool:
+            return committed(kafka, f"g-{max_topic}", topic, 1)[0][0] == kafka_helper.end_offsets(topic)[0]
+
         for topic, n in ((max_topic, 100), (fixed_topic, 100), (kept_topic, 1)):
             wait_for(lambda t=topic, n=n: scrape(port, "delay_sidecar_tracked_messages", topic=t) == n, 60, "indexed")
+            # The gauge is set before the commit (it waits for the fsync): records not in it would be judged anew.
+            wait_for(lambda t=topic: committed_to_end(t), 60, f"{topic}'s rules in the commit")
         sidecar.kill()
         shutil.rmtree(state)  # the index is gone: it is rebuilt from the inbound log
         path.write_text(policies(max_topic, fixed_topic, kept_topic, "2s", "1s"))
