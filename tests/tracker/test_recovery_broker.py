@@ -11,6 +11,9 @@ import pytest
 from confluent_kafka.admin import AdminClient
 
 from sidecar.broker.ports import free_port
+from sidecar.outbound.records import DELIVER_AT, ORIGIN_OFFSET, ORIGIN_PARTITION
+from sidecar.partitions.metadata import CommitMetadata
+from sidecar.tracker.base import pack
 from tests.kafka_helpers import (
     KafkaHelper,
     PolicyFile,
@@ -81,11 +84,24 @@ def test_kill_9_mid_delivery_loses_nothing_and_restarts_without_rereading(
         if first.poll() is None:
             first.kill()
     assert "bucket sealed" in log.read_text() and "buckets merged" in log.read_text()
+    # What the last commit before the kill says was delivered, per inbound partition.
+    through = [CommitMetadata.decode(m).through for _, m in committed(kafka, f"g-{topic}", topic, 2)]
     second = sidecar_process(args, log)
     try:
         duplicates = assert_all_delivered(kafka_helper, topic, log)
-        # At least once: only what was delivered since the last checkpoint (200 ms) may come twice.
-        assert all(n < 2_000 for n in duplicates.values()), duplicates
+        # At least once: only what was delivered since the last checkpoint may come twice; never a
+        # record at or below the committed watermark. (How many depends on the machine's load: a
+        # count bound failed in CI with 3,846 of them.)
+        for sub in ("a", "b"):
+            records = kafka_helper.read_to_end(f"{topic}.{sub}")
+            twice = {o for o, n in deliveries(records).items() if n > 1}
+            covered = [
+                r for r in records
+                if (p := int(r.headers[ORIGIN_PARTITION]), o := int(r.headers[ORIGIN_OFFSET]), 0) in twice
+                and pack(int(r.headers[DELIVER_AT]), o) <= through[p]
+            ]  # fmt: skip
+            assert not covered, f"{sub}: {len(covered)} copies of records the last commit had delivered"
+        print(f"duplicates={duplicates} through={through}")
         # The restart resumed at the index cursor: not one inbound record was read twice.
         assert scrape(port, "delay_sidecar_messages_in_total", topic=topic) == 0
         assert scrape(port, "delay_sidecar_messages_replayed_total", topic=topic) == 0
