@@ -146,7 +146,9 @@ def test_a_topic_removed_live_keeps_the_other_topics_delivering_while_it_drains(
         produce(kafka_helper, removed, 1, ["10m"] * pending)
         sidecar.wait_for_metric("delay_sidecar_messages_delayed_total", pending, DEADLINE_S, topic=removed)
         now = int(time.time() * 1000)
-        due = [now + 2_000 + i // 2 for i in range(10_000)]  # two a millisecond, for 5 s
+        # One every 3 ms for 30 s, so records still fall due whenever the drain runs: over 5 s, a CI
+        # run's reload came after 6,788 of 10,000 and the drain saw none go out between its looks.
+        due = [now + 2_000 + i * 3 for i in range(10_000)]
         for i, at in enumerate(due):
             kafka_helper.produce(kept, f"k{i}".encode(), headers=[("deliver-at", str(at))])
         kafka_helper.flush()
