@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import pytest
-from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
+from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 
 from bench import probe
@@ -137,7 +137,8 @@ class KafkaHelper:
             metadata = consumer.list_topics(topic, timeout=10).topics[topic]
             ends = {}
             for p in metadata.partitions:
-                low, high = watermarks(consumer, TopicPartition(topic, p))
+                # Asked again while a loaded node answers NOT_LEADER_FOR_PARTITION for a moment (CI).
+                low, high = probe.watermark_offsets(consumer, TopicPartition(topic, p))
                 if high > low:
                     ends[p] = high
             consumer.assign([TopicPartition(topic, p, 0) for p in ends])
@@ -192,32 +193,6 @@ def as_v1(headers: dict[str, bytes]) -> dict[str, bytes]:
     v1 = {ORIGIN_TOPIC: d.topic.encode(), ORIGIN_PARTITION: b"%d" % d.partition, ORIGIN_OFFSET: b"%d" % d.offset,
           REDELIVERY_COUNT: b"%d" % d.redelivery_count}  # fmt: skip
     return {**headers, **v1}
-
-
-_PASSING = {
-    KafkaError.NOT_LEADER_FOR_PARTITION,
-    KafkaError.LEADER_NOT_AVAILABLE,
-    KafkaError.UNKNOWN_TOPIC_OR_PART,
-    KafkaError.REQUEST_TIMED_OUT,
-    KafkaError._TIMED_OUT,
-    KafkaError._TRANSPORT,
-}
-"""Errors a loaded broker answers for a moment (librdkafka does not always mark them retriable)."""
-
-
-def watermarks(consumer: Consumer, tp: TopicPartition, deadline_s: float = 60.0) -> tuple[int, int]:
-    """(low, high) of `tp` from the broker, through retriable errors: in CI a single loaded node
-    answered NOT_LEADER_FOR_PARTITION for a topic it led, and a read to the end failed on it."""
-    deadline = time.monotonic() + deadline_s
-    while True:
-        try:
-            low, high = consumer.get_watermark_offsets(tp, timeout=10, cached=False)
-            return int(low), int(high)
-        except KafkaException as e:
-            error = e.args[0]
-            if not (error.retriable() or error.code() in _PASSING) or time.monotonic() > deadline:
-                raise
-            time.sleep(0.5)
 
 
 def deliveries(records: list[Received]) -> Counter[tuple[int, int, int]]:
