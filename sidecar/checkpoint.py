@@ -49,8 +49,9 @@ import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from confluent_kafka import Consumer, TopicPartition
+from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
+from sidecar.broker.admin import COORDINATOR_MOVING
 from sidecar.errors import BrokerError, SidecarError, StorageError
 from sidecar.metrics import BucketMetrics
 from sidecar.outbound.writer import Writer
@@ -60,6 +61,8 @@ from sidecar.state.topic import StateTopic
 logger = logging.getLogger(__name__)
 
 Points = list[tuple[PartitionState, tuple[int, str]]]
+# How long an at-least-once commit is asked again while the group's coordinator moves.
+COMMIT_RETRY_S = 30.0
 
 
 class Checkpoints:
@@ -181,7 +184,7 @@ class Checkpoints:
             if writer.transactional:
                 writer.commit(offsets, self._consumer.consumer_group_metadata())
             else:
-                self._consumer.commit(offsets=offsets, asynchronous=False)
+                self._commit_offsets(offsets)
         except SidecarError:
             raise
         except Exception as e:
@@ -189,6 +192,25 @@ class Checkpoints:
         for state, point in points:
             state.committed = point
         return len(points)
+
+    def _commit_offsets(self, offsets: list[TopicPartition]) -> None:
+        """At least once: commit, asking again while the group's coordinator moves, as the Java
+        consumer's commitSync does. The same offsets committed twice are one commit; an engine restart
+        instead sends again everything since the last commit (CI, a loaded single broker: one
+        NOT_COORDINATOR dead-lettered 561 records of a draining topic twice)."""
+        deadline = time.monotonic() + COMMIT_RETRY_S
+        pause = 0.1
+        while True:
+            try:
+                self._consumer.commit(offsets=offsets, asynchronous=False)
+                return
+            except KafkaException as e:
+                error: KafkaError = e.args[0]
+                if error.code() not in COORDINATOR_MOVING or time.monotonic() + pause > deadline:
+                    raise
+                logger.warning("committing inbound offsets failed; retrying error=%s retry_in_s=%.1f", error, pause)
+                time.sleep(pause)
+                pause = min(pause * 2, 2.0)
 
 
 def _rule_histories(points: Points, state_topic: StateTopic | None) -> bool:

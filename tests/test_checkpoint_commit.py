@@ -1,0 +1,93 @@
+"""The at-least-once commit rides out a moving group coordinator, and fails at once on anything else.
+
+An engine restart sends again everything since the last commit: at least once that is allowed, but a
+coordinator that moves for a moment (NOT_COORDINATOR from a loaded broker) is no reason for it. The
+Java consumer's commitSync asks again too. No broker: the consumer is a stand-in that answers what
+the test tells it to.
+"""
+
+from typing import Any
+
+import pytest
+from confluent_kafka import KafkaError, KafkaException, TopicPartition
+from prometheus_client import CollectorRegistry
+
+from sidecar import checkpoint
+from sidecar.checkpoint import Checkpoints
+from sidecar.clock import ManualClock
+from sidecar.errors import BrokerError
+from sidecar.metrics import BucketMetrics, Metrics
+from sidecar.partitions.state import PartitionState
+from sidecar.tracker.memory import InMemoryTracker
+
+
+class _Consumer:
+    def __init__(self, answers: list[int]) -> None:
+        self.answers = answers
+        """Error codes the next commits fail with, in order; then commits succeed."""
+        self.commits: list[list[TopicPartition]] = []
+
+    def commit(self, offsets: list[TopicPartition], asynchronous: bool) -> None:
+        assert not asynchronous
+        self.commits.append(offsets)
+        if self.answers:
+            raise KafkaException(KafkaError(self.answers.pop(0)))
+
+
+class _Writer:
+    transactional = False
+    transactional_id = None
+
+    def flush(self) -> None:
+        pass
+
+
+def _checkpoints(consumer: _Consumer) -> Checkpoints:
+    metrics = BucketMetrics(Metrics(CollectorRegistry()))
+    return Checkpoints(_Writer(), consumer, None, None, metrics)  # type: ignore[arg-type]
+
+
+def _state() -> PartitionState:
+    return PartitionState("orders", 0, InMemoryTracker(ManualClock(0)))
+
+
+@pytest.fixture(autouse=True)
+def _no_sleep(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(checkpoint.time, "sleep", lambda _: None)
+
+
+@pytest.mark.parametrize(
+    "code",
+    [KafkaError.NOT_COORDINATOR, KafkaError.COORDINATOR_NOT_AVAILABLE, KafkaError.COORDINATOR_LOAD_IN_PROGRESS],
+)
+def test_a_commit_is_asked_again_while_the_coordinator_moves(code: int) -> None:
+    consumer = _Consumer([code, code])
+    state = _state()
+    point = (42, '{"earliest":7}')
+    assert _checkpoints(consumer)._commit([(state, point)]) == 1
+    assert len(consumer.commits) == 3
+    assert [(tp.offset, tp.metadata) for tp in consumer.commits[-1]] == [point]
+    assert state.committed == point
+
+
+def test_a_commit_that_fails_otherwise_fails_at_once_and_changes_nothing() -> None:
+    consumer = _Consumer([KafkaError.ILLEGAL_GENERATION])
+    state = _state()
+    with pytest.raises(BrokerError, match="a restart resumes at the last commit"):
+        _checkpoints(consumer)._commit([(state, (42, "{}"))])
+    assert len(consumer.commits) == 1
+    assert state.committed is None
+
+
+def test_a_coordinator_that_stays_away_fails_the_commit_in_the_end(monkeypatch: pytest.MonkeyPatch) -> None:
+    now = [0.0]
+
+    def monotonic() -> float:
+        now[0] += 1.0
+        return now[0]
+
+    monkeypatch.setattr(checkpoint.time, "monotonic", monotonic)
+    consumer: Any = _Consumer([KafkaError.NOT_COORDINATOR] * 1000)
+    with pytest.raises(BrokerError, match="NOT_COORDINATOR"):
+        _checkpoints(consumer)._commit([(_state(), (42, "{}"))])
+    assert 1 < len(consumer.commits) < 1000
