@@ -85,7 +85,7 @@ class Metrics:
         )
         self.lateness = Histogram(
             PREFIX + "delivery_lateness_seconds",
-            "Time from effective deliver-at to the write of a delayed record",
+            "Time from effective deliver-at to the write of a delayed record or of a nack's redelivery",
             ["topic"],
             buckets=LATENESS_BUCKETS,
             registry=r,

@@ -116,7 +116,9 @@ class RunSettings(KafkaSettings):
     bucket_time_step_ms: int = Field(300_000, ge=1, description="Delivery time covered by one snapshot segment")
     bucket_max_indexes_per_segment: int = Field(5_000, ge=1, description="Most entries in one snapshot segment")
     bucket_max_buckets: int = Field(50, ge=1, description="Sealed buckets per partition before adjacent ones merge")
-    control_topic: str = Field("delay-sidecar.control", description="Topic of nack commands")
+    control_topic: str = Field(
+        "delay-sidecar.control", description="Topic of consumers' commands: nacks, cancels and reschedules"
+    )
     state_topic: str | None = Field(
         None,
         description="Compacted topic that holds the bucket snapshots of the group's partitions, so a member "
@@ -189,7 +191,10 @@ class RunSettings(KafkaSettings):
         "bursts, that much more lateness",
     )
     new_topic_partitions: int = Field(
-        3, ge=1, description="Partitions of inbound topics the sidecar creates because they did not exist"
+        3,
+        ge=1,
+        description="Partitions of the inbound and control topics the sidecar creates because they did not exist "
+        "(with the control topic's dead-letter and outcomes topics; outbound topics follow their inbound topic)",
     )
     replication_factor: int | None = Field(
         None,

@@ -36,7 +36,9 @@ class AuditSettings(KafkaSettings):
     dead_letter_topics: list[str] = Field(
         [], description="Without --policies: dead-letter topics other than '{topic}.dlt', as TOPIC=DLT"
     )
-    control_topic: str = Field("delay-sidecar.control", description="Topic of nack commands ('' to skip nacks)")
+    control_topic: str = Field(
+        "delay-sidecar.control", description="Topic of nack, cancel and reschedule commands ('' to skip them)"
+    )
     control_dead_letter_topic: str | None = Field(
         None, description="Dead-letter topic of commands (default: the control topic's name + '.dlt')"
     )

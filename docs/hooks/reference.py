@@ -319,8 +319,11 @@ REMEDIES: dict[str, str] = {
     "or `deliver-after` (ms, or digits with `ms`, `s`, `m`, `h`, `d`), ASCII. `sidecar.client.delay_headers` "
     "raises in the producer instead. `delay-error-message` says what was wrong with the value.",
     "EXCEEDS_MAX_DELAY": "The delay asked for is longer than the topic's `max_delivery_delay`; the message names "
-    "the limit and the level (topic, namespace or defaults) that set it. Ask for less, or raise the limit at "
-    "that level (`delay-sidecar policies set-delayed-delivery ... --max-delay`).",
+    "the limit and the level (topic, namespace or defaults) that set it. The record was not delivered to any "
+    "subscription: it is on the dead-letter topic, unchanged. Ask for less and produce it again to the inbound "
+    "topic, or raise the limit at that level (`delay-sidecar policies set-delayed-delivery ... --max-delay`). "
+    "A refused nack schedules no redelivery, and a refused reschedule leaves the message on its schedule; for "
+    "both, the delay counts from the command record's timestamp.",
     "EXCEEDS_RETENTION": "The record would be deleted by the inbound topic's `retention.ms` before it falls due. "
     "Raise the topic's retention above the longest delay you accept, or set a `max_delivery_delay` below it so "
     "that producers are refused with a clearer code.",
