@@ -24,6 +24,7 @@ import signal
 import subprocess
 import time
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -124,13 +125,17 @@ class ApacheKafka(BrokerLauncher):
         host: str = "127.0.0.1",
         nodes: int = 1,
         version: str = KAFKA_VERSION,
+        settings: Mapping[str, object] | None = None,
     ) -> None:
+        """`settings`: server.properties entries over the launcher's own (tests shrink the internal
+        topics with them; `delay-sidecar broker` runs with the release's defaults)."""
         if nodes < 1:
             raise BrokerError(f"--nodes must be 1 or more, not {nodes}")
         self.data_dir = data_dir
         self.host = host
         self.version = version
         self.port = port
+        self._settings = dict(settings or {})
         self.nodes = [Node(i, data_dir / f"node-{i}") for i in range(1, nodes + 1)]
         self.bootstrap_servers = ""
         self._classpath = ""
@@ -228,6 +233,7 @@ class ApacheKafka(BrokerLauncher):
             "share.coordinator.state.topic.min.isr": min_isr,
             # As the release's config/server.properties: a group's first member does not wait 3 s.
             "group.initial.rebalance.delay.ms": 0,
+            **self._settings,
         }
         node.directory.mkdir(parents=True, exist_ok=True)
         (node.directory / "server.properties").write_text("".join(f"{k}={v}\n" for k, v in settings.items()))

@@ -7,8 +7,8 @@ records at a steady rate from before the fault to after it (each due 0.5-3 s aft
 so records fall due all through the fault), strikes one fault, and counts every record of both
 outbound topics twice, per record (Counters, so a second copy shows): a fresh read_committed read
 from offset 0 to the high watermark, and a read_committed reader that kept reading through the
-fault. Against the inbound topic's records: exactly once, none lost, none duplicated, none early; at
-least once, none lost or early, and the duplicates printed.
+fault. Against the inbound topic's records: exactly once, none lost, none duplicated, none early.
+At least once through the same faults is bench/failover.py's (`--guarantees`).
 
 No wall-clock limit is asserted: every wait is for a condition, with a generous deadline. The faults
 themselves are bench/failover.py's, shared with the full version.
@@ -28,9 +28,12 @@ from bench.failover import (
     TRANSACTION_STATE,
     Load,
     Struck,
+    admin,
     health,
     new_stage,
+    partition_count,
     restore,
+    wait_until,
 )
 from sidecar.broker.apache import ApacheKafka
 from sidecar.broker.ports import free_ports
@@ -59,18 +62,32 @@ DEADLINE_S = 180.0
 Origin = tuple[int, int, int]
 
 
+INTERNAL_PARTITIONS = {"offsets.topic.num.partitions": 6, "transaction.state.log.num.partitions": 6}
+"""Kafka's 50 each are most of what a node loads and elects at each start, and the rolling restart
+starts every node once: on the two cores here a node took 66 to 128 s to come back. The faults need
+a coordinator to move, not 50 of them."""
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ApacheKafka]:
     """One 3-node cluster for the module: a start costs 15-20 s of the two cores."""
-    launcher = ApacheKafka(tmp_path_factory.mktemp("failover") / "kafka", port=free_ports(6), nodes=3)
+    directory = tmp_path_factory.mktemp("failover") / "kafka"
+    launcher = ApacheKafka(directory, port=free_ports(6), nodes=3, settings=INTERNAL_PARTITIONS)
     with launcher:
         yield launcher
 
 
 @pytest.fixture(autouse=True)
 def healthy(cluster: ApacheKafka) -> None:
-    """Each test starts on a whole cluster, whatever the one before left killed or paused."""
+    """Each test starts on a whole cluster, whatever the one before left killed or paused, without
+    the topics of the trials before it: each trial leaves 24 partitions (its state topic has 12),
+    which every later restart of a node would load again."""
     restore(cluster)
+    client = admin(cluster.bootstrap_servers)
+    done = [t for t in client.list_topics(timeout=10).topics if t.startswith("failover-")]
+    for future in client.delete_topics(done).values() if done else []:
+        future.result(30)
+    wait_until(lambda: not set(done) & set(client.list_topics(timeout=10).topics), "the last trials' topics gone")
 
 
 class Trial:
@@ -180,32 +197,24 @@ def trials(cluster: ApacheKafka, tmp_path: Path) -> Iterator[list[Trial]]:
         trial.close()
 
 
-def check(expected: set[Origin], records: list[Received], where: str, exactly_once: bool) -> int:
-    """None lost, none early, nothing but the inbound records; exactly once, none twice. The
-    duplicates (copies beyond the first), counted per record."""
+def check(expected: set[Origin], records: list[Received], where: str) -> None:
+    """Each inbound record exactly once: none lost, none twice, none early, nothing else."""
     copies: Counter[Origin] = deliveries(records)
     lost = sorted(expected - copies.keys())
     strays = sorted(copies.keys() - expected)
     twice = {origin: n for origin, n in copies.items() if n > 1}
-    duplicated = sum(n - 1 for n in twice.values())
     assert not lost, f"{where}: {len(lost)} of {len(expected)} lost, e.g. {lost[:5]}"
     assert not strays, f"{where}: {len(strays)} records of no inbound record, e.g. {strays[:5]}"
     assert not early(records), f"{where}: {len(early(records))} delivered early"
-    if exactly_once:
-        assert not twice, (
-            f"{where}: {len(twice)} delivered more than once ({duplicated} extra), e.g. {list(twice.items())[:5]}"
-        )
-    return duplicated
+    assert not twice, f"{where}: {len(twice)} delivered more than once, e.g. {list(twice.items())[:5]}"
 
 
-def assert_each_once(trial: Trial, exactly_once: bool = True) -> dict[str, int]:
+def assert_each_once(trial: Trial) -> None:
     expected, fresh, live = trial.count()
-    duplicated = {}
     for topic in trial.stage.outbound:
-        duplicated[f"{topic} fresh"] = check(expected, fresh[topic], f"{topic} (fresh read)", exactly_once)
-        duplicated[f"{topic} live"] = check(expected, live[topic], f"{topic} (live reader)", exactly_once)
-    print(f"records={len(expected)} duplicated={duplicated}")
-    return duplicated
+        check(expected, fresh[topic], f"{topic} (fresh read)")
+        check(expected, live[topic], f"{topic} (live reader)")
+    print(f"records={len(expected)}")
 
 
 def test_kill_of_an_inbound_leader(cluster: ApacheKafka, tmp_path: Path, trials: list[Trial]) -> None:
@@ -234,6 +243,8 @@ def test_kill_of_the_transaction_coordinator(cluster: ApacheKafka, tmp_path: Pat
     partition = f"{TRANSACTION_STATE}-{struck.facts['partition']}"
     initialized = [line for line in server_log.splitlines() if str(struck.facts["transactional_id"]) in line]
     assert any(partition in line for line in initialized), (partition, initialized[:3])
+    expected = INTERNAL_PARTITIONS["transaction.state.log.num.partitions"]  # the launcher's settings took
+    assert partition_count(cluster.bootstrap_servers, TRANSACTION_STATE) == expected
     assert_each_once(trial)
 
 
@@ -260,15 +271,12 @@ def test_the_majority_lost_then_back(cluster: ApacheKafka, tmp_path: Path, trial
 
 
 def test_a_rolling_restart_under_load(cluster: ApacheKafka, tmp_path: Path, trials: list[Trial]) -> None:
-    """Two sidecars through the same roll, one exactly once and one at least once (each its own
-    inbound topic and group): one roll, both guarantees. At least once, the duplicates are printed."""
-    once, least = Trial(cluster, tmp_path, "exactly-once"), Trial(cluster, tmp_path, "at-least-once")
-    trials += [once, least]
-    once.begin()
-    least.begin()
-    struck = STRIKES["rolling"](once.stage)
-    once.phase(f"fault over: {struck.detail}")
-    once.resumed()
-    least.resumed()
-    assert_each_once(once)
-    assert_each_once(least, exactly_once=False)
+    """Each node in turn: a controlled stop, a start, full ISRs. Exactly once, as the other faults
+    here: the roll is the module's longest test (about 380 s on the two cores here, each node taking
+    45 to 75 s to come back), and a second sidecar beside it, at least once, slowed the whole suite.
+    bench/failover.py rolls with both guarantees."""
+    trial = Trial(cluster, tmp_path, "exactly-once")
+    trials.append(trial)
+    struck = trial.strike("rolling")
+    print(struck.detail)
+    assert_each_once(trial)
