@@ -49,9 +49,9 @@ import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
+from confluent_kafka import Consumer, TopicPartition
 
-from sidecar.broker.admin import COORDINATOR_MOVING
+from sidecar.broker.admin import while_coordinator_moves
 from sidecar.errors import BrokerError, SidecarError, StorageError
 from sidecar.metrics import BucketMetrics
 from sidecar.outbound.writer import Writer
@@ -184,7 +184,14 @@ class Checkpoints:
             if writer.transactional:
                 writer.commit(offsets, self._consumer.consumer_group_metadata())
             else:
-                self._commit_offsets(offsets)
+                # Asked again while the group's coordinator moves, as the Java consumer's commitSync
+                # does: the same offsets committed twice are one commit, while an engine restart sends
+                # again everything since the last commit (CI, a loaded single broker: one
+                # NOT_COORDINATOR dead-lettered 561 records of a draining topic twice).
+                consumer = self._consumer
+                while_coordinator_moves(
+                    lambda: consumer.commit(offsets=offsets, asynchronous=False), COMMIT_RETRY_S, "commit"
+                )
         except SidecarError:
             raise
         except Exception as e:
@@ -192,25 +199,6 @@ class Checkpoints:
         for state, point in points:
             state.committed = point
         return len(points)
-
-    def _commit_offsets(self, offsets: list[TopicPartition]) -> None:
-        """At least once: commit, asking again while the group's coordinator moves, as the Java
-        consumer's commitSync does. The same offsets committed twice are one commit; an engine restart
-        instead sends again everything since the last commit (CI, a loaded single broker: one
-        NOT_COORDINATOR dead-lettered 561 records of a draining topic twice)."""
-        deadline = time.monotonic() + COMMIT_RETRY_S
-        pause = 0.1
-        while True:
-            try:
-                self._consumer.commit(offsets=offsets, asynchronous=False)
-                return
-            except KafkaException as e:
-                error: KafkaError = e.args[0]
-                if error.code() not in COORDINATOR_MOVING or time.monotonic() + pause > deadline:
-                    raise
-                logger.warning("committing inbound offsets failed; retrying error=%s retry_in_s=%.1f", error, pause)
-                time.sleep(pause)
-                pause = min(pause * 2, 2.0)
 
 
 def _rule_histories(points: Points, state_topic: StateTopic | None) -> bool:

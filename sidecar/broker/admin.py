@@ -6,8 +6,8 @@ their inbound topic, so that one inbound partition maps to one outbound partitio
 
 import logging
 import time
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
 
 from confluent_kafka import Consumer, IsolationLevel, KafkaError, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic, OffsetSpec
@@ -26,8 +26,29 @@ COORDINATOR_MOVING = {
     KafkaError.COORDINATOR_LOAD_IN_PROGRESS,
     KafkaError._TIMED_OUT,
 }
+T = TypeVar("T")
 # How often topic retention.ms is re-read for EXCEEDS_RETENTION.
 RETENTION_REFRESH_S = 60.0
+
+
+def while_coordinator_moves(call: Callable[[], T], timeout_s: float, what: str) -> T:
+    """`call`, asked again while the group's coordinator moves (COORDINATOR_MOVING), for up to
+    `timeout_s`: as the Java clients do, rather than failing on what a moment later succeeds. Any
+    other error, or the same one past `timeout_s`, is raised as it came (KafkaException)."""
+    deadline = time.monotonic() + timeout_s
+    pause = 0.1
+    while True:
+        try:
+            return call()
+        except KafkaException as e:
+            error: KafkaError = e.args[0]
+            if error.code() not in COORDINATOR_MOVING or time.monotonic() + pause > deadline:
+                raise
+            logger.warning(
+                "group coordinator moving; asking again what=%s error=%s retry_in_s=%.1f", what, error, pause
+            )
+            time.sleep(pause)
+            pause = min(pause * 2, 2.0)
 
 
 def replication(explicit: int | None, broker_default: int, brokers: int) -> tuple[int, int]:
@@ -204,21 +225,19 @@ class TopicAdmin:
         consumer = Consumer(
             {**self._client_config, "group.id": group_id, "enable.auto.commit": False}, logger=LIBRDKAFKA
         )
-        deadline = time.monotonic() + COORDINATOR_WAIT_S
         try:
-            while True:
-                try:
-                    listed = consumer.committed(partitions, timeout=ADMIN_TIMEOUT_S * 3)
-                    break
-                except KafkaException as e:
-                    # A new cluster creates its offsets topic on the first ask, and a coordinator
-                    # that moves answers NOT_COORDINATOR until the client looks it up again.
-                    if e.args[0].code() not in COORDINATOR_MOVING or time.monotonic() > deadline:
-                        raise BrokerError(
-                            f"cannot read the committed offsets of consumer group {group_id}: {e}; check that the "
-                            "brokers are up and that the sidecar may DESCRIBE its group"
-                        ) from e
-                    time.sleep(0.5)
+            # A new cluster creates its offsets topic on the first ask, and a coordinator that moves
+            # answers NOT_COORDINATOR until the client looks it up again.
+            listed = while_coordinator_moves(
+                lambda: consumer.committed(partitions, timeout=ADMIN_TIMEOUT_S * 3),
+                COORDINATOR_WAIT_S,
+                "reading the group's commits",
+            )
+        except KafkaException as e:
+            raise BrokerError(
+                f"cannot read the committed offsets of consumer group {group_id}: {e}; check that the "
+                "brokers are up and that the sidecar may DESCRIBE its group"
+            ) from e
         finally:
             consumer.close()
         return {(tp.topic, tp.partition): (tp.offset, tp.metadata) for tp in listed if tp.offset >= 0}
