@@ -382,7 +382,10 @@ def test_a_cancel_racing_the_due_instant_is_either_delivered_or_cancelled_never_
             command(producer, control, {"type": "cancel", "topic": topic, "partition": 0, "offset": i, "id": str(i)})
             producer.poll(0)
         producer.flush(10)
-        answered = lambda: sum(map(len, outcomes(kafka_helper, control).values())) >= count + held  # noqa: E731
+
+        def answered() -> bool:
+            return sum(map(len, outcomes(kafka_helper, control).values())) >= count + held
+
         wait_for(answered, 60, "every answer")
         time.sleep(1.5)
     answers = {k: v for k, v in outcomes(kafka_helper, control).items()}
