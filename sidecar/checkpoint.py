@@ -60,7 +60,8 @@ from sidecar.state.topic import StateTopic
 
 logger = logging.getLogger(__name__)
 
-Points = list[tuple[PartitionState, tuple[int, str]]]
+Points = list[tuple[PartitionState, tuple[int, str], str | None]]
+"""(partition, (offset, metadata) to commit, its fingerprint; None for a claim, which changes none)."""
 # How long an at-least-once commit is asked again while the group's coordinator moves.
 COMMIT_RETRY_S = 30.0
 
@@ -104,18 +105,22 @@ class Checkpoints:
                 # Just assigned, not set up yet: only its last commit again, naming this producer.
                 claim = state.claim_point(writer.transactional_id) if writer.transactional_id is not None else None
                 if claim is not None:
-                    claims.append((state, claim))
+                    claims.append((state, claim, None))
                 continue
-            if state.next_offset is not None and state.rebuild is None:
-                # A draining partition's index was cleared and stays so: a local index "complete and
-                # empty" would hide from a restart the records its commit still says are pending.
-                if state.drain_from is None:
-                    state.tracker.checkpoint(state.next_offset)
-                if state_topic is not None:
-                    state_topic.publish(state)
-            point = state.commit_point(state.tracker.earliest_pending_offset(), exact, writer.transactional_id)
+            if state.next_offset is None or state.rebuild is not None:
+                continue  # nothing read yet, or a rebuild that a crash would simply start again
+            tracker = state.tracker
+            point = state.commit_point(tracker.earliest_pending_offset(), exact, writer.transactional_id)
+            # A draining partition's index was cleared and stays so: a local index "complete and
+            # empty" would hide from a restart the records its commit still says are pending.
+            if state.drain_from is None:
+                tracker.checkpoint(state.next_offset, state.lineage)
+                if not exact and tracker.durable and tracker.index_cursor() != state.next_offset:
+                    point = None  # the index is not durable up to here: the commit must not pass it
+            if state_topic is not None:
+                state_topic.publish(state)
             if point is not None:
-                points.append((state, point))
+                points.append((state, point, state.point_fingerprint))
         if _rule_histories(points, state_topic) and not exact:
             writer.flush()  # at least once: a history is acknowledged before a commit names it
         if not points and not exact:
@@ -153,7 +158,7 @@ class Checkpoints:
         if not future.result():
             return 0
         owned = {id(state) for state in states}
-        points = [(state, point) for state, point in points if id(state) in owned]
+        points = [entry for entry in points if id(entry[0]) in owned]
         return self._commit(points) if points else 0
 
     def close(self) -> None:
@@ -179,7 +184,7 @@ class Checkpoints:
 
     def _commit(self, points: Points) -> int:
         writer = self._writer
-        offsets = [TopicPartition(s.topic, s.partition, offset, metadata=meta) for s, (offset, meta) in points]
+        offsets = [TopicPartition(s.topic, s.partition, offset, metadata=meta) for s, (offset, meta), _ in points]
         try:
             if writer.transactional:
                 writer.commit(offsets, self._consumer.consumer_group_metadata())
@@ -196,15 +201,17 @@ class Checkpoints:
             raise
         except Exception as e:
             raise BrokerError(f"committing inbound offsets failed: {e}; a restart resumes at the last commit") from e
-        for state, point in points:
+        for state, point, fingerprint in points:
             state.committed = point
+            if fingerprint is not None:
+                state.committed_fingerprint = fingerprint
         return len(points)
 
 
 def _rule_histories(points: Points, state_topic: StateTopic | None) -> bool:
     """Write the rule histories the commit metadata cannot hold; True when one was written."""
     written = False
-    for state, _ in points:
+    for state, _, _ in points:
         if state_topic is not None:
             written |= state_topic.publish_rules(state)
         elif state.rules_record is not None and state.rules_record[0] not in (state.committed or (0, ""))[1]:

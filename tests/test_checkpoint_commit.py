@@ -64,17 +64,17 @@ def test_a_commit_is_asked_again_while_the_coordinator_moves(code: int) -> None:
     consumer = _Consumer([code, code])
     state = _state()
     point = (42, '{"earliest":7}')
-    assert _checkpoints(consumer)._commit([(state, point)]) == 1
+    assert _checkpoints(consumer)._commit([(state, point, "fp")]) == 1
     assert len(consumer.commits) == 3
     assert [(tp.offset, tp.metadata) for tp in consumer.commits[-1]] == [point]
-    assert state.committed == point
+    assert state.committed == point and state.committed_fingerprint == "fp"
 
 
 def test_a_commit_that_fails_otherwise_fails_at_once_and_changes_nothing() -> None:
     consumer = _Consumer([KafkaError.ILLEGAL_GENERATION])
     state = _state()
     with pytest.raises(BrokerError, match="a restart resumes at the last commit"):
-        _checkpoints(consumer)._commit([(state, (42, "{}"))])
+        _checkpoints(consumer)._commit([(state, (42, "{}"), "fp")])
     assert len(consumer.commits) == 1
     assert state.committed is None
 
@@ -89,5 +89,5 @@ def test_a_coordinator_that_stays_away_fails_the_commit_in_the_end(monkeypatch: 
     monkeypatch.setattr(checkpoint.time, "monotonic", monotonic)
     consumer: Any = _Consumer([KafkaError.NOT_COORDINATOR] * 1000)
     with pytest.raises(BrokerError, match="NOT_COORDINATOR"):
-        _checkpoints(consumer)._commit([(_state(), (42, "{}"))])
+        _checkpoints(consumer)._commit([(_state(), (42, "{}"), "fp")])
     assert 1 < len(consumer.commits) < 1000

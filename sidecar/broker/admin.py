@@ -51,6 +51,22 @@ def while_coordinator_moves(call: Callable[[], T], timeout_s: float, what: str) 
             pause = min(pause * 2, 2.0)
 
 
+def committed_offsets(consumer: Consumer, partitions: list[TopicPartition], timeout_s: float) -> list[TopicPartition]:
+    """The group's commits of `partitions`, asked again while the coordinator moves. An error the
+    answer holds for one partition is raised for the whole (KafkaException): that partition's
+    offset then says nothing, and read as "nothing committed" it would start where
+    auto.offset.reset says, at its first record, or look drained while records are pending."""
+
+    def ask() -> list[TopicPartition]:
+        found: list[TopicPartition] = consumer.committed(partitions, timeout=timeout_s)
+        for tp in found:
+            if tp.error is not None:
+                raise KafkaException(tp.error)
+        return found
+
+    return while_coordinator_moves(ask, timeout_s, "reading the group's commits")
+
+
 def replication(explicit: int | None, broker_default: int, brokers: int) -> tuple[int, int]:
     """Replication factor and min.insync.replicas of the topics the sidecar creates.
 
@@ -228,11 +244,7 @@ class TopicAdmin:
         try:
             # A new cluster creates its offsets topic on the first ask, and a coordinator that moves
             # answers NOT_COORDINATOR until the client looks it up again.
-            listed = while_coordinator_moves(
-                lambda: consumer.committed(partitions, timeout=ADMIN_TIMEOUT_S * 3),
-                COORDINATOR_WAIT_S,
-                "reading the group's commits",
-            )
+            listed = committed_offsets(consumer, partitions, COORDINATOR_WAIT_S)
         except KafkaException as e:
             raise BrokerError(
                 f"cannot read the committed offsets of consumer group {group_id}: {e}; check that the "

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable, Mapping
 
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, TopicPartition
 
+from sidecar.broker.admin import committed_offsets
 from sidecar.dispatch.drain import Drains, RemovedTopic, holds_pending, removed_while_down
 from sidecar.errors import BrokerError
 from sidecar.partitions import TopicPartitionKey
@@ -116,7 +117,7 @@ class RemovedTopics:
         """No commit of the group for `topic` says a record is pending (or the topic is gone)."""
         partitions = self._counts().get(topic, 0)
         try:
-            found = self._consumer.committed([TopicPartition(topic, p) for p in range(partitions)], timeout=10)
+            found = committed_offsets(self._consumer, [TopicPartition(topic, p) for p in range(partitions)], 10)
         except KafkaException as e:
             logger.warning("cannot read the commits of a removed topic topic=%s error=%s", topic, e.args[0])
             return False

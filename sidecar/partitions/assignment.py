@@ -8,6 +8,7 @@ from dataclasses import replace
 
 from confluent_kafka import Consumer, KafkaException, TopicPartition
 
+from sidecar.broker.admin import committed_offsets
 from sidecar.errors import BrokerError, ConfigError, SidecarError
 from sidecar.partitions.metadata import CommitMetadata
 from sidecar.partitions.state import PartitionState, Restore
@@ -17,6 +18,8 @@ from sidecar.tracker.base import DelayedDeliveryTracker
 logger = logging.getLogger(__name__)
 
 MAX_FENCE_ROUNDS = 5
+# How long the commits of newly assigned partitions are asked for, and asked again while the coordinator moves.
+COMMITS_TIMEOUT_S = 30.0
 
 
 class Assignment:
@@ -143,7 +146,7 @@ class Assignment:
         name until they name none left to fence. A zombie keeps committing until its fence, so the
         commit read before it may be stale, and starting from that one delivers the zombie's last
         transactions twice."""
-        found = _decoded(consumer.committed(partitions, timeout=30))
+        found = _decoded(committed_offsets(consumer, partitions, COMMITS_TIMEOUT_S))
         if self._fence is None or self.error is not None:
             return found
         for _ in range(MAX_FENCE_ROUNDS):
@@ -157,7 +160,7 @@ class Assignment:
                 return found
             if not fenced_now:
                 return found
-            found = _decoded(consumer.committed(partitions, timeout=30))
+            found = _decoded(committed_offsets(consumer, partitions, COMMITS_TIMEOUT_S))
         self.failed = True
         self.error = ConfigError(
             f"the commits kept naming new producers of this identity through {MAX_FENCE_ROUNDS} fences: another "

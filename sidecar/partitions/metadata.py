@@ -15,11 +15,14 @@ Kafka's committed offset and its metadata are the durable truth of a partition. 
 - `producer`: exactly-once mode, the transactional.id whose transaction committed it. A sidecar of
   the same identity that takes the partition over fences it (sidecar/identity.py).
 
-Local state (the bucket tracker's RocksDB) is used only when it matches the commit: its cursor and
-watermark at or past the committed ones. State left behind by an earlier owner of the partition is discarded, never
-merged. In exactly-once mode, local state ahead of the commit is discarded too: its pops may be
-deliveries of a transaction that was aborted, so only the commit says what was delivered, and
-local state must match it exactly.
+Local state (the bucket tracker's RocksDB) is used only when it agrees with the commit in
+everything that decides a fate: each checkpoint records the fingerprint (`fingerprint`: the offset
+and every field above but the producer) of the commit it was made for, and of the commit before it.
+The group's commit must be the first, or, at least once, the second with the local cursor at or
+past it: local state one checkpoint ahead, whose deliveries were all acknowledged. Any other commit
+was made by another member since (a delivery, a drain of a removed topic, a cancel, a new rule),
+and the state is discarded, never merged. In exactly-once mode local state ahead of the commit is
+discarded too: its pops may be deliveries of a transaction that was aborted.
 
 In exactly-once mode a partition whose index is being rebuilt (or, on the control topic, whose
 accepted nacks are being read again) delivers nothing until it is done: the log is read in offset
@@ -71,6 +74,14 @@ class CommitMetadata:
             data["rules"] = rules
             text = json.dumps(data, separators=(",", ":"))
         return text
+
+    def fingerprint(self, offset: int) -> str:
+        """The commit (offset, this metadata) as far as it decides a fate: everything but the
+        producer that wrote it, which an exactly-once claim renames without changing anything else.
+        A local index records the fingerprints of the commits it agrees with (PartitionMeta.lineage)."""
+        data = self._fields(self._encoded_rules())
+        data.pop("producer", None)
+        return _digest([offset, data])
 
     def spill(self) -> tuple[str, bytes] | None:
         """(ref, record value) of the whole rule history when `encode` cannot hold it, else None."""
@@ -135,8 +146,8 @@ class CommitMetadata:
         )
 
 
-def _digest(rules: list[list[Any]]) -> str:
-    return hashlib.sha1(json.dumps(rules, separators=(",", ":")).encode()).hexdigest()[:16]
+def _digest(value: object) -> str:
+    return hashlib.sha1(json.dumps(value, separators=(",", ":")).encode()).hexdigest()[:16]
 
 
 class RuleHistory:

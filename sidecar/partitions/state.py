@@ -68,6 +68,12 @@ class PartitionState:
     next_offset: int | None = None
     committed: tuple[int, str] | None = None
     """(offset, metadata) of the last commit, so an unchanged partition is not committed again."""
+    committed_fingerprint: str | None = None
+    """The last commit's CommitMetadata.fingerprint: the local index's lineage names it."""
+    point_fingerprint: str | None = None
+    """The fingerprint of what `commit_point` returned last."""
+    lineage: tuple[str, ...] = ()
+    """What the tracker's next checkpoint records as the commits it agrees with (PartitionMeta)."""
     rules: RuleHistory = field(default_factory=RuleHistory)
     rebuild: Rebuild | None = None
     """Set while the index of this partition is rebuilt from the log (no usable local index)."""
@@ -110,8 +116,10 @@ class PartitionState:
         """
         tracker = self.tracker
         self.rules = RuleHistory(metadata.rules)
+        fingerprint = metadata.fingerprint(committed) if committed is not None else None
         if committed is not None:
             self.committed = (committed, metadata.encode())
+        self.committed_fingerprint = fingerprint
         cursor = tracker.index_cursor()
         self.overrides, self.unread_facts = Overrides(), set()
         if metadata.commands and cursor is not None:
@@ -120,17 +128,18 @@ class PartitionState:
             tracker.clear()
             cursor = None
         if cursor is not None:
-            if self._usable(cursor, committed, tracker.delivered_through(), metadata.through):
+            lineage = tracker.lineage()
+            if self._usable(cursor, committed, fingerprint, lineage):
                 self.next_offset = cursor
                 return cursor
             logger.warning(
                 "local index is stale, discarding it partition=%s index_cursor=%d committed=%s "
-                "local_through=%d committed_through=%d (%s)",
+                "commit=%s index_agrees_with=%s (%s)",
                 self.name,
                 cursor,
                 committed,
-                tracker.delivered_through(),
-                metadata.through,
+                fingerprint,
+                ",".join(lineage) or "-",
                 "exactly-once: its last checkpoint's transaction was not committed, or another member owned "
                 "the partition since"
                 if self.exact
@@ -169,10 +178,14 @@ class PartitionState:
         """The delivered watermark of the last commit: what a restart would take as done."""
         return CommitMetadata.decode(self.committed[1]).through if self.committed else NOTHING_DELIVERED
 
-    def _usable(self, cursor: int, committed: int | None, local_through: int, through: int) -> bool:
-        if self.exact:  # (the bucket tracker's "nothing delivered" is 0, the metadata's -1)
-            return committed is not None and cursor == committed and max(local_through, 0) == max(through, 0)
-        return committed is None or (cursor >= committed and local_through >= through)
+    def _usable(self, cursor: int, committed: int | None, fingerprint: str | None, lineage: tuple[str, ...]) -> bool:
+        """The local index agrees with the group's commit (partitions/metadata.py): it was checkpointed
+        for this very commit or, at least once, for the one after it, which this commit came before."""
+        if committed is None or fingerprint is None:
+            return not self.exact  # the group's commits are gone (expired): only local state knows
+        if self.exact:
+            return cursor == committed and lineage[:1] == (fingerprint,)
+        return cursor >= committed and fingerprint in lineage[:2]
 
     @property
     def holding(self) -> bool:
@@ -198,9 +211,6 @@ class PartitionState:
         if self.next_offset is None or self.rebuild is not None or (exact and self.replaying):
             return None  # nothing read yet, or a rebuild that a crash would simply start again
         tracker = self.tracker
-        draining = self.drain_from is not None
-        if not exact and not draining and tracker.durable and tracker.index_cursor() != self.next_offset:
-            return None  # the index is not durable up to here: the commit must not pass it
         earliest = min(
             (o for o in (earliest_pending, self.drain_from) if o is not None),
             default=self.next_offset,
@@ -216,10 +226,16 @@ class PartitionState:
             control=self.control,
         )
         point = (self.next_offset, metadata.encode())
+        fingerprint = metadata.fingerprint(self.next_offset)
+        self.lineage = (fingerprint,) if fingerprint == self.committed_fingerprint else (fingerprint, *self._last())
         if point == self.committed:
             return None
+        self.point_fingerprint = fingerprint
         self.rules_record = metadata.spill()
         return point
+
+    def _last(self) -> tuple[str, ...]:
+        return (self.committed_fingerprint,) if self.committed_fingerprint is not None else ()
 
     def claim_point(self, producer: str) -> tuple[int, str] | None:
         """The last commit again, naming `producer`: committed at assignment (`claiming`), before

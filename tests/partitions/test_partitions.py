@@ -102,78 +102,129 @@ def bucket(storage: FakeSnapshotStorage) -> BucketTracker:
     return BucketTracker(ManualClock(), storage, "orders/0")
 
 
-def test_local_state_is_used_only_when_it_matches_the_commit() -> None:
+def started(
+    storage: FakeSnapshotStorage, committed: int | None, metadata: CommitMetadata, exact: bool = False
+) -> PartitionState:
+    s = PartitionState("orders", 0, bucket(storage), exact=exact)
+    s.start(committed, metadata)
+    return s
+
+
+def checkpoint(s: PartitionState, committed: bool = True) -> tuple[int, CommitMetadata]:
+    """What checkpoint.py does for one partition: the point, the tracker's checkpoint, the commit
+    (`committed=False`: the process dies between the last two)."""
+    point = s.commit_point(s.tracker.earliest_pending_offset())
+    assert point is not None and s.next_offset is not None
+    s.tracker.checkpoint(s.next_offset, s.lineage)
+    if committed:
+        s.committed, s.committed_fingerprint = point, s.point_fingerprint
+    return point[0], CommitMetadata.decode(point[1])
+
+
+def served(storage: FakeSnapshotStorage) -> tuple[PartitionState, tuple[int, CommitMetadata]]:
+    """A partition served from nothing: offset 5 pending far ahead, read to 10, committed."""
+    s = started(storage, None, CommitMetadata())
+    s.tracker.add(5, FAR)
+    s.next_offset = 10
+    return s, checkpoint(s)
+
+
+def test_local_state_is_used_when_it_agrees_with_the_commit() -> None:
+    storage = FakeSnapshotStorage()
+    _, commit = served(storage)
+    s = started(storage, *commit)
+    assert s.next_offset == 10 and s.rebuild is None and s.tracker.contains(5)
+    assert started(storage, *commit, exact=True).next_offset == 10
+    # an exactly-once claim renames the producer of the commit and changes nothing else
+    claimed = started(storage, commit[0], replace(commit[1], producer="another-member"), exact=True)
+    assert claimed.next_offset == 10 and claimed.rebuild is None
+
+
+def test_at_least_once_local_state_one_checkpoint_ahead_of_the_commit_is_used() -> None:
+    """The process died between its index's fsync and its commit: the deliveries the index has
+    taken since were acknowledged (checkpoint.py, step 1)."""
+    storage = FakeSnapshotStorage()
+    s, commit = served(storage)
+    s.tracker.add(12, FAR)
+    s.next_offset = 15
+    checkpoint(s, committed=False)
+    assert started(storage, *commit).next_offset == 15
+    exact = started(storage, *commit, exact=True)  # its pops may be deliveries of an aborted transaction
+    assert exact.rebuild is not None and exact.rebuild.start == 5 and exact.tracker.index_cursor() is None
+
+
+def test_local_state_overtaken_by_another_member_is_rebuilt_from_the_commit() -> None:
+    """Another member owned the partition since, and its commit differs in a field that decides a
+    fate: a drain of the removed topic moved `earliest` (the cursor and watermark stay: issue 48's
+    first case), a delivery moved the watermark, a cancel, a new rule. Each is rebuilt, in both modes."""
+    _, (offset, metadata) = served(FakeSnapshotStorage())
+    overtaken = {
+        "drained": replace(metadata, earliest=8),
+        "delivered": replace(metadata, through=pack(FAR, 5)),
+        "cancelled": replace(metadata, commands=True),
+        "rules": replace(metadata, rules=((0, rule(max_ms=1_000)),)),
+    }
+    for why, commit in overtaken.items():
+        for exact in (False, True):
+            storage = FakeSnapshotStorage()
+            served(storage)
+            s = started(storage, offset, commit, exact)
+            expected = commit.earliest if commit.earliest is not None else offset
+            assert not s.tracker.contains(5), why
+            assert s.tracker.index_cursor() is None, why
+            assert (s.rebuild.start if s.rebuild else s.next_offset) == expected, why
+    storage = FakeSnapshotStorage()
+    served(storage)
+    assert started(storage, 12, metadata).tracker.index_cursor() is None  # read on by another member
+
+
+def test_local_state_without_a_lineage_is_rebuilt_once() -> None:
+    """An index written before lineages were kept names no commit: it is rebuilt, then kept."""
     storage = FakeSnapshotStorage()
     tracker = bucket(storage)
     tracker.add(5, FAR)
     tracker.checkpoint(10)
-    committed = CommitMetadata(5, NOTHING_DELIVERED)
-    assert state(bucket(storage)).start(10, committed) == 10  # it matches: resume at its cursor
-    assert state(bucket(storage)).start(8, committed) == 10  # one checkpoint ahead of Kafka: still ours
-    stale = state(bucket(storage))
-    assert stale.start(12, committed) == 5  # another owner moved the partition on: rebuild
-    assert len(stale.tracker) == 0 and stale.rebuild is not None
-    behind = state(bucket(storage))  # the stale state was cleared for good
-    assert behind.tracker.index_cursor() is None
+    s = started(storage, 10, CommitMetadata(5))
+    assert s.rebuild is not None and s.rebuild.start == 5
 
 
-def test_local_state_behind_the_committed_watermark_is_stale() -> None:
-    storage = FakeSnapshotStorage()
-    tracker = bucket(storage)
-    tracker.add(5, FAR)
-    tracker.checkpoint(10)
-    s = state(bucket(storage))
-    assert s.start(10, CommitMetadata(10, pack(FAR, 5))) == 10
-    assert len(s.tracker) == 0 and s.tracker.delivered_through() == pack(FAR, 5)
-
-
-def test_a_commit_only_when_something_changed_and_never_past_the_durable_index() -> None:
+def test_a_commit_only_when_something_changed() -> None:
     storage = FakeSnapshotStorage()
     s = state(bucket(storage))
     assert s.start(None, CommitMetadata()) is None
     assert s.commit_point(None) is None  # nothing read yet
     s.next_offset = 3
-    s.tracker.checkpoint(3)
     point = s.commit_point(None)
     assert point is not None and point[0] == 3
-    s.committed = point
+    s.committed, s.committed_fingerprint = point, s.point_fingerprint
     assert s.commit_point(None) is None
-    s.next_offset = 4  # read on, but the tracker's checkpoint did not happen: not durable
-    assert s.commit_point(None) is None
+    assert s.lineage == (s.committed_fingerprint,)
 
 
 def test_exactly_once_discards_local_state_ahead_of_the_commit() -> None:
     """A crash after the tracker checkpoint and before commit_transaction: the pops in local state
     were deliveries of an aborted transaction. Using the state would lose them; it is rebuilt."""
     storage = FakeSnapshotStorage()
-    tracker = bucket(storage)
-    clock = tracker.clock
+    s = started(storage, None, CommitMetadata(), exact=True)
+    clock = s.tracker.clock
     assert isinstance(clock, ManualClock)
-    assert tracker.add(5, clock.now_ms() + 100)
-    tracker.add(6, FAR)
-    tracker.checkpoint(10)  # committed as (10, earliest 5, nothing delivered)
-    committed = CommitMetadata(5, NOTHING_DELIVERED)
+    assert s.tracker.add(5, clock.now_ms() + 100)
+    s.tracker.add(6, FAR)
+    s.next_offset = 10
+    commit = checkpoint(s)  # committed as (10, earliest 5, nothing delivered)
     clock.advance(200)
-    assert [d.offset for d in tracker.pop_due(10)] == [5]
-    tracker.checkpoint(10)  # then the crash: the transaction with offset 5's delivery is aborted
-    exact = PartitionState("orders", 0, bucket(storage), exact=True)
-    assert exact.start(10, committed) == 5  # rebuilt from the commit: offset 5 is delivered again
-    assert exact.rebuild is not None and exact.rebuild.through == NOTHING_DELIVERED and len(exact.tracker) == 0
-    tracker = bucket(storage)
-    tracker.add(6, FAR)
-    tracker.checkpoint(12)  # local cursor ahead of the commit, watermark equal: not trusted either
-    assert PartitionState("orders", 0, bucket(storage), exact=True).start(10, CommitMetadata(6)) == 6
+    assert [d.offset for d in s.tracker.pop_due(10)] == [5]
+    checkpoint(s, committed=False)  # then the crash: the transaction with offset 5's delivery is aborted
+    exact = started(storage, *commit, exact=True)  # rebuilt from the commit: offset 5 is delivered again
+    assert exact.rebuild is not None and exact.rebuild.start == 5
+    assert exact.rebuild.through <= 0 and len(exact.tracker) == 0  # nothing delivered
 
 
-def test_exactly_once_uses_local_state_that_matches_the_commit() -> None:
+def test_exactly_once_ignores_local_state_when_nothing_is_committed() -> None:
     storage = FakeSnapshotStorage()
-    tracker = bucket(storage)
-    tracker.add(5, FAR)
-    tracker.checkpoint(10)
-    assert PartitionState("orders", 0, bucket(storage), exact=True).start(10, CommitMetadata(5)) == 10
-    fresh = PartitionState("orders", 0, bucket(storage), exact=True)
-    assert fresh.start(None, CommitMetadata()) is None  # nothing committed: the state is not ours
-    assert fresh.tracker.index_cursor() is None
+    served(storage)
+    fresh = started(storage, None, CommitMetadata(), exact=True)
+    assert fresh.next_offset is None and fresh.tracker.index_cursor() is None  # the state is not ours
 
 
 def test_an_exactly_once_rebuild_indexes_due_records_instead_of_delivering_them() -> None:

@@ -80,6 +80,8 @@ class PartitionStore:
         self.durable_cursor: int | None = None
         self.delivered_through = 0
         """The packed key through which pops are durable (see PartitionMeta)."""
+        self.lineage: tuple[str, ...] = ()
+        """The group commits the durable state agrees with (see PartitionMeta)."""
         self.next_bucket_id = 1
         self.wal_seq = 0
         self.ops: Counter[tuple[str, str]] = Counter()
@@ -102,6 +104,7 @@ class PartitionStore:
             bucket_ids=bucket_ids,
             next_bucket_id=self.next_bucket_id,
             wal_seq=self.wal_seq,
+            lineage=self.lineage,
         )
         return dataclasses.replace(meta, **changes)  # type: ignore[arg-type]
 
@@ -115,6 +118,7 @@ class PartitionStore:
             self.delivered_through = meta.delivered_through
             self.next_bucket_id = meta.next_bucket_id
             self.wal_seq = meta.wal_seq
+            self.lineage = meta.lineage
         return meta
 
     def load_bucket(self, bucket_id: int) -> tuple[BucketMeta, BitMap64, int]:
@@ -179,7 +183,7 @@ class PartitionStore:
 
     def clear(self) -> None:
         """Delete the partition's state; if that fails, it is retried before any other write."""
-        self.durable_cursor = None
+        self.durable_cursor, self.lineage = None, ()
         self.failing.clear()
         self.clear_pending = True
         self.ensure_cleared()

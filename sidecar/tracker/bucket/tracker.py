@@ -373,6 +373,9 @@ class BucketTracker(DelayedDeliveryTracker):
         """The cursor of the last successful checkpoint: resume consuming (and commit) there."""
         return self._store.durable_cursor
 
+    def lineage(self) -> tuple[str, ...]:
+        return self._store.lineage
+
     def delivered_through(self) -> int:
         return self._popped
 
@@ -422,7 +425,7 @@ class BucketTracker(DelayedDeliveryTracker):
         Raises StorageError when the local store cannot take it.
         """
         store = self._store
-        store.durable_cursor, store.wal_seq = None, 0
+        store.durable_cursor, store.wal_seq, store.lineage = None, 0, ()
         store.delivered_through = max(delivered_through, 0)
         store.next_bucket_id = next_bucket_id
         root = store.root([b.meta.bucket_id for b in buckets])
@@ -431,8 +434,8 @@ class BucketTracker(DelayedDeliveryTracker):
         self._reset_memory()
         self._recover()
 
-    def checkpoint(self, index_cursor: int) -> None:
-        """Make adds and pops durable and record index_cursor, in one atomic batch.
+    def checkpoint(self, index_cursor: int, lineage: tuple[str, ...] = ()) -> None:
+        """Make adds and pops durable and record index_cursor and lineage, in one atomic batch.
 
         On a storage failure the tracker degrades instead of raising: `index_cursor()` keeps
         the last durable cursor, which is what the caller must commit, and the next checkpoint
@@ -448,7 +451,9 @@ class BucketTracker(DelayedDeliveryTracker):
         popped = self._popped
         batch = SnapshotBatch(
             "checkpoint",
-            partition_meta=store.root(self._sealed.ids(), index_cursor=index_cursor, delivered_through=popped),
+            partition_meta=store.root(
+                self._sealed.ids(), index_cursor=index_cursor, delivered_through=popped, lineage=lineage
+            ),
         )
         chunk, replaces_log, wal_stored = self._mutable.wal_chunk()
         if chunk is not None:
@@ -466,7 +471,7 @@ class BucketTracker(DelayedDeliveryTracker):
             store.write(batch)
         except StorageError:
             return
-        store.durable_cursor, store.delivered_through = index_cursor, popped
+        store.durable_cursor, store.delivered_through, store.lineage = index_cursor, popped, lineage
         if chunk is not None:
             store.wal_seq += 1
         self._mutable.checkpointed(chunk is not None, wal_stored)

@@ -39,6 +39,10 @@ class PartitionMeta:
     `delivered_through` is the packed key of the last entry whose pop a checkpoint made durable.
     Pops happen in key order and a new add is always later than anything popped, so every entry
     at or below it has been delivered, in every bucket and in the write-ahead log alike.
+
+    `lineage` names the group commits this state agrees with (CommitMetadata.fingerprint): the
+    one its checkpoint was made for, then the one before it. A state that names neither of them
+    was overtaken by another member of the group, and is not used (partitions/state.py).
     """
 
     partition: str
@@ -47,6 +51,7 @@ class PartitionMeta:
     bucket_ids: list[int] = field(default_factory=list)
     next_bucket_id: int = 1
     wal_seq: int = 0
+    lineage: tuple[str, ...] = ()
 
 
 @dataclass(slots=True)

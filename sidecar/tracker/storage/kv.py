@@ -166,6 +166,7 @@ def encode_partition_meta(meta: PartitionMeta) -> bytes:
         "buckets": meta.bucket_ids,
         "next_bucket_id": meta.next_bucket_id,
         "wal_seq": meta.wal_seq,
+        "lineage": list(meta.lineage),
     }
     return json.dumps(doc, separators=(",", ":")).encode()
 
@@ -187,6 +188,8 @@ def decode_partition_meta(data: bytes) -> PartitionMeta:
         bucket_ids=[int(b) for b in doc["buckets"]],
         next_bucket_id=int(doc["next_bucket_id"]),
         wal_seq=int(doc["wal_seq"]),
+        # Written before lineages were kept: agrees with no commit, so the index is rebuilt once.
+        lineage=tuple(str(f) for f in doc.get("lineage") or ()),
     )
 
 
