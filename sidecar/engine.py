@@ -51,6 +51,7 @@ from sidecar.outbound.delivery import Delivery
 from sidecar.outbound.records import HeaderForm
 from sidecar.outbound.writer import Writer
 from sidecar.partitions.assignment import Assignment
+from sidecar.partitions.coverage import Coverage
 from sidecar.partitions.gauges import publish_due_gauges, publish_index_gauges
 from sidecar.partitions.holds import Holds
 from sidecar.partitions.lookup import Questions, Whereabouts
@@ -196,6 +197,13 @@ class Sidecar:
             fence=self._fence_earlier if transactional_ids is not None else None,
             load_rules=self._state_topic.load_rules if self._state_topic is not None else None,
         )
+        self._coverage = Coverage(
+            lambda: self._admin.group_view(group_id),
+            lambda: frozenset(topic for topic, _ in assignment.states),
+            lambda: self._admin.partitions,
+            self._subscribe_to,
+            lambda: assignment.assignments,
+        )
         self._ids = transactional_ids
         self._fenced = set(writer.fenced)
         states = assignment.states
@@ -294,6 +302,7 @@ class Sidecar:
                     self._questions.answer()
                     if self._assignment.error is not None:
                         raise self._assignment.error
+                    self._coverage.turn()
                     if self._removed:
                         self._removed.adopt()  # partitions of removed topics just assigned: before intake
                     self._intake(records)
@@ -390,10 +399,16 @@ class Sidecar:
         """The policies' topics, the control topics, and the removed topics still draining."""
         topics = frozenset([*self._routes, *self._controls.read, *self._removed.topics])
         if topics != self._subscribed:
-            a = self._assignment
-            self._consumer.subscribe(sorted(topics), on_assign=a.on_assign, on_revoke=a.on_revoke, on_lost=a.on_lost)
+            first = not self._subscribed
+            self._subscribe_to(sorted(topics))
             logger.info("subscribed topics=%s generation=%d", ",".join(sorted(topics)), self._generation)
             self._subscribed = topics
+            if first:
+                self._coverage.watch(topics)  # a static member's return may get the group's old assignment
+
+    def _subscribe_to(self, topics: list[str]) -> None:
+        a = self._assignment
+        self._consumer.subscribe(topics, on_assign=a.on_assign, on_revoke=a.on_revoke, on_lost=a.on_lost)
 
     def _restore(self, state: PartitionState, committed: int, metadata: CommitMetadata) -> int | None:
         """The index from the state topic; the roll then brings the payloads its buckets point at.

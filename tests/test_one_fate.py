@@ -110,3 +110,41 @@ def test_a_member_back_on_its_old_state_dir_does_not_revive_what_another_member_
     revived = sorted(set(origins(delivered)) & pending)
     assert not revived, f"{len(revived)} dead-lettered records delivered too, e.g. {revived[:5]}\n{a.tail()}"
     assert origins(delivered) == Counter({(p, PENDING) for p in range(PARTITIONS)})  # the markers, once each
+
+
+@pytest.mark.fallback
+@pytest.mark.parametrize(("fault", "workers"), [("SIGTERM", "1"), ("kill -9", "1"), ("kill -9", "2")])
+def test_a_topic_added_across_a_restart_is_served(
+    kafka: str,
+    kafka_helper: KafkaHelper,
+    topic_factory: Callable[..., str],
+    tmp_path: Path,
+    fault: str,
+    workers: str,
+) -> None:
+    """The sidecar serves one topic and stops; a second topic joins the policy file, as a rollout
+    with a new ConfigMap does, and the sidecar starts again on its state dir within the session
+    timeout. As a static member it got the group's stored assignment, without the new topic's
+    partitions: none of 400 records reached the new topic's subscription (issue 48)."""
+    first, added = topic_factory("first", partitions=PARTITIONS), topic_factory("added", partitions=PARTITIONS)
+    path = tmp_path / "policies.yaml"
+    path.write_text(policy(first))
+    group, port = f"g-{first}", free_ports(3)
+    args = run_args(kafka, path, tmp_path / "state", port, group, "--workers", workers)
+    member = SidecarProcess(args, tmp_path / "log")
+    try:
+        serving(member, port, workers)
+        if fault == "kill -9":
+            member.kill()
+        else:
+            assert member.stop() == 0, member.tail()
+        path.write_text(policy(first, added))
+        serving(member, port, workers)
+        for i in range(400):
+            kafka_helper.produce(added, f"{i}".encode(), partition=i % PARTITIONS)
+        kafka_helper.flush()
+        wait_for(lambda: outbound_end(kafka_helper, f"{added}.a", PARTITIONS) >= 400, DEADLINE_S, "the added topic")
+        assert member.stop() == 0, member.tail()
+    finally:
+        member.close()
+    assert sorted(Counter(r.value for r in kafka_helper.read_to_end(f"{added}.a")).values()) == [1] * 400

@@ -78,6 +78,8 @@ class Assignment:
         self.failed = False
         """Set after a failure: nothing more may be committed, so revokes do not checkpoint."""
         self.assigned = threading.Event()
+        self.assignments = 0
+        """Assignments the group has given this member so far (partitions/coverage.py counts them)."""
 
     def on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         starts = []
@@ -123,6 +125,7 @@ class Assignment:
             # the resume as it leaves (`_release`): this one can be lost (see there), a second chance.
             consumer.resume(starts)
         self.assigned.set()
+        self.assignments += 1
         self._handoff("assigned", len(starts))
         logger.info("partitions assigned partitions=%s", _names(starts))
         if self._exact and not self.failed:
