@@ -1,7 +1,8 @@
 """The checkpoint: the one place where progress becomes durable, in a fixed order.
 
 1. Flush the producer. Every outbound, dead-letter and accepted-nack record written so far is
-   acknowledged by the broker, or the checkpoint fails and nothing below is done.
+   acknowledged by the broker, or nothing below is done: the checkpoint fails, or at least once a
+   periodic one is put off to the next (the broker away; the engine goes on with what it knows).
 2. Checkpoint each tracker at its partition's next offset. The bucket tracker writes its adds
    and pops to RocksDB in one batch, without waiting for the disk; the in-memory tracker has
    nothing to write. Then one fsync makes all of them durable (the trackers share one store).
@@ -64,6 +65,9 @@ Points = list[tuple[PartitionState, tuple[int, str], str | None]]
 """(partition, (offset, metadata) to commit, its fingerprint; None for a claim, which changes none)."""
 # How long an at-least-once commit is asked again while the group's coordinator moves.
 COMMIT_RETRY_S = 30.0
+# How long a periodic at-least-once checkpoint waits for the writer's acknowledgements before it is
+# put off to the next: the loop is blocked meanwhile, and the broker may be away for minutes.
+PUT_OFF_AFTER_S = 5.0
 
 
 class Checkpoints:
@@ -85,6 +89,8 @@ class Checkpoints:
         self._ops = ops
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="index-sync") if sync is not None else None
         self._pending: tuple[Future[bool], Points] | None = None
+        self.put_off = False
+        """The last checkpoint was put off: the writer's records were not acknowledged in time."""
 
     def run(self, states: Iterable[PartitionState], whole: bool = True) -> int:
         """Run one checkpoint; returns the number of partitions committed.
@@ -95,8 +101,17 @@ class Checkpoints:
         states = list(states)
         committed = self.settle(states, wait=True)
         writer = self._writer
-        writer.flush()
         exact = writer.transactional
+        if exact or whole:
+            writer.flush()
+        elif not writer.acknowledged(PUT_OFF_AFTER_S):
+            # At least once, the broker away: nothing is committed this time, and the engine goes on
+            # with what it knows. Failing here started it again from the last commit, and everything
+            # acknowledged since went out a second time.
+            logger.warning("checkpoint put off: records not acknowledged yet unacknowledged=%d", len(writer.producer))
+            self.put_off = True
+            return committed
+        self.put_off = False
         points: Points = []
         claims: Points = []
         state_topic = self._state_topic

@@ -18,7 +18,7 @@ from typing import Any
 from confluent_kafka import Consumer, Message
 
 from sidecar.broker.admin import TopicAdmin
-from sidecar.checkpoint import Checkpoints
+from sidecar.checkpoint import PUT_OFF_AFTER_S, Checkpoints
 from sidecar.clock import Clock, SystemClock
 from sidecar.collector import Collector
 from sidecar.control.acceptance import Acceptance
@@ -188,7 +188,7 @@ class Sidecar:
             controls.is_control,
             self._checkpoint,
             self._forget,
-            writer.drop_unacknowledged,
+            writer.abort,
             exact=exactly_once,
             end_of=self._admin.end_offset,
             incremental=assignment_strategy == "cooperative-sticky",
@@ -324,6 +324,7 @@ class Sidecar:
             try:
                 self._consumer.close()  # revokes the assignment, which checkpoints once more if clean
             finally:
+                self._assignment.close_kept()
                 self._checkpoints.close()
                 self._dispatcher.close()
                 self._drains.close()
@@ -548,6 +549,8 @@ class Sidecar:
             )
         if self._checkpoints.run(states, whole):
             self.metrics.commits.inc()
+        if self._checkpoints.put_off:
+            self._connectivity.unanswered(f"records not acknowledged in {PUT_OFF_AFTER_S:.0f} s")
         self.metrics.checkpoint_latency.observe(time.monotonic() - started)
         self._dispatcher.checkpointed({(s.topic, s.partition): s.tracker for s in states if not s.control})
         self.degraded = publish_index_gauges(self.metrics, states, list(self._routes))

@@ -160,6 +160,14 @@ class Connectivity:
             self._down_since = time.monotonic()
             logger.warning("brokers unreachable error=%s", error.str())
 
+    def unanswered(self, what: str) -> None:
+        """The loop found the brokers silent itself (records not acknowledged in time): as on_error,
+        until a metadata request is answered (`watch`)."""
+        if self.reason is None:
+            self.reason = f"Kafka unreachable: {what}"
+            self._down_since = time.monotonic()
+            logger.warning("brokers unreachable error=%s", what)
+
     def watch(self, consumed: bool, answers: Callable[[], bool]) -> None:
         """Once a loop turn: while the brokers are away, ask `answers` (a metadata request) every
         PROBE_EVERY_S, or after PROBE_ON_RECORDS_S when the turn `consumed` records."""

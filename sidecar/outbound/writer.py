@@ -37,7 +37,7 @@ ANY_PARTITION = -1
 TRANSACTION_TIMEOUT_MS = 60_000
 _FENCED = {KafkaError._FENCED, KafkaError.INVALID_PRODUCER_EPOCH, KafkaError.PRODUCER_FENCED}
 _PURGED = {KafkaError._PURGE_QUEUE, KafkaError._PURGE_INFLIGHT}
-"""Reports of records this writer dropped on purpose (drop_unacknowledged, close)."""
+"""Reports of records this writer dropped on purpose (abort, close)."""
 _ABANDONED: list[Producer] = []
 """Producers stuck in a call: destroying a librdkafka handle during a call blocks, so they are kept."""
 
@@ -145,17 +145,6 @@ class Writer:
             # Fenced or failed: the next producer fences this id, which aborts it on Kafka.
             logger.warning("aborting the transaction failed error=%s", e.args[0])
 
-    def drop_unacknowledged(self) -> None:
-        """Partitions were lost and the engine starts again from its last checkpoint, which sends
-        anew everything not acknowledged: nothing queued may reach the broker after that. Exactly
-        once, the open transaction is aborted; at least once, the queue is purged, records in flight
-        included (one the broker wrote without answering may still come twice: at least once)."""
-        if self.transactional:
-            self.abort()
-            return
-        self.producer.purge()
-        self.producer.poll(0)  # serves the purged records' reports, which are not failures
-
     def _begin(self) -> None:
         self._transaction(self.producer.begin_transaction, "begin")
         self._open = True
@@ -260,18 +249,23 @@ class Writer:
 
     def flush(self) -> None:
         """Every record written so far acknowledged, or BrokerError: nothing may be committed then."""
-        remaining = self.producer.flush(FLUSH_TIMEOUT_S)
-        if remaining:
+        if not self.acknowledged():
             raise BrokerError(
-                f"{remaining} records not acknowledged after {FLUSH_TIMEOUT_S:.0f}s; the broker is "
+                f"{len(self.producer)} records not acknowledged after {FLUSH_TIMEOUT_S:.0f}s; the broker is "
                 "unreachable or overloaded. Nothing past the last checkpoint was committed."
             )
+
+    def acknowledged(self, timeout_s: float = FLUSH_TIMEOUT_S) -> bool:
+        """Whether every record written so far was acknowledged within `timeout_s`; BrokerError when
+        a write failed for good (its record never reaches the topic: nothing may be committed)."""
+        remaining: int = self.producer.flush(timeout_s)
         if self._errors:
             errors, self._errors = self._errors[:5], []
             raise BrokerError(
                 f"writes failed ({'; '.join(errors)}); check topic permissions and broker health. "
                 "Nothing past the last checkpoint was committed; a restart resumes there."
             )
+        return remaining == 0
 
     def close(self, clean: bool = True) -> None:
         """Wait for what is queued after a clean stop; after a failure, drop it: the next engine

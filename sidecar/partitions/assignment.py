@@ -27,8 +27,9 @@ class Assignment:
 
     `on_assign` opens each partition's tracker and seeks to where `PartitionState.start` says.
     `on_revoke` checkpoints first (the partition goes to another member with nothing left
-    uncommitted); `on_lost` does not (another member may own it already): it drops what the
-    writer holds unacknowledged and has the engine start again from the last checkpoint.
+    uncommitted); `on_lost` cannot (another member may own it already). Exactly once, it aborts the
+    open transaction and has the engine start again from the last commit; at least once, it sets
+    the partitions aside until the group gives them back (`_keep`).
     """
 
     def __init__(
@@ -51,6 +52,8 @@ class Assignment:
         last commit, before the partition is read (a zombie of this identity must not commit); True
         when it fenced that producer now, False when it was fenced before or is not this identity's."""
         self.states: dict[tuple[str, int], PartitionState] = {}
+        self.kept: dict[tuple[str, int], PartitionState] = {}
+        """At least once: partitions lost to the group, until it assigns them again (`_keep`)."""
         self._end_of = end_of
         """A partition's end now, open transactions included (TopicAdmin.end_offset): every fact an
         earlier owner wrote lies below it. A read_committed consumer's own end, the last stable offset,
@@ -61,8 +64,7 @@ class Assignment:
         """The whole rule history a commit's `rules_ref` names, from the state topic (None: not found)."""
         self._restore = restore
         self._drop_unsent = drop_unsent
-        """Called when partitions are lost: the writer drops what the broker has not acknowledged
-        (exactly once, the open transaction; at least once, its queue)."""
+        """Exactly once, called when partitions are lost: the writer aborts the open transaction."""
         self._exact = exact
         self.error: Exception | None = None
         """Why the engine must start again, found in a callback: raised from there, an exception
@@ -94,16 +96,29 @@ class Assignment:
                 "the engine starts again from the last commit"
             )
             return
+        kept, self.kept = self.kept, {}
         for tp, commit in commits:
             key = (tp.topic, tp.partition)
+            committed = tp.offset if tp.offset >= 0 else None
+            metadata = commit if commit.rules_ref is None else self._full_rules(f"{tp.topic}/{tp.partition}", commit)
+            back = kept.pop(key, None)
+            if back is not None and back.next_offset is not None and _unchanged(back, committed, metadata):
+                # Lost and given back with nobody's commit since: what this member knew holds, the
+                # deliveries it made since its last commit included. Starting from the commit would
+                # send those again (issue 48: 4,019 of 5,000 records twice after a broker restart).
+                self.states[key] = back
+                assigned.append(back)
+                starts.append(TopicPartition(tp.topic, tp.partition, back.next_offset))
+                logger.info("partition back as this member left it partition=%s offset=%d", back.name, back.next_offset)
+                continue
+            if back is not None:
+                self._close(back)
             state = self.states.get(key)
             if state is None:
                 tracker = self._factory(tp.topic, tp.partition)
                 control = self._is_control(tp.topic)
                 state = PartitionState(tp.topic, tp.partition, tracker, control=control, exact=self._exact)
                 self.states[key] = state
-            committed = tp.offset if tp.offset >= 0 else None
-            metadata = commit if commit.rules_ref is None else self._full_rules(state.name, commit)
             start = state.start(committed, metadata, self._restore)
             if metadata.commands and not state.control:
                 try:
@@ -115,6 +130,8 @@ class Assignment:
                     self.failed, self.error = True, e
             assigned.append(state)
             starts.append(TopicPartition(tp.topic, tp.partition, start if start is not None else tp.offset))
+        for state in kept.values():  # lost, and now another member's
+            self._close(state)
         if self._incremental:
             consumer.incremental_assign(starts)
         else:
@@ -198,12 +215,12 @@ class Assignment:
         logger.info("partitions revoked partitions=%s", _names(partitions))
 
     def on_lost(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        if not self._exact:
+            self._keep(consumer, partitions)
+            return
         # Another member may own them already, or this one again after rejoining, restored from the
-        # last checkpoint: either sends anew what fell due since. Copies still in the writer's queue
-        # would reach the broker too, a second copy of records the broker never had: at least once,
-        # records due during a broker outage went out twice, 0.4 s apart. Exactly once, the open
-        # transaction also holds pops of the partitions kept, undone only by starting from the commit;
-        # at least once, the purge drops their copies too. Both start again from the last checkpoint.
+        # last checkpoint: either sends anew what fell due since. Exactly once, the open transaction
+        # also holds pops of the partitions kept, undone only by aborting it and starting from the commit.
         self._drop_unsent()
         self.failed = True
         self.error = BrokerError(
@@ -216,6 +233,27 @@ class Assignment:
         self._handoff("lost", len(partitions))
         logger.warning("partitions lost partitions=%s", _names(partitions))
 
+    def _keep(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        """At least once: lost partitions are set aside as they are, neither delivered from nor
+        committed, with what the writer queued for them. The group most often gives them back to this
+        member, with its commit unchanged, once the broker answers again (`on_assign` takes them up
+        where they were); given to another member, they are closed at the next assignment, and what
+        they had queued reaches the broker beside that member's copies: repeats of what this member
+        wrote since its last commit, which at least once allows (docs/contract.md)."""
+        for tp in partitions:
+            state = self.states.pop((tp.topic, tp.partition), None)
+            if state is not None:
+                self.kept[(tp.topic, tp.partition)] = state
+        _release(consumer, partitions)
+        self._handoff("lost", len(partitions))
+        logger.warning(
+            "partitions lost; kept as they are until the group assigns them again partitions=%s", _names(partitions)
+        )
+
+    def _close(self, state: PartitionState) -> None:
+        self._forget(state)
+        state.tracker.close()
+
     def _handoff(self, event: str, moved: int) -> None:
         if self._on_handoff is not None:
             self._on_handoff(event, moved, len(self.states))
@@ -224,8 +262,24 @@ class Assignment:
         for tp in partitions:
             state = self.states.pop((tp.topic, tp.partition), None)
             if state is not None:
-                self._forget(state)
-                state.tracker.close()
+                self._close(state)
+
+    def close_kept(self) -> None:
+        """The engine stops: partitions lost and not given back are closed."""
+        kept, self.kept = self.kept, {}
+        for state in kept.values():
+            self._close(state)
+
+
+def _unchanged(state: PartitionState, committed: int | None, metadata: CommitMetadata) -> bool:
+    """The group's commit is the last one `state` made or started from: no member committed since."""
+    if committed is None:
+        return state.committed is None
+    return (
+        state.committed is not None
+        and state.committed[0] == committed
+        and state.committed_fingerprint == metadata.fingerprint(committed)
+    )
 
 
 def _release(consumer: Consumer, partitions: list[TopicPartition]) -> None:

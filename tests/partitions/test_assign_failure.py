@@ -1,15 +1,14 @@
 """A failure inside the assignment callback is the engine's to raise, never librdkafka's."""
 
-import logging
 from typing import Any, cast
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
-from sidecar.broker.ports import free_port
 from sidecar.clock import ManualClock
 from sidecar.errors import BrokerError
-from sidecar.outbound.writer import Writer
 from sidecar.partitions.assignment import Assignment
+from sidecar.partitions.metadata import CommitMetadata
+from sidecar.partitions.state import PartitionState
 from sidecar.tracker import InMemoryTracker
 
 
@@ -34,29 +33,84 @@ def test_commits_that_cannot_be_read_fail_the_engine_instead_of_raising_into_the
     assert not assignment.states and not assignment.assigned.is_set()
 
 
-class ResumingConsumer:
+class GroupConsumer:
+    """The consumer calls an assignment makes, answered from `commits`: (offset, metadata) by partition."""
+
+    def __init__(self) -> None:
+        self.commits: dict[tuple[str, int], tuple[int, str]] = {}
+        self.starts: list[TopicPartition] = []
+
+    def committed(self, partitions: list[TopicPartition], timeout: float) -> list[TopicPartition]:
+        found = []
+        for tp in partitions:
+            offset, metadata = self.commits.get((tp.topic, tp.partition), (-1001, ""))
+            found.append(TopicPartition(tp.topic, tp.partition, offset, metadata=metadata))
+        return found
+
+    def assign(self, starts: list[TopicPartition]) -> None:
+        self.starts = starts
+
     def resume(self, partitions: list[TopicPartition]) -> None:
         pass
 
 
-def test_lost_partitions_drop_the_queued_copies_and_start_again_at_least_once() -> None:
-    """Before: at least once, a loss kept what the producer had queued while the broker was away; the
-    partitions came back restored from the last checkpoint and their due records were sent again,
-    so the queued first copies reached the broker beside the second ones."""
-    writer = Writer({"bootstrap.servers": f"127.0.0.1:{free_port()}"}, logging.getLogger("librdkafka"))
-    try:
-        for i in range(100):  # nobody listens: they stay queued
-            writer.send("t", None, b"%d" % i, [], 0)
-        assert len(writer.producer) >= 100
-        clock = ManualClock()
-        assignment = Assignment(
-            lambda t, p: InMemoryTracker(clock), lambda t: False, lambda: None, lambda s: None,
-            writer.drop_unacknowledged, end_of=lambda t, p: 0,
-        )  # fmt: skip
-        assignment.on_lost(cast(Consumer, ResumingConsumer()), [TopicPartition("t", 0)])
-        assert len(writer.producer) == 0, f"{len(writer.producer)} copies still queued after the loss"
-        assert assignment.failed and isinstance(assignment.error, BrokerError)
-        assert "starts again from the last checkpoint" in str(assignment.error)
-        writer.flush()  # the purge is no failure of the writes
-    finally:
-        writer.close(clean=False)
+def member(exact: bool = False) -> tuple[Assignment, GroupConsumer, list[PartitionState], list[str]]:
+    """An assignment over in-memory trackers; the states it closed, and the calls to drop what is unsent."""
+    clock = ManualClock()
+    closed: list[PartitionState] = []
+    dropped: list[str] = []
+    assignment = Assignment(
+        lambda t, p: InMemoryTracker(clock), lambda t: False, lambda: None, closed.append,
+        lambda: dropped.append("abort"), end_of=lambda t, p: 0, exact=exact,
+    )  # fmt: skip
+    return assignment, GroupConsumer(), closed, dropped
+
+
+def read_on(assignment: Assignment, consumer: GroupConsumer) -> PartitionState:
+    """Partition t/0 assigned from its commit at 10, then read on to 15 and not committed since."""
+    consumer.commits[("t", 0)] = (10, CommitMetadata(4).encode())
+    assignment.on_assign(cast(Consumer, consumer), [TopicPartition("t", 0)])
+    state = assignment.states[("t", 0)]
+    state.next_offset = 15
+    return state
+
+
+def test_at_least_once_lost_partitions_given_back_unchanged_go_on_where_they_were() -> None:
+    """Before: a loss purged what the writer had queued and started the engine again from the last
+    commit, which sent again everything acknowledged since (issue 48: 4,019 of 5,000 records twice
+    after a broker restart)."""
+    assignment, consumer, closed, dropped = member()
+    state = read_on(assignment, consumer)
+    assignment.on_lost(cast(Consumer, consumer), [TopicPartition("t", 0)])
+    assert not assignment.failed and assignment.error is None and not dropped
+    assert not assignment.states and assignment.kept == {("t", 0): state}  # neither delivered nor committed
+    assignment.on_assign(cast(Consumer, consumer), [TopicPartition("t", 0)])
+    assert assignment.states[("t", 0)] is state and not assignment.kept and not closed
+    assert [(tp.topic, tp.partition, tp.offset) for tp in consumer.starts] == [("t", 0, 15)]
+
+
+def test_at_least_once_lost_partitions_another_member_committed_start_from_its_commit() -> None:
+    assignment, consumer, closed, _ = member()
+    state = read_on(assignment, consumer)
+    assignment.on_lost(cast(Consumer, consumer), [TopicPartition("t", 0)])
+    consumer.commits[("t", 0)] = (12, CommitMetadata(6).encode())  # another member's commit since
+    assignment.on_assign(cast(Consumer, consumer), [TopicPartition("t", 0)])
+    assert closed == [state] and assignment.states[("t", 0)] is not state
+    assert [tp.offset for tp in consumer.starts] == [6]  # its index rebuilt from the earliest pending
+
+
+def test_at_least_once_lost_partitions_that_go_to_another_member_are_closed_at_the_next_assignment() -> None:
+    assignment, consumer, closed, _ = member()
+    state = read_on(assignment, consumer)
+    assignment.on_lost(cast(Consumer, consumer), [TopicPartition("t", 0)])
+    assignment.on_assign(cast(Consumer, consumer), [TopicPartition("t", 1)])
+    assert closed == [state] and not assignment.kept and set(assignment.states) == {("t", 1)}
+
+
+def test_exactly_once_lost_partitions_abort_the_transaction_and_start_again() -> None:
+    assignment, consumer, closed, dropped = member(exact=True)
+    state = read_on(assignment, consumer)
+    assignment.on_lost(cast(Consumer, consumer), [TopicPartition("t", 0)])
+    assert dropped == ["abort"] and closed == [state] and not assignment.kept
+    assert assignment.failed and isinstance(assignment.error, BrokerError)
+    assert "starts again from the last checkpoint" in str(assignment.error)
