@@ -274,6 +274,13 @@ class StateTopic:
                 self._restore_nacks(state, image, manifest, metadata.through)
             elif snapshots is not None:
                 snapshots.restore(image.buckets(manifest), manifest.next_bucket_id, metadata.through)
+                lowest = tracker.earliest_pending_offset()
+                if metadata.earliest is not None and lowest is not None and lowest < metadata.earliest:
+                    # Written before another member moved the commit past it (a drain of a removed
+                    # topic dead-letters below the watermark): its entries there are not pending.
+                    raise ImageError(
+                        f"its index holds offset {lowest}, below the commit's earliest pending {metadata.earliest}"
+                    )
         except (ImageError, BrokerError, StorageError) as e:
             logger.warning(
                 "state topic not usable, reading the log again from the earliest pending record "
