@@ -145,7 +145,8 @@ class KafkaHelper:
             out: list[Received] = []
             deadline = time.monotonic() + timeout_s
             while ends:
-                assert time.monotonic() < deadline, f"{topic}: partitions {sorted(ends)} not read to their end"
+                if time.monotonic() > deadline:  # an OSError: a wait_for asks again
+                    raise TimeoutError(f"{topic}: partitions {sorted(ends)} not read to their end in {timeout_s:.0f} s")
                 for m in consumer.consume(1000, 0.2):
                     if m.error() is not None:
                         if m.partition() in ends and m.offset() >= ends[m.partition()]:
@@ -227,6 +228,10 @@ class LiveReader:
         return self.records
 
 
+class MetricMissing(AssertionError):
+    """A metric a test looks for is not exported (yet): a failure, never a 0; `wait_for` asks again."""
+
+
 class ThreadedSidecar:
     """The sidecar in this process, for tests that need its metrics or a fake clock."""
 
@@ -263,7 +268,7 @@ class ThreadedSidecar:
                 for sample in family.samples
                 if sample.name == name
             )
-            raise AssertionError(f"no sample {name}{labels}; samples of that name: {known or 'none'}")
+            raise MetricMissing(f"no sample {name}{labels}; samples of that name: {known or 'none'}")
         return value
 
     def wait_for_metric(self, name: str, at_least: float = 1.0, timeout_s: float = 60.0, **labels: str) -> float:
@@ -347,18 +352,19 @@ def scrape(port: int, name: str, **labels: str) -> float:
         found = ",".join(sorted(rest.rstrip("}").split(","))) if rest else ""
         if metric_name == name and found == wanted:
             return float(value)
-    raise AssertionError(f"metric {name}{{{wanted}}} is not exported")
+    raise MetricMissing(f"metric {name}{{{wanted}}} is not exported")
 
 
 def wait_for(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
-    """Poll until `condition` holds; a condition that raises (an endpoint not up yet) is retried."""
+    """Poll until `condition` holds. A condition that cannot be answered yet (an endpoint not up, a
+    metric not exported yet, a broker error) is asked again; an assertion inside it fails the test."""
     deadline = time.monotonic() + timeout_s
     error: BaseException | None = None
     while time.monotonic() < deadline:
         try:
             if condition():
                 return
-        except (OSError, http.client.HTTPException, AssertionError, KafkaException) as e:
+        except (OSError, http.client.HTTPException, MetricMissing, KafkaException) as e:
             # HTTPException: a connect to a port nobody listens on yet can, from an ephemeral port
             # that happens to be that one, reach itself, and read its own request as the answer.
             error = e

@@ -62,6 +62,11 @@ def assert_all_delivered(kafka_helper: KafkaHelper, topic: str, log: Path, expec
     return duplicates
 
 
+def watermarks(kafka: str, topic: str) -> list[int]:
+    """The delivered watermark of the group's commit, per inbound partition (-1: none)."""
+    return [CommitMetadata.decode(m).through for _, m in committed(kafka, f"g-{topic}", topic, 2)]
+
+
 def test_kill_9_mid_delivery_loses_nothing_and_restarts_without_rereading(
     kafka: str, kafka_helper: KafkaHelper, topic_factory: TopicFactory, policy_file: PolicyFile, tmp_path: Path
 ) -> None:
@@ -78,6 +83,8 @@ def test_kill_9_mid_delivery_loses_nothing_and_restarts_without_rereading(
         wait_for(lambda: scrape(port, "delay_sidecar_bucket_count", topic=topic) > 2, 10, "sealed buckets")
         # Mid-way: some records are delivered, most are not.
         wait_for(lambda: outbound_end(kafka_helper, f"{topic}.a") > 1000, 30, "first deliveries")
+        # ... and committed: the check below compares the repeats with the commit's watermark.
+        wait_for(lambda: all(t > 0 for t in watermarks(kafka, topic)), 30, "a commit of deliveries")
         os.kill(first.pid, signal.SIGKILL)
         first.wait(10)
     finally:
@@ -85,7 +92,8 @@ def test_kill_9_mid_delivery_loses_nothing_and_restarts_without_rereading(
             first.kill()
     assert "bucket sealed" in log.read_text() and "buckets merged" in log.read_text()
     # What the last commit before the kill says was delivered, per inbound partition.
-    through = [CommitMetadata.decode(m).through for _, m in committed(kafka, f"g-{topic}", topic, 2)]
+    through = watermarks(kafka, topic)
+    assert all(t > 0 for t in through), f"the last commit has no delivered watermark: {through}"
     second = sidecar_process(args, log)
     try:
         duplicates = assert_all_delivered(kafka_helper, topic, log)
