@@ -50,9 +50,9 @@ import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from confluent_kafka import Consumer, TopicPartition
+from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
-from sidecar.broker.admin import while_coordinator_moves
+from sidecar.broker.admin import COORDINATOR_MOVING, while_coordinator_moves
 from sidecar.errors import BrokerError, SidecarError, StorageError
 from sidecar.metrics import BucketMetrics
 from sidecar.outbound.writer import Writer
@@ -63,8 +63,10 @@ logger = logging.getLogger(__name__)
 
 Points = list[tuple[PartitionState, tuple[int, str], str | None]]
 """(partition, (offset, metadata) to commit, its fingerprint; None for a claim, which changes none)."""
-# How long an at-least-once commit is asked again while the group's coordinator moves.
-COMMIT_RETRY_S = 30.0
+# How long an at-least-once commit is asked again while the group's coordinator moves; then it is
+# put off to the next checkpoint.
+COMMIT_RETRY_S = 10.0
+COORDINATOR_AWAY = COORDINATOR_MOVING | {KafkaError._TRANSPORT}
 # How long a periodic at-least-once checkpoint waits for the writer's acknowledgements before it is
 # put off to the next: the loop is blocked meanwhile, and the broker may be away for minutes.
 PUT_OFF_AFTER_S = 5.0
@@ -99,6 +101,7 @@ class Checkpoints:
         which `settle` then commits; a pending commit of the checkpoint before is made first.
         """
         states = list(states)
+        self.put_off = False
         committed = self.settle(states, wait=True)
         writer = self._writer
         exact = writer.transactional
@@ -111,7 +114,6 @@ class Checkpoints:
             logger.warning("checkpoint put off: records not acknowledged yet unacknowledged=%d", len(writer.producer))
             self.put_off = True
             return committed
-        self.put_off = False
         points: Points = []
         claims: Points = []
         state_topic = self._state_topic
@@ -214,6 +216,16 @@ class Checkpoints:
                 )
         except SidecarError:
             raise
+        except KafkaException as e:
+            if writer.transactional or e.args[0].code() not in COORDINATOR_AWAY:
+                raise BrokerError(
+                    f"committing inbound offsets failed: {e}; a restart resumes at the last commit"
+                ) from e
+            # At least once, the coordinator still away: the next checkpoint commits as much and more.
+            # A restart here would send again everything acknowledged since the last commit.
+            logger.warning("commit put off: the group coordinator does not answer error=%s", e.args[0])
+            self.put_off = True
+            return 0
         except Exception as e:
             raise BrokerError(f"committing inbound offsets failed: {e}; a restart resumes at the last commit") from e
         for state, point, fingerprint in points:

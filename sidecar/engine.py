@@ -18,7 +18,7 @@ from typing import Any
 from confluent_kafka import Consumer, Message
 
 from sidecar.broker.admin import TopicAdmin
-from sidecar.checkpoint import PUT_OFF_AFTER_S, Checkpoints
+from sidecar.checkpoint import Checkpoints
 from sidecar.clock import Clock, SystemClock
 from sidecar.collector import Collector
 from sidecar.control.acceptance import Acceptance
@@ -550,7 +550,7 @@ class Sidecar:
         if self._checkpoints.run(states, whole):
             self.metrics.commits.inc()
         if self._checkpoints.put_off:
-            self._connectivity.unanswered(f"records not acknowledged in {PUT_OFF_AFTER_S:.0f} s")
+            self._connectivity.unanswered("a checkpoint was put off: its records or its commit not acknowledged")
         self.metrics.checkpoint_latency.observe(time.monotonic() - started)
         self._dispatcher.checkpointed({(s.topic, s.partition): s.tracker for s in states if not s.control})
         self.degraded = publish_index_gauges(self.metrics, states, list(self._routes))
