@@ -8,20 +8,27 @@ record, each topic read to its high watermark.
 """
 
 import time
+import uuid
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from confluent_kafka import Producer
 
 from sidecar.broker.ports import free_ports
-from sidecar.outbound.records import ERROR_CODE, ORIGIN_OFFSET, ORIGIN_PARTITION
+from sidecar.client import Nacker
+from sidecar.client_cancel import Canceller, OutcomeReader
+from sidecar.outbound.records import DELIVER_AT, ERROR_CODE, ORIGIN_OFFSET, ORIGIN_PARTITION
 from sidecar.partitions.metadata import CommitMetadata
 from tests.kafka_helpers import (
     KafkaHelper,
     Received,
     SidecarProcess,
+    accepted_lines,
     committed,
+    deliveries,
+    early,
     outbound_end,
     run_args,
     wait_for,
@@ -203,3 +210,74 @@ def test_a_member_back_after_a_drain_killed_midway_delivers_only_what_was_not_de
     # Above B's commit, B's uncommitted dead letters may repeat as deliveries (at least once, a takeover).
     assert {(0, o) for o in range(count)} <= dead | set(delivered), "a record with no fate"
     assert all(n == 1 for n in delivered.values()), "a record delivered twice"
+
+
+def test_a_member_back_after_another_delivered_cancelled_rescheduled_and_nacked_repeats_none_of_it(
+    kafka: str,
+    kafka_helper: KafkaHelper,
+    topic_factory: Callable[..., str],
+    tmp_path: Path,
+) -> None:
+    """At least once, the looser mode: A indexes 40 records and stops; B, with a state dir of its own,
+    delivers ten of them, cancels ten, reschedules ten and nacks five of those it delivered, then
+    stops cleanly; A comes back on its old state dir. Each record's fate is B's: nothing cancelled
+    goes out, nothing rescheduled goes out before its new time, each nack comes back once, and
+    nothing B delivered goes out again."""
+    topic, control = topic_factory("t"), f"ctl-{uuid.uuid4().hex[:8]}"
+    path = tmp_path / "policies.yaml"
+    path.write_text(policy(topic))
+    group, base = f"g-{topic}", free_ports(2)
+    extra = ("--control-topic", control)
+    a = SidecarProcess(run_args(kafka, path, tmp_path / "a", base, group, *extra), tmp_path / "a.log")
+    b = SidecarProcess(run_args(kafka, path, tmp_path / "b", base + 1, group, *extra), tmp_path / "b.log")
+    producer = Producer({"bootstrap.servers": kafka})
+    try:
+        serving(a, base, "1")
+        soon, later = int(time.time() * 1000) + 15_000, int(time.time() * 1000) + 45_000
+        for i in range(40):
+            at = soon if i < 10 else later
+            kafka_helper.produce(topic, f"{i}".encode(), headers=[("deliver-at", str(at))], partition=0)
+        kafka_helper.flush()
+        wait_for(lambda: committed(kafka, group, topic, 1)[0][0] == 40, DEADLINE_S, "A's commit of every record")
+        assert a.stop() == 0, a.tail()
+        serving(b, base + 1, "1")
+        moved = later + 5_000
+        with OutcomeReader({"bootstrap.servers": kafka}, control) as reader:
+            canceller = Canceller(producer, control)
+            ids = [canceller.cancel(f"{topic}/0/{o}") for o in range(10, 20)]
+            ids += [canceller.reschedule_at(f"{topic}/0/{o}", moved) for o in range(20, 30)]
+            canceller.flush(10)
+            answers = reader.wait(ids, timeout_s=DEADLINE_S)
+        assert [answers[i].outcome for i in ids] == ["cancelled"] * 10 + ["rescheduled"] * 10
+        wait_for(lambda: outbound_end(kafka_helper, f"{topic}.a") >= 10, DEADLINE_S, "B's deliveries")
+        nacker = Nacker(producer, control, "a")
+        for record in kafka_helper.read_to_end(f"{topic}.a")[:5]:
+            nacker.nack_at(Message(record.headers), moved)
+        nacker.flush(10)
+        wait_for(lambda: accepted_lines(kafka_helper, control) >= 5, DEADLINE_S, "B's acceptance of the nacks")
+        assert b.stop() == 0, b.tail()
+        serving(a, base, "1")
+        kafka_helper.produce(topic, b"marker", headers=[("deliver-at", str(moved + 1_000))], partition=0)
+        kafka_helper.flush()
+        wait_for(
+            lambda: any(r.value == b"marker" for r in kafka_helper.read_to_end(f"{topic}.a")), DEADLINE_S, "marker"
+        )
+        assert a.stop() == 0, a.tail()
+    finally:
+        a.close()
+        b.close()
+    records = [r for r in kafka_helper.read_to_end(f"{topic}.a") if r.value != b"marker"]
+    expected = Counter({(0, o, 0): 1 for o in [*range(10), *range(20, 40)]} | {(0, o, 1): 1 for o in range(5)})
+    assert deliveries(records) == expected, a.tail()
+    assert not early(records)
+    assert all(int(r.headers[DELIVER_AT]) >= moved for r in records if 20 <= int(r.headers[ORIGIN_OFFSET]) < 30)
+
+
+class Message:
+    """An outbound record as the Nacker reads it: only its headers."""
+
+    def __init__(self, headers: dict[str, bytes]) -> None:
+        self._headers = list(headers.items())
+
+    def headers(self) -> list[tuple[str, bytes]]:
+        return self._headers

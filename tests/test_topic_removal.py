@@ -171,18 +171,18 @@ def test_a_topic_removed_live_keeps_the_other_topics_delivering_while_it_drains(
             if 0 < look[0] < pending:
                 seen.append(look)
             time.sleep(0.005)
-        # At least once, an engine restart sends again what its last commit had not covered: that
-        # much may come twice, nothing may be missing. Without one, each record comes once.
-        restarted = sidecar.metric("delay_sidecar_engine_restarts_total") > 0
-        assert dead() >= pending if restarted else dead() == pending
+        # No fault in this run, so no engine restart and no repeat: a broker that is slow to answer
+        # a commit or to acknowledge puts a checkpoint off instead (CI once repeated 561 dead letters
+        # after a NOT_COORDINATOR restarted the engine).
+        assert sidecar.metric("delay_sidecar_engine_restarts_total") == 0, "an engine restart without a fault"
+        assert dead() == pending
         interleaved = any(a[1] < b[1] and a[0] < b[0] for a, b in itertools.pairwise(seen))
         assert interleaved, f"no delivery of the kept topic was seen while the drain was part-way: {seen[:10]}"
         wait_for(lambda: outbound_end(kafka_helper, f"{kept}.a") >= len(due), DEADLINE_S, "the kept topic")
         every = Counter({(0, o) for o in range(pending)})
         wait_for(lambda: origins(kafka_helper.read_to_end(f"{removed}.dlt")).keys() == every.keys(), DEADLINE_S,
                  "every pending record dead-lettered")  # fmt: skip
-    dead_letters = origins(kafka_helper.read_to_end(f"{removed}.dlt"))
-    assert dead_letters.keys() == every.keys() if restarted else dead_letters == every
+    assert origins(kafka_helper.read_to_end(f"{removed}.dlt")) == every
     assert kafka_helper.read_to_end(f"{removed}.a") == []
     assert sorted(deliveries(kafka_helper.read_to_end(f"{kept}.a")).values()) == [1] * len(due)
 

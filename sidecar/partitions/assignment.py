@@ -242,7 +242,13 @@ class Assignment:
         wrote since its last commit, which at least once allows (docs/contract.md)."""
         for tp in partitions:
             state = self.states.pop((tp.topic, tp.partition), None)
-            if state is not None:
+            if state is None:
+                continue
+            if state.drain_from is not None:
+                # A removed topic's drain would go on dead-lettering a partition another member may
+                # own already: it stops, and whoever is given the partition resumes it from its commit.
+                self._close(state)
+            else:
                 self.kept[(tp.topic, tp.partition)] = state
         _release(consumer, partitions)
         self._handoff("lost", len(partitions))

@@ -114,3 +114,12 @@ def test_exactly_once_lost_partitions_abort_the_transaction_and_start_again() ->
     assert dropped == ["abort"] and closed == [state] and not assignment.kept
     assert assignment.failed and isinstance(assignment.error, BrokerError)
     assert "starts again from the last checkpoint" in str(assignment.error)
+
+
+def test_at_least_once_a_lost_partition_mid_drain_is_not_kept() -> None:
+    """Its drain would go on dead-lettering a partition another member may own already."""
+    assignment, consumer, closed, _ = member()
+    state = read_on(assignment, consumer)
+    state.drain_from = 12
+    assignment.on_lost(cast(Consumer, consumer), [TopicPartition("t", 0)])
+    assert closed == [state] and not assignment.kept and not assignment.failed
