@@ -31,6 +31,7 @@ from tests.kafka_helpers import (
     early,
     outbound_end,
     run_args,
+    scrape,
     wait_for,
     wait_serving,
 )
@@ -63,9 +64,9 @@ def serving(member: SidecarProcess, port: int, workers: str) -> None:
 
 
 @pytest.mark.parametrize(
-    ("guarantee", "workers"),
-    [("at-least-once", "1"), ("exactly-once", "2")],
-    ids=["at-least-once", "exactly-once-2-workers"],
+    ("guarantee", "workers", "back"),
+    [("at-least-once", "1", False), ("exactly-once", "2", False), ("at-least-once", "1", True)],
+    ids=["at-least-once", "exactly-once-2-workers", "removed-and-added-back-while-A-was-down"],
 )
 def test_a_member_back_on_its_old_state_dir_does_not_revive_what_another_member_dead_lettered(
     kafka: str,
@@ -74,10 +75,13 @@ def test_a_member_back_on_its_old_state_dir_does_not_revive_what_another_member_
     tmp_path: Path,
     guarantee: str,
     workers: str,
+    back: bool,
 ) -> None:
     """A serves T and stops with records pending; B, with a state dir of its own and T removed from
     its policy, dead-letters them; A comes back on its old state dir with T in its policy. The
-    records were dead-lettered once, and A delivers none of them (issue 48: it delivered all)."""
+    records were dead-lettered once, and A delivers none of them (issue 48: it delivered all).
+    `back`: T returns to B's policy after the drain, and B delivers a record of its own before it
+    stops; A does not deliver that one again either."""
     topic, other = topic_factory("t", partitions=PARTITIONS), topic_factory("other", partitions=PARTITIONS)
     with_topic, without = tmp_path / "a.yaml", tmp_path / "b.yaml"
     with_topic.write_text(policy(topic, other))
@@ -102,12 +106,19 @@ def test_a_member_back_on_its_old_state_dir_does_not_revive_what_another_member_
         assert time.time() * 1000 < due, "the test's records fell due before A stopped: raise DUE_IN_MS"
         b.start()
         wait_for(lambda: nothing_pending(kafka, group, topic, PARTITIONS), DEADLINE_S, "B's drain, committed")
+        if back:
+            without.write_text(policy(topic, other))  # B serves T again, from its commit
+            port = ports[1] if workers == "1" else ports[1] + 1
+            wait_for(lambda: scrape(port, "delay_sidecar_policy_generation") >= 2, DEADLINE_S, "B's reload")
+            produce_at(kafka_helper, topic, int(time.time() * 1000) + 1_000, 1)
+            wait_for(lambda: outbound_end(kafka_helper, f"{topic}.a", PARTITIONS) >= PARTITIONS, DEADLINE_S, "B's own")
         assert b.stop() == 0, b.tail()
         serving(a, ports[0], workers)
         # A marker on each partition falls due after the pending records: once A has delivered the
         # markers, it has passed the pending records' due time.
         produce_at(kafka_helper, topic, max(due, int(time.time() * 1000)) + 1_000, 1)
-        wait_for(lambda: outbound_end(kafka_helper, f"{topic}.a", PARTITIONS) >= PARTITIONS, DEADLINE_S, "markers")
+        owed = PARTITIONS * (2 if back else 1)
+        wait_for(lambda: outbound_end(kafka_helper, f"{topic}.a", PARTITIONS) >= owed, DEADLINE_S, "markers")
         assert a.stop() == 0, a.tail()
     finally:
         a.close()
@@ -119,7 +130,8 @@ def test_a_member_back_on_its_old_state_dir_does_not_revive_what_another_member_
     delivered = kafka_helper.read_to_end(f"{topic}.a", committed_only=exact)
     revived = sorted(set(origins(delivered)) & pending)
     assert not revived, f"{len(revived)} dead-lettered records delivered too, e.g. {revived[:5]}\n{a.tail()}"
-    assert origins(delivered) == Counter({(p, PENDING) for p in range(PARTITIONS)})  # the markers, once each
+    after = range(PENDING, PENDING + (2 if back else 1))  # B's own records if any, then the markers
+    assert origins(delivered) == Counter({(p, o) for p in range(PARTITIONS) for o in after})  # once each
 
 
 @pytest.mark.fallback
