@@ -218,15 +218,13 @@ class Assignment:
         if not self._exact:
             self._keep(consumer, partitions)
             return
-        # Another member may own them already, or this one again after rejoining, restored from the
-        # last checkpoint: either sends anew what fell due since. Exactly once, the open transaction
-        # also holds pops of the partitions kept, undone only by aborting it and starting from the commit.
+        # Exactly once: another member may own them already, and the open transaction also holds pops
+        # of the partitions this member keeps, undone only by aborting it and starting from the commit.
         self._drop_unsent()
         self.failed = True
         self.error = BrokerError(
             "partitions were lost to the group (this member was away longer than the session timeout); "
-            f"{'the open transaction was aborted' if self._exact else 'unacknowledged records were dropped'} "
-            "and the engine starts again from the last checkpoint"
+            "the open transaction was aborted and the engine starts again from the last checkpoint"
         )
         _release(consumer, partitions)
         self._drop(partitions)

@@ -203,7 +203,9 @@ class PartitionState:
     def commit_point(
         self, earliest_pending: int | None, exact: bool = False, producer: str | None = None
     ) -> tuple[int, str] | None:
-        """(offset, metadata) to commit now, or None when there is nothing new to commit.
+        """(offset, metadata) to commit now, or None when there is nothing new to commit. Sets
+        `lineage` for the tracker's checkpoint, which the caller makes next (checkpoint.py, which also
+        drops the point when that checkpoint did not make the index durable up to it).
 
         `exact`: the commit is a transaction's (that of `producer`), which the local index need not
         have reached (see checkpoint.py); a partition still replaying delivered nothing and is not committed.
