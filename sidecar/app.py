@@ -221,6 +221,7 @@ class SidecarApp:
                     transactional_ids=ids,
                     state_topic=settings.state_topic_name,
                     index_storage=storage,
+                    state_dir=settings.state_dir,
                 )
 
             if settings.metrics_port:

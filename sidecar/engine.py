@@ -13,6 +13,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 from confluent_kafka import Consumer, Message
@@ -113,10 +114,12 @@ class Sidecar:
         transactional_ids: TransactionalIds | None = None,
         state_topic: str | None = None,
         index_storage: SnapshotStorage | None = None,
+        state_dir: Path | None = None,
     ) -> None:
         """`transactional_ids`: exactly-once mode, where each producer's transactional.id comes from.
         `index_storage`: the bucket trackers' store, which each checkpoint syncs once. `state_topic`,
-        with an `index_storage` mirrored to it: where bucket snapshots go for handoffs."""
+        with an `index_storage` mirrored to it: where bucket snapshots go for handoffs. `state_dir`: where
+        the member remembers its subscription across restarts (partitions/coverage.py)."""
         mirror = index_storage if isinstance(index_storage, MirroredStorage) else None
         exactly_once = transactional_ids is not None
         self._policies = policies
@@ -197,13 +200,7 @@ class Sidecar:
             fence=self._fence_earlier if transactional_ids is not None else None,
             load_rules=self._state_topic.load_rules if self._state_topic is not None else None,
         )
-        self._coverage = Coverage(
-            lambda: self._admin.group_view(group_id),
-            lambda: frozenset(topic for topic, _ in assignment.states),
-            lambda: self._admin.partitions,
-            self._subscribe_to,
-            lambda: assignment.assignments,
-        )
+        self._coverage = Coverage(state_dir, self._subscribe_to, lambda: assignment.assignments)
         self._ids = transactional_ids
         self._fenced = set(writer.fenced)
         states = assignment.states
@@ -404,8 +401,7 @@ class Sidecar:
             self._subscribe_to(sorted(topics))
             logger.info("subscribed topics=%s generation=%d", ",".join(sorted(topics)), self._generation)
             self._subscribed = topics
-            if first:
-                self._coverage.watch(topics)  # a static member's return may get the group's old assignment
+            self._coverage.subscribed(sorted(topics), first)  # a static member's return may get an old assignment
 
     def _subscribe_to(self, topics: list[str]) -> None:
         a = self._assignment

@@ -167,12 +167,15 @@ def test_three_kills_and_a_zombie_with_nacks_and_cancels_lose_duplicate_and_adva
     incarnations: list[Incarnation] = []
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(bench.chaos, "Sidecar", recording(incarnations))
+        # Held records fall due 30 s on, after the faults (about 13 s), before the count.
         outcome = run(Plan(records=3_000, kills=3, window_s=12.0, seed=3, broker_restart=False, state_loss=False,
-                           cancel_fraction=0.03, spark_audit=True), tmp_path, spark=spark)  # fmt: skip
+                           cancel_fraction=0.03, spark_audit=True, hold_s=30.0), tmp_path, spark=spark)  # fmt: skip
     print(table(outcome, "tests/test_chaos.py"))
     assert_every_incarnation_ended_by_us(incarnations, 3, table(outcome, "tests/test_chaos.py"))
     assert outcome.audit.nacks_sent > 0
     assert 0 < outcome.audit.cancelled < outcome.audit.cancels_sent, "cancels in time (held ones) and too late"
+    # Every held record (cancelled) fell due after the faults and before the count, which found none delivered.
+    assert outcome.held_due == len(range(0, 3_000, bench.chaos.HELD_EVERY)), outcome.held_due
     assert_clean(outcome)
 
 

@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
-from confluent_kafka import Consumer, ConsumerGroupState, IsolationLevel, KafkaError, KafkaException, TopicPartition
+from confluent_kafka import Consumer, IsolationLevel, KafkaError, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic, OffsetSpec
 
 from sidecar.errors import BrokerError
@@ -253,20 +253,6 @@ class TopicAdmin:
         finally:
             consumer.close()
         return {(tp.topic, tp.partition): (tp.offset, tp.metadata) for tp in listed if tp.offset >= 0}
-
-    def group_view(self, group_id: str) -> tuple[bool, frozenset[str]] | None:
-        """(stable, the topics of every member's assignment) as the coordinator describes the group;
-        None when it cannot say now (logged)."""
-        try:
-            futures = self._admin.describe_consumer_groups([group_id], request_timeout=ADMIN_TIMEOUT_S)
-            group = futures[group_id].result(timeout=ADMIN_TIMEOUT_S + 5)
-        except (KafkaException, TimeoutError) as e:
-            logger.warning("cannot describe the consumer group group=%s error=%s", group_id, e)
-            return None
-        topics = frozenset(
-            tp.topic for member in group.members if member.assignment for tp in member.assignment.topic_partitions
-        )
-        return group.state == ConsumerGroupState.STABLE, topics
 
     def end_offset(self, topic: str, partition: int) -> int:
         """The partition's high watermark, open transactions included (read_uncommitted): a
