@@ -7,11 +7,16 @@ subscription with its assignment. A topic added to the policies across a restart
 to no member (0 of 400 records served in a minute), and a removed topic stayed with this one.
 
 So the member remembers, in its state dir, the topics it subscribed to last. When it starts with
-other topics (or with no memory of them: a new state dir), it makes the group assign again once its
-first assignment has come: it subscribes for a moment to a list without one of its topics, which
-sends the coordinator new member metadata (it rebalances on that, leader or follower), and after
-that assignment to its own list again. A live policy change needs none of this: its new
-subscription is new member metadata already.
+other topics, it makes the group assign again once its first assignment has come: it subscribes for
+a moment to a list without one of its topics, which sends the coordinator new member metadata (it
+rebalances on that, leader or follower), and after that assignment to its own list again. A live
+policy change needs none of this: its new subscription is new member metadata already.
+
+A state dir that remembers nothing (a new one, or one that was lost) forces nothing: a first start
+needs no rebalance, and forcing one at every start of a new state dir made a lost state dir, a
+handoff and a restart under load each pay for two rebalances. A member whose state dir was lost and
+whose policies changed while it was down is the case this does not cover: its stored assignment
+holds until the group rebalances for another reason.
 
 Asking the coordinator instead (describe_consumer_groups) would also see a topic assigned to no
 member, but a describe that timed out during a broker outage aborted the process inside librdkafka
@@ -50,7 +55,8 @@ class Coverage:
         self._topics = topics
         if self._file is None:
             return
-        if first and self._remembered() != topics:
+        remembered = self._remembered() if first else None
+        if remembered is not None and remembered != topics:
             other = topics[1:] if len(topics) > 1 else []
             if other:
                 logger.info(

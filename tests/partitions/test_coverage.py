@@ -57,10 +57,11 @@ def test_a_start_with_other_topics_subscribes_away_and_back_after_the_first_assi
     assert (tmp_path / FILE).read_text() == '["a", "b", "ctl"]'
 
 
-def test_a_new_state_dir_forces_one_rebalance_and_no_state_dir_none(tmp_path: Path) -> None:
+def test_a_new_state_dir_and_no_state_dir_force_nothing(tmp_path: Path) -> None:
     check, consumer = start(tmp_path / "new", ["a", "ctl"])
     run_to_end(check, consumer)
-    assert len(consumer.subscriptions) == 3
+    assert len(consumer.subscriptions) == 1
+    assert (tmp_path / "new" / FILE).read_text() == '["a", "ctl"]'  # remembered for the next start
     consumer = Consumer()
     check = Coverage(None, consumer.subscribe, lambda: consumer.assignments)
     check.subscribed(["a", "ctl"], first=True)
