@@ -339,8 +339,7 @@ class Sidecar:
         reasons = [self._state] if self._state else []
         if self.running and not self.assigned.is_set():
             reasons.append("joining the consumer group")  # the group has not answered yet: nothing is served
-        if self._connectivity.reason is not None:
-            reasons.append(self._connectivity.reason)
+        reasons += [r for r in (self._connectivity.reason, self._connectivity.unacknowledged) if r is not None]
         stuck = time.monotonic() - self._turned
         if self.running and stuck > STUCK_S:
             reasons.append(f"Kafka unreachable: no answer for {stuck:.0f} s (the loop is waiting on it)")
@@ -545,8 +544,7 @@ class Sidecar:
             )
         if self._checkpoints.run(states, whole):
             self.metrics.commits.inc()
-        if self._checkpoints.put_off:
-            self._connectivity.unanswered("a checkpoint was put off: its records or its commit not acknowledged")
+        self._connectivity.acknowledging(self._checkpoints.put_off)
         self.metrics.checkpoint_latency.observe(time.monotonic() - started)
         self._dispatcher.checkpointed({(s.topic, s.partition): s.tracker for s in states if not s.control})
         self.degraded = publish_index_gauges(self.metrics, states, list(self._routes))

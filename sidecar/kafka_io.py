@@ -151,6 +151,8 @@ class Connectivity:
         """How many times the brokers were lost: an exactly-once transaction that spans one is not committed."""
         self._down_since = 0.0
         self._probed = 0.0
+        self.unacknowledged: str | None = None
+        """Why /healthz is 503 while checkpoints are put off (`acknowledging`)."""
 
     def on_error(self, error: KafkaError) -> None:
         """The clients' error_cb: runs on the loop's thread, inside poll and consume."""
@@ -160,13 +162,16 @@ class Connectivity:
             self._down_since = time.monotonic()
             logger.warning("brokers unreachable error=%s", error.str())
 
-    def unanswered(self, what: str) -> None:
-        """The loop found the brokers silent itself (records not acknowledged in time): as on_error,
-        until a metadata request is answered (`watch`)."""
-        if self.reason is None:
-            self.reason = f"Kafka unreachable: {what}"
-            self._down_since = time.monotonic()
-            logger.warning("brokers unreachable error=%s", what)
+    def acknowledging(self, put_off: bool) -> None:
+        """After each checkpoint: whether it was put off because the brokers did not acknowledge its
+        records or its commit. Unlike `reason`, a metadata answer does not clear this: with two
+        nodes of three away, the third answers metadata but takes no write (min.insync.replicas)."""
+        if put_off and self.unacknowledged is None:
+            self.unacknowledged = "Kafka not acknowledging: checkpoints are put off until it does"
+            logger.warning("checkpoints put off: the brokers do not acknowledge writes or commits")
+        elif not put_off and self.unacknowledged is not None:
+            self.unacknowledged = None
+            logger.info("checkpoints committed again")
 
     def watch(self, consumed: bool, answers: Callable[[], bool]) -> None:
         """Once a loop turn: while the brokers are away, ask `answers` (a metadata request) every

@@ -85,7 +85,9 @@ def test_the_sidecar_rides_out_broker_restarts_under_load_and_healthz_tells_the_
         # At least once, a broker outage repeats nothing this running member had acknowledged (docs/contract.md).
         assert sum(copies.values()) == COUNT, f"{sub}: {sum(copies.values()) - COUNT} records went out twice"
     for body in reasons:
-        assert body["status"] != "ready" and any("unreachable" in r or "recovering" in r for r in body["reasons"])
+        assert body["status"] != "ready" and any(
+            "unreachable" in r or "recovering" in r or "not acknowledging" in r for r in body["reasons"]
+        )
     log = sidecar.log.read_text()
     assert "%3|" not in log and "%4|" not in log, "raw librdkafka lines in the log"
     # Every client line goes through the logger, and a repeated one is held back (one a minute).

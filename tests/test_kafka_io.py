@@ -112,3 +112,14 @@ def test_new_topics_are_replicated_by_the_broker_default_or_min_3_brokers(
     explicit: int | None, broker_default: int, brokers: int, expected: tuple[int, int]
 ) -> None:
     assert replication(explicit, broker_default, brokers) == expected
+
+
+def test_checkpoints_put_off_keep_healthz_unready_until_one_is_committed_whatever_metadata_says() -> None:
+    """Two nodes of three away: the third answers metadata, but no write is acknowledged."""
+    connectivity = Connectivity()
+    connectivity.acknowledging(put_off=True)
+    assert connectivity.unacknowledged is not None
+    connectivity.up()  # what a metadata answer does
+    assert connectivity.unacknowledged is not None
+    connectivity.acknowledging(put_off=False)
+    assert connectivity.unacknowledged is None
