@@ -144,6 +144,7 @@ class Connectivity:
 
     PROBE_EVERY_S = 2.0
     PROBE_ON_RECORDS_S = 0.25
+    UNACKNOWLEDGED_S = 15.0
 
     def __init__(self) -> None:
         self.reason: str | None = None
@@ -151,8 +152,8 @@ class Connectivity:
         """How many times the brokers were lost: an exactly-once transaction that spans one is not committed."""
         self._down_since = 0.0
         self._probed = 0.0
-        self.unacknowledged: str | None = None
-        """Why /healthz is 503 while checkpoints are put off (`acknowledging`)."""
+        self._put_off_since: float | None = None
+        """When checkpoints began to be put off (`acknowledging`), time.monotonic."""
 
     def on_error(self, error: KafkaError) -> None:
         """The clients' error_cb: runs on the loop's thread, inside poll and consume."""
@@ -164,14 +165,23 @@ class Connectivity:
 
     def acknowledging(self, put_off: bool) -> None:
         """After each checkpoint: whether it was put off because the brokers did not acknowledge its
-        records or its commit. Unlike `reason`, a metadata answer does not clear this: with two
+        records or its commit. Unlike `reason`, a metadata answer does not end this: with two
         nodes of three away, the third answers metadata but takes no write (min.insync.replicas)."""
-        if put_off and self.unacknowledged is None:
-            self.unacknowledged = "Kafka not acknowledging: checkpoints are put off until it does"
+        if put_off and self._put_off_since is None:
+            self._put_off_since = time.monotonic()
             logger.warning("checkpoints put off: the brokers do not acknowledge writes or commits")
-        elif not put_off and self.unacknowledged is not None:
-            self.unacknowledged = None
-            logger.info("checkpoints committed again")
+        elif not put_off and self._put_off_since is not None:
+            logger.info("checkpoints committed again after_s=%.1f", time.monotonic() - self._put_off_since)
+            self._put_off_since = None
+
+    @property
+    def unacknowledged(self) -> str | None:
+        """Why /healthz is 503 once checkpoints have been put off for UNACKNOWLEDGED_S: a leader that
+        moves holds writes for a few seconds (one node of three away is not an outage)."""
+        since = self._put_off_since
+        if since is None or time.monotonic() - since < self.UNACKNOWLEDGED_S:
+            return None
+        return f"Kafka not acknowledging: checkpoints put off for {time.monotonic() - since:.0f} s"
 
     def watch(self, consumed: bool, answers: Callable[[], bool]) -> None:
         """Once a loop turn: while the brokers are away, ask `answers` (a metadata request) every
