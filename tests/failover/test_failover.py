@@ -9,8 +9,8 @@ outbound topics twice, per record (Counters, so a second copy shows): a fresh re
 from offset 0 to the high watermark, and a read_committed reader that kept reading through the
 fault. Against the inbound topic's records: none lost, none duplicated, none early, in both
 guarantees (the outbound leader's kill runs at least once: a broker fault repeats nothing a running
-sidecar wrote). While one node of three is away, /healthz answers ready all through. At least once
-through every fault is bench/failover.py's (`--guarantees`).
+sidecar wrote), and /healthz answers ready all through it. At least once through every fault is
+bench/failover.py's (`--guarantees`).
 
 No wall-clock limit is asserted: every wait is for a condition, with a generous deadline. The faults
 themselves are bench/failover.py's, shared with the full version.
@@ -138,7 +138,10 @@ class Trial:
 
     def ready_through(self, struck: Struck) -> None:
         """/healthz said ready all through a fault that left two of three nodes up: they serve every
-        partition (a rolling restart once turned it 503, which would have had Kubernetes restart the pod)."""
+        partition (a rolling restart once turned it 503, which would have had Kubernetes restart the pod).
+        Exactly once, a node's death can leave librdkafka's send_offsets_to_transaction waiting 35 s
+        (docs/reliability.md, known limits), and /healthz then truthfully says the loop waits: the
+        at-least-once test asserts this."""
         during = [code for at, code in self.samples if struck.began_ms <= at <= struck.ended_ms]
         assert during, "no /healthz answer was sampled during the fault"
         assert set(during) == {200}, f"/healthz during {struck.fault}: {Counter(during)}"
@@ -238,7 +241,6 @@ def test_kill_of_an_inbound_leader(cluster: ApacheKafka, tmp_path: Path, trials:
     trials.append(trial)
     struck = trial.strike("inbound-leader")
     assert struck.facts["new_leader"] != struck.nodes[0]
-    trial.ready_through(struck)
     assert_each_once(trial)
 
 
@@ -297,6 +299,5 @@ def test_a_rolling_restart_under_load(cluster: ApacheKafka, tmp_path: Path, tria
     ran faster too. bench/failover.py rolls with both guarantees."""
     trial = Trial(cluster, tmp_path, "exactly-once")
     trials.append(trial)
-    struck = trial.strike("rolling")  # prints what it struck
-    trial.ready_through(struck)
+    trial.strike("rolling")  # prints what it struck
     assert_each_once(trial)
