@@ -137,7 +137,7 @@ class Checkpoints:
             if state_topic is not None:
                 state_topic.publish(state)
             if point is not None:
-                points.append((state, point, state.point_fingerprint))
+                points.append((state, point, state.lineage[0]))
         if _rule_histories(points, state_topic) and not exact:
             writer.flush()  # at least once: a history is acknowledged before a commit names it
         if not points and not exact:

@@ -396,11 +396,11 @@ class Sidecar:
         """The policies' topics, the control topics, and the removed topics still draining."""
         topics = frozenset([*self._routes, *self._controls.read, *self._removed.topics])
         if topics != self._subscribed:
-            first = not self._subscribed
-            self._subscribe_to(sorted(topics))
-            logger.info("subscribed topics=%s generation=%d", ",".join(sorted(topics)), self._generation)
+            first, ordered = not self._subscribed, sorted(topics)
+            self._subscribe_to(ordered)
+            logger.info("subscribed topics=%s generation=%d", ",".join(ordered), self._generation)
             self._subscribed = topics
-            self._coverage.subscribed(sorted(topics), first)  # a static member's return may get an old assignment
+            self._coverage.subscribed(ordered, first)  # a static member's return may get an old assignment
 
     def _subscribe_to(self, topics: list[str]) -> None:
         a = self._assignment

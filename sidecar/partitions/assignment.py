@@ -277,13 +277,7 @@ class Assignment:
 
 def _unchanged(state: PartitionState, committed: int | None, metadata: CommitMetadata) -> bool:
     """The group's commit is the last one `state` made or started from: no member committed since."""
-    if committed is None:
-        return state.committed is None
-    return (
-        state.committed is not None
-        and state.committed[0] == committed
-        and state.committed_fingerprint == metadata.fingerprint(committed)
-    )
+    return state.committed_fingerprint == metadata.fingerprint_at(committed)
 
 
 def _release(consumer: Consumer, partitions: list[TopicPartition]) -> None:

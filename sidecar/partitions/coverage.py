@@ -57,7 +57,7 @@ class Coverage:
             return
         remembered = self._remembered() if first else None
         if remembered is not None and remembered != topics:
-            other = topics[1:] if len(topics) > 1 else []
+            other = topics[1:]  # any other list is new member metadata
             if other:
                 logger.info(
                     "subscription differs from the last one this state dir remembers; the group will be asked "

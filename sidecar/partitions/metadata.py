@@ -75,6 +75,10 @@ class CommitMetadata:
             text = json.dumps(data, separators=(",", ":"))
         return text
 
+    def fingerprint_at(self, committed: int | None) -> str | None:
+        """`fingerprint` of a commit at `committed`; None when nothing is committed."""
+        return self.fingerprint(committed) if committed is not None else None
+
     def fingerprint(self, offset: int) -> str:
         """The commit (offset, this metadata) as far as it decides a fate: everything but the
         producer that wrote it, which an exactly-once claim renames without changing anything else.

@@ -70,10 +70,9 @@ class PartitionState:
     """(offset, metadata) of the last commit, so an unchanged partition is not committed again."""
     committed_fingerprint: str | None = None
     """The last commit's CommitMetadata.fingerprint: the local index's lineage names it."""
-    point_fingerprint: str | None = None
-    """The fingerprint of what `commit_point` returned last."""
     lineage: tuple[str, ...] = ()
-    """What the tracker's next checkpoint records as the commits it agrees with (PartitionMeta)."""
+    """What the tracker's next checkpoint records as the commits it agrees with (PartitionMeta): the
+    fingerprint of what `commit_point` returned last, then that of the last commit."""
     rules: RuleHistory = field(default_factory=RuleHistory)
     rebuild: Rebuild | None = None
     """Set while the index of this partition is rebuilt from the log (no usable local index)."""
@@ -116,7 +115,7 @@ class PartitionState:
         """
         tracker = self.tracker
         self.rules = RuleHistory(metadata.rules)
-        fingerprint = metadata.fingerprint(committed) if committed is not None else None
+        fingerprint = metadata.fingerprint_at(committed)
         if committed is not None:
             self.committed = (committed, metadata.encode())
         self.committed_fingerprint = fingerprint
@@ -229,15 +228,12 @@ class PartitionState:
         )
         point = (self.next_offset, metadata.encode())
         fingerprint = metadata.fingerprint(self.next_offset)
-        self.lineage = (fingerprint,) if fingerprint == self.committed_fingerprint else (fingerprint, *self._last())
+        last = self.committed_fingerprint
+        self.lineage = (fingerprint,) if last in (None, fingerprint) else (fingerprint, last)
         if point == self.committed:
             return None
-        self.point_fingerprint = fingerprint
         self.rules_record = metadata.spill()
         return point
-
-    def _last(self) -> tuple[str, ...]:
-        return (self.committed_fingerprint,) if self.committed_fingerprint is not None else ()
 
     def claim_point(self, producer: str) -> tuple[int, str] | None:
         """The last commit again, naming `producer`: committed at assignment (`claiming`), before

@@ -117,7 +117,7 @@ def checkpoint(s: PartitionState, committed: bool = True) -> tuple[int, CommitMe
     assert point is not None and s.next_offset is not None
     s.tracker.checkpoint(s.next_offset, s.lineage)
     if committed:
-        s.committed, s.committed_fingerprint = point, s.point_fingerprint
+        s.committed, s.committed_fingerprint = point, s.lineage[0]
     return point[0], CommitMetadata.decode(point[1])
 
 
@@ -196,7 +196,7 @@ def test_a_commit_only_when_something_changed() -> None:
     s.next_offset = 3
     point = s.commit_point(None)
     assert point is not None and point[0] == 3
-    s.committed, s.committed_fingerprint = point, s.point_fingerprint
+    s.committed, s.committed_fingerprint = point, s.lineage[0]
     assert s.commit_point(None) is None
     assert s.lineage == (s.committed_fingerprint,)
 
