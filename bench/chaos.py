@@ -166,6 +166,8 @@ class SparkAudit:
     """The last lines it printed: its verdict and anomalies, or why it could not run."""
     disagreements: list[str] = field(default_factory=list)
     """Each count where it and the bench's own counter differ."""
+    report: dict[str, Any] = field(default_factory=dict)
+    """report.json as written, for runs over several topics (bench/churn.py)."""
 
     @property
     def passed(self) -> bool:
@@ -206,13 +208,25 @@ class Outcome:
 class Sidecar:
     """The sidecar under test: one process at a time (two during the zombie), started on demand."""
 
-    def __init__(self, workdir: Path, bootstrap: str, policies: Path, plan: Plan, name: str) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        bootstrap: str,
+        policies: Path,
+        plan: Plan,
+        name: str,
+        *,
+        instance_id: str = "chaos-member",
+        group: str = "chaos",
+        guarantee: str = "exactly-once",
+    ) -> None:
+        """`instance_id`, `group`, `guarantee`: the churn run's (bench/churn.py) members differ."""
         self.workdir, self.state = workdir, workdir / f"state-{name}"
         self.log = workdir / f"sidecar-{name}.log"
         self.args = [sys.executable, "-m", "sidecar", "run", "--bootstrap-servers", bootstrap,
                      "--policies", str(policies), "--state-dir", str(self.state), "--metrics-port", "0",
-                     "--group-id", "chaos", "--instance-id", "chaos-member", "--processing-guarantee",
-                     "exactly-once", "--commit-interval-ms", str(plan.commit_interval_ms)]  # fmt: skip
+                     "--group-id", group, "--instance-id", instance_id, "--processing-guarantee",
+                     guarantee, "--commit-interval-ms", str(plan.commit_interval_ms)]  # fmt: skip
         self.child: Child | None = None
         # Each sidecar as if on a host of its own: the zombie's successor shares its instance id,
         # which the host-wide identity lock would refuse on one host (sidecar/identity.py).
@@ -309,9 +323,12 @@ class Cancels(Background):
     random time between the record's production and a window later: some before it falls due, some
     after (too late)."""
 
-    def __init__(self, bootstrap: str, plan: Plan, produced: list[float], positions: Positions) -> None:
+    def __init__(
+        self, bootstrap: str, plan: Plan, produced: list[float], positions: Positions, topic: str = TOPIC
+    ) -> None:
         super().__init__()
         self._bootstrap, self._rng, self._window_s = bootstrap, random.Random(plan.seed + 2), plan.window_s
+        self._topic = topic
         self._plan, self._produced, self._positions = plan, produced, positions
         self.sent: dict[str, tuple[int, int]] = {}
         """Command id -> (origin partition, origin offset)."""
@@ -338,9 +355,9 @@ class Cancels(Background):
                 while due and due[0][0] <= time.monotonic() and due[0][1] in self._positions:
                     _, i = due.pop(0)
                     partition, offset = self._positions[i]  # the sidecar's own records shift offsets
-                    command = {"v": 1, "type": "cancel", "topic": TOPIC, "partition": partition, "offset": offset,
-                               "id": f"c{i}"}  # fmt: skip
-                    key = f"{TOPIC}/{partition}/{offset}".encode()
+                    command = {"v": 1, "type": "cancel", "topic": self._topic, "partition": partition,
+                               "offset": offset, "id": f"c{i}"}  # fmt: skip
+                    key = f"{self._topic}/{partition}/{offset}".encode()
                     producer.produce(CONTROL, json.dumps(command).encode(), key=key)
                     self.sent[f"c{i}"] = (partition, offset)
                 producer.poll(0)
@@ -640,7 +657,7 @@ def spark_audit(bootstrap: str, policies: Path, workdir: Path, spark: SparkSessi
     result = SparkAudit(code, round(time.monotonic() - started, 1), output="\n".join(lines))
     report = output / "report.json"
     if code in (0, 1) and report.is_file():  # 2: it could not run, and wrote no report
-        data = json.loads(report.read_text())
+        data = result.report = json.loads(report.read_text())
         result.subscriptions = {s["subscription"]: s for s in data["subscriptions"] if s["topic"] == TOPIC}
         result.anomaly_counts = data["anomaly_counts"]
     return result

@@ -13,6 +13,7 @@ from pathlib import Path
 from pydantic import Field, ValidationError
 from pydantic_settings import BaseSettings, CliApp, CliSettingsSource, CliSubCommand, SettingsConfigDict
 
+from sidecar import early_stop
 from sidecar.app import SidecarApp, run_until_signalled
 from sidecar.broker.local import KIND_HELP, BrokerKind, local_broker
 from sidecar.cli_help import add_argument
@@ -103,6 +104,10 @@ class DelaySidecar(BaseSettings):
 
 
 def main(argv: list[str] | None = None) -> None:
+    stopped = early_stop.take()
+    if stopped is not None:
+        print(f"delay-sidecar: {stopped} while starting; stopped before doing anything", file=sys.stderr)
+        sys.exit(0)
     source: CliSettingsSource[DelaySidecar] = CliSettingsSource(DelaySidecar, add_argument_method=add_argument)
     try:
         CliApp.run(DelaySidecar, cli_args=sys.argv[1:] if argv is None else argv, cli_settings_source=source)

@@ -21,6 +21,7 @@ import pytest
 from pyspark.sql import SparkSession
 
 import bench.chaos
+from bench import churn
 from bench.chaos import (
     SUBSCRIPTIONS,
     Audit,
@@ -33,6 +34,7 @@ from bench.chaos import (
     run,
     table,
 )
+from bench.churn import ChurnPlan
 from spark.session import build_session
 
 
@@ -207,3 +209,53 @@ def test_a_spark_audit_that_fails_or_counts_otherwise_fails_the_run_and_says_whe
     assert "SPARK AUDIT FAILED: exit 1" in table(outcome, "test")
     outcome.spark = SparkAudit(0, 1.0, {"shared": clean, "excl": clean})
     assert outcome.passed
+
+
+@pytest.mark.parametrize(("guarantee", "seed"), [("exactly-once", 5), ("at-least-once", 9)])
+def test_members_and_policies_that_churn_give_every_record_one_fate(
+    tmp_path: Path, spark: SparkSession, guarantee: str, seed: int
+) -> None:
+    """bench/churn.py, short: three members with their own state dirs join, leave, come back on their
+    old state dirs (after the others served their partitions, across a topic's removal and return,
+    with these seeds), die by kill -9, lose a state dir and turn zombie; the broker restarts; a topic
+    leaves the policies and comes back, one is added across a restart, and a max delay is tightened.
+    Every record gets one fate, by the bench's count and by the Spark audit's, which must agree."""
+    plan = ChurnPlan(records=1_200, kills=2, window_s=30.0, seed=seed, cancel_fraction=0.03, nack_fraction=0.0,
+                     spark_audit=True, hold_s=15.0, guarantee=guarantee, delay_s=10.0, tight_s=5.0)  # fmt: skip
+    outcome = churn.run(plan, tmp_path, spark=spark, command="tests/test_chaos.py")
+    report = churn.table(outcome, "tests/test_chaos.py")
+    print(report)
+    fates = outcome.fates
+    kinds = Counter(e.kind for e in outcome.events)
+    assert kinds == {"kill": 2, "state": 1, "broker": 1, "zombie": 1} | dict.fromkeys(
+        ("join", "leave", "return", "depart", "remove", "readd", "rollout", "tighten"), 1
+    ), report
+    assert (outcome.fates.anomalies, outcome.unclean_exits, outcome.notes) == (0, [], []), report
+    assert outcome.zombie_fenced, report
+    assert outcome.spark is not None and outcome.spark.disagreements == [], report
+    if guarantee == "exactly-once":
+        assert outcome.spark.exit_code == 0 and sum(fates.duplicated.values()) == 0, report
+    assert outcome.passed, report
+    # Each way to a fate happened, so that each was checked: both dead-letter codes, records that
+    # could have gone either way, the topic added across the restart served whole, cancels in time.
+    assert fates.dead_lettered.get("removable TOPIC_REMOVED", 0) > 0, report
+    assert fates.dead_lettered.get("capped EXCEEDS_MAX_DELAY", 0) > 0, report
+    assert fates.delivered["late.a"] == fates.produced["late"], report
+    assert fates.cancelled > 0, report
+    held = sum(1 for j in range(fates.produced["steady"]) if plan.held(j))
+    assert outcome.held_due == held > 0, report
+
+
+def test_the_churn_count_knows_which_fates_the_policy_in_force_allows() -> None:
+    """No broker: which fates `churn.count` allows a record, by when it was produced and what it asked for."""
+    removed, tightened = (10_000, 20_000), 30_000
+    plan = ChurnPlan(tight_s=5.0)
+    rules = churn.dead_letter_rules
+    assert rules("removable", 100, 9_000, plan, removed, tightened) == (True, False)
+    assert rules("removable", 100, removed[0] + 4_000, plan, removed, tightened) == (False, False)
+    assert rules("capped", 6_000, 29_000, plan, removed, tightened) == (True, False)
+    assert rules("capped", 6_000, 31_000, plan, removed, tightened) == (True, True)
+    assert rules("capped", 5_000, 31_000, plan, removed, tightened) == (False, False)
+    assert rules("steady", 60_000, 31_000, plan, removed, tightened) == (False, False)
+    with pytest.raises(ValueError, match="guarantee"):
+        ChurnPlan(guarantee="at-most-once")

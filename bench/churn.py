@@ -1,0 +1,759 @@
+"""The churn run (issue 48): one fate per record while members join, leave, come back on their old
+state dirs and die, and while the policy loses a topic and gets it back, gains one across a restart
+and tightens a max delay; on top of the chaos run's kill -9, lost state dir, broker restart and zombie.
+
+Usage: .venv/bin/python -m bench.churn [--guarantee exactly-once|at-least-once] [--records 20000]
+       [--window-s 90] [--kills 8] [--seed 48] [--spark-audit] [--json PATH]
+
+Three members of one group, each with a state dir and an instance id of its own (churn-0 to churn-2),
+as the pods of a StatefulSet. churn-0 and churn-1 start; churn-2 joins later; churn-1 stops (SIGTERM)
+and comes back later on its old state dir, after the others served its partitions; churn-0 leaves for
+good. One policy file serves them all and is reloaded live: `removable` leaves the policies and
+comes back, and `capped`'s max delay drops from 1 h to `--tight-s`. `late` is added while every
+running member is down (a rollout: SIGTERM or kill -9, by the seed). Records go to the four topics
+(`steady` has two subscriptions, the others one) for the whole window, with deliver-after 0 to
+`--delay-s`; a share of `steady`'s are cancelled, racing their due instants, and every 100th is held
+back to fall due `--hold-s` after the window, after every event, and is always cancelled in time
+(bench/chaos.py's `Cancels`).
+
+Each produced record must have exactly one fate, counted per copy (`count`):
+
+- delivered once to each subscription of its topic, never early;
+- dead-lettered once: TOPIC_REMOVED (removable) or EXCEEDS_MAX_DELAY (capped, a delay over `tight_s`);
+- cancelled: a cancel answered `cancelled`, and delivered nowhere.
+
+Which of the first two a removable record, or a capped one over the new max, gets depends on when a
+member first read it, so either counts, once. A removable record produced once the removal was in
+force, and a capped one produced once the new max was, have one allowed fate (`wrong_fate` counts the
+others). At least once, a repeated copy is allowed only when its first copy was written in the
+REPEAT_WINDOW_S before a fault that can end a member without a commit (kill -9, a lost state dir,
+the zombie, the broker restart): contract section 4. So is, at least once, a removed topic's record
+both dead-lettered and delivered when such a fault came between the two (the redo after the crash was
+decided under the other policy). Exactly once, none of this is.
+
+With --spark-audit, `delay-sidecar audit` judges the same topics, and its counts must equal the
+bench's (`disagreements`). The suite runs a short version (tests/test_chaos.py); the full runs are
+in docs/reliability.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import random
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from confluent_kafka import Producer
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.chaos import CONTROL, Cancels, Plan, Positions, Sidecar, SparkAudit, producer_config, read_all, spark_audit
+from bench.chaos import zombie as zombie_swap
+from bench.probe import create_topic
+from bench.procs import bench_broker
+from bench.report import command_line, dated_lines
+from sidecar.outbound.records import read_delivery
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
+TOPICS: dict[str, tuple[str, ...]] = {"steady": ("a", "b"), "removable": ("a",), "late": ("a",), "capped": ("a",)}
+"""Inbound topic -> its subscriptions (all shared: every one honours delays)."""
+PARTITIONS = 2
+MEMBERS = 3
+LOOSE_MAX = "1h"
+REPEAT_WINDOW_S = 20.0
+"""At least once, how long before a fault a repeated record's first copy may have been written: a
+commit every 0.5 s, checkpoints put off up to 15 s while writes go unacknowledged (contract section 4)."""
+SETTLE_S = 3.0
+"""A policy file change is in force on every running member this long after it is written (checked
+every 0.5 s, applied once unchanged for 1 s: contract section 2)."""
+REPEATING = frozenset({"kill", "state", "zombie", "broker"})
+"""Faults after which, at least once, what was written since the last commit may be written again."""
+
+
+@dataclass
+class ChurnPlan(Plan):
+    guarantee: str = "exactly-once"
+    delay_s: float = 20.0
+    """Records ask for deliver-after 0 to this; cancels are sent within it of their record."""
+    tight_s: float = 10.0
+    """`capped`'s max delay once tightened."""
+    members: int = MEMBERS
+
+    def __post_init__(self) -> None:
+        if self.guarantee not in ("exactly-once", "at-least-once"):
+            raise ValueError(f"guarantee: exactly-once or at-least-once, not {self.guarantee!r}")
+
+
+@dataclass
+class Event:
+    kind: str
+    start_ms: int
+    end_ms: int
+    detail: str = ""
+
+
+@dataclass
+class Fates:
+    """What the outbound, dead-letter and outcomes topics hold, record by record (read_committed)."""
+
+    produced: dict[str, int] = field(default_factory=dict)
+    delivered: dict[str, int] = field(default_factory=dict)
+    """Per `topic.subscription`: records delivered there, with no other fate."""
+    dead_lettered: dict[str, int] = field(default_factory=dict)
+    """Per `topic code`: records dead-lettered with that code."""
+    dead_letters: Counter[str] = field(default_factory=Counter)
+    """Per `topic code`: dead-letter records, copies included (the audit's `rejections`)."""
+    rejected: dict[str, int] = field(default_factory=dict)
+    """Per topic: records on its dead-letter topic, whatever else became of them (the audit's `rejected`)."""
+    cancelled: int = 0
+    either: dict[str, int] = field(default_factory=dict)
+    """Per topic: records that could have had either of two fates (see the module's docstring)."""
+    lost: dict[str, int] = field(default_factory=dict)
+    """Per `topic.subscription`: records with no fate there."""
+    duplicated: dict[str, int] = field(default_factory=dict)
+    """Per `topic.subscription` and `topic.dlt`: extra copies."""
+    repeats_allowed: int = 0
+    """At least once: extra copies whose first copy came in REPEAT_WINDOW_S before a fault."""
+    early: dict[str, int] = field(default_factory=dict)
+    two_fates: int = 0
+    """Dead-lettered or cancelled, and delivered too."""
+    dead_and_delivered: int = 0
+    two_fates_allowed: int = 0
+    """At least once: a removed topic's records that a member delivered and died before its next
+    commit (the next owner dead-letters them), or dead-lettered and died before it (delivered after
+    the topic came back): contract section 4."""
+    cancelled_and_delivered: int = 0
+    wrong_code: int = 0
+    """Dead-lettered with a code its topic and delay do not allow."""
+    wrong_fate: int = 0
+    """A record whose fate the policy in force when it was produced decides, with the other fate."""
+    cancels_sent: int = 0
+    cancels_not_answered_once: int = 0
+    examples: list[str] = field(default_factory=list)
+    """A few anomalous records, for the report."""
+
+    @property
+    def repeats_unexplained(self) -> int:
+        return sum(self.duplicated.values()) - self.repeats_allowed
+
+    @property
+    def anomalies(self) -> int:
+        return (
+            sum(self.lost.values())
+            + self.repeats_unexplained
+            + sum(self.early.values())
+            + self.two_fates
+            - self.two_fates_allowed
+            + self.wrong_code
+            + self.wrong_fate
+            + self.cancels_not_answered_once
+        )
+
+
+@dataclass
+class Outcome:
+    plan: ChurnPlan
+    fates: Fates = field(default_factory=Fates)
+    events: list[Event] = field(default_factory=list)
+    member_starts: int = 0
+    unclean_exits: list[str] = field(default_factory=list)
+    """Members that a SIGTERM did not end with exit 0, or that died by themselves."""
+    zombie_fenced: bool | None = None
+    held_due: int = 0
+    notes: list[str] = field(default_factory=list)
+    spark: SparkAudit | None = None
+    wall_s: float = 0.0
+    dated: str = ""
+
+    @property
+    def passed(self) -> bool:
+        """No anomaly, every member ended by the bench, the zombie fenced, and the Spark audit agreeing.
+        Exactly once the audit must also pass; at least once it flags as duplicates the repeats the
+        bench allowed near faults, so only its agreement counts there."""
+        spark_ok = self.spark is None or (
+            self.spark.passed
+            if self.plan.guarantee == "exactly-once"
+            else self.spark.exit_code in (0, 1) and not self.spark.disagreements
+        )
+        return (
+            self.fates.anomalies == 0
+            and not self.unclean_exits
+            and self.zombie_fenced is not False
+            and not self.notes
+            and spark_ok
+        )
+
+
+def policy_text(removable: bool, late: bool, capped_max: str) -> str:
+    """The one policy file of the run, as it stands."""
+    lines = ["topics:"]
+    for topic, subs in TOPICS.items():
+        if (topic == "removable" and not removable) or (topic == "late" and not late):
+            continue
+        lines.append(f"  {topic}:")
+        if topic == "capped":
+            lines.append(f"    delayed_delivery: {{max_delivery_delay: {capped_max}}}")
+        lines.append("    subscriptions: {" + ", ".join(f"{s}: {{}}" for s in subs) + "}")
+    return "\n".join(lines) + "\n"
+
+
+class Production:
+    """Records spread evenly over the window, round robin over the topics, with what each asked for."""
+
+    def __init__(self, bootstrap: str, plan: ChurnPlan) -> None:
+        self._bootstrap, self._plan = bootstrap, plan
+        self.produced: dict[str, list[float]] = {t: [] for t in TOPICS}
+        """Per topic, the monotonic instant of each record's production (bench/chaos.py's Cancels)."""
+        self.positions: dict[str, Positions] = {t: {} for t in TOPICS}
+        self.asked: dict[tuple[str, int, int], tuple[int, int]] = {}
+        """(topic, partition, offset) -> (delay asked for in ms, wall-clock ms of its production)."""
+        self.held: list[float] = []
+        self._pending: dict[tuple[str, int], tuple[int, int]] = {}
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self.error: BaseException | None = None
+
+    def start(self) -> Production:
+        self._thread.start()
+        return self
+
+    def join(self, timeout_s: float) -> None:
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            raise RuntimeError(f"production not done {timeout_s:.0f} s after its window")
+
+    def _run(self) -> None:
+        try:
+            self._produce()
+        except BaseException as e:  # reported in the outcome
+            self.error = e
+
+    def _produce(self) -> None:
+        plan, rng = self._plan, random.Random(self._plan.seed)
+        producer = Producer(producer_config(self._bootstrap))
+        names = list(TOPICS)
+        started = time.monotonic()
+        for i in range(plan.records):
+            topic, j = names[i % len(names)], i // len(names)
+            held = topic == "steady" and plan.held(j)
+            delay_ms = rng.randrange(int(plan.delay_s * 1000))
+            if held:  # due `hold_s` after the window, whenever produced: after every event
+                delay_ms += int((started + plan.window_s + plan.hold_s - time.monotonic()) * 1000)
+                self.held.append(time.monotonic() + delay_ms / 1000)
+            self._pending[(topic, j)] = (delay_ms, int(time.time() * 1000))
+            producer.produce(topic, f"{topic}-{j}".encode(), partition=j % PARTITIONS,
+                             headers=[("deliver-after", str(delay_ms))],
+                             on_delivery=lambda err, m, t=topic, j=j: self._placed(err, m, t, j))  # fmt: skip
+            self.produced[topic].append(time.monotonic())
+            if i % 200 == 0:
+                producer.poll(0)
+                time.sleep(max(started + plan.window_s * i / plan.records - time.monotonic(), 0))
+        if producer.flush(60) != 0:
+            raise RuntimeError("records not acknowledged within 60 s")
+
+    def _placed(self, err: Any, m: Any, topic: str, j: int) -> None:
+        if err is None:
+            self.positions[topic][j] = (m.partition(), m.offset())
+            self.asked[(topic, m.partition(), m.offset())] = self._pending.pop((topic, j))
+
+
+class Members:
+    """The group's members by slot; each slot keeps its state dir across stops, as a pod its volume."""
+
+    def __init__(self, workdir: Path, bootstrap: str, policies: Path, plan: ChurnPlan, outcome: Outcome) -> None:
+        self._workdir, self._bootstrap, self._policies, self._plan = workdir, bootstrap, policies, plan
+        self._outcome = outcome
+        self.slots = [self._member(slot, f"m{slot}") for slot in range(plan.members)]
+        self.running: set[int] = set()
+        self.retired: list[Sidecar] = []
+        self._log_at_start: dict[int, int] = {}
+
+    def _member(self, slot: int, name: str) -> Sidecar:
+        return Sidecar(self._workdir, self._bootstrap, self._policies, self._plan, name,
+                       instance_id=f"churn-{slot}", group="churn", guarantee=self._plan.guarantee)  # fmt: skip
+
+    def start(self, slot: int) -> None:
+        log = self.slots[slot].log
+        self._log_at_start[slot] = log.stat().st_size if log.exists() else 0
+        self.slots[slot].start()
+        self.running.add(slot)
+        self._outcome.member_starts += 1
+
+    def stop(self, slots: list[int]) -> None:
+        """SIGTERM, all at once, as a rollout's or a scale-down's pods: each must exit 0."""
+        members = [self.slots[s] for s in slots]
+        for slot in slots:
+            self._started(slot)
+        with ThreadPoolExecutor(max(len(members), 1)) as pool:
+            codes = list(pool.map(Sidecar.stop, members))
+        for slot, member, code in zip(slots, members, codes, strict=True):
+            if code != 0:
+                self._outcome.unclean_exits.append(f"{member.log.name}: exit {code} after SIGTERM")
+            self.running.discard(slot)
+
+    def _started(self, slot: int) -> None:
+        """Until the member's process has written its first line: a SIGTERM before the interpreter
+        runs the sidecar's first line ends any program by the signal's default action (exit -15),
+        and the run would count it against the sidecar. The sidecar's own share of that window is
+        tested in tests/test_early_stop.py."""
+        log, deadline = self.slots[slot].log, time.monotonic() + 60
+        while log.stat().st_size <= self._log_at_start.get(slot, 0) and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    def alive(self, slot: int) -> bool:
+        child = self.slots[slot].child
+        return child is not None and child.alive()
+
+    def kill(self, slot: int) -> None:
+        member = self.slots[slot]
+        if member.child is not None and not member.child.alive():
+            self._outcome.unclean_exits.append(f"{member.log.name}: had exited by itself (exit {member.stop()})")
+        member.kill()
+        self.running.discard(slot)
+
+    def replace(self, slot: int) -> bool:
+        """The zombie: `slot`'s process is stopped (SIGSTOP) and a successor with its instance id, on
+        another host and state dir, takes its place; the first is woken, and must be fenced."""
+        first, successor = self.slots[slot], self._member(slot, f"m{slot}z{len(self.retired)}")
+        fenced = zombie_swap(first, successor)
+        self.retired.append(first)
+        self.slots[slot] = successor
+        self._outcome.member_starts += 1
+        return fenced
+
+    def close(self) -> None:
+        for member in [*self.slots, *self.retired]:
+            member.kill()
+
+
+def schedule(plan: ChurnPlan, rng: random.Random) -> list[str]:
+    """The events in a seeded order: the churn's, each pair in its order, with the faults among them."""
+    churn = ["join", "remove", "readd", "leave", "return", "tighten", "rollout", "depart"]
+    rng.shuffle(churn)
+    for before, after in (("remove", "readd"), ("leave", "return"), ("join", "depart")):
+        i, j = churn.index(before), churn.index(after)
+        if i > j:
+            churn[i], churn[j] = churn[j], churn[i]
+    events = list(churn)
+    extra = ["kill"] * plan.kills
+    extra += ["state"] if plan.state_loss else []
+    extra += ["broker"] if plan.broker_restart else []
+    extra += ["zombie"] if plan.zombie else []
+    for kind in extra:
+        events.insert(rng.randrange(len(events) + 1), kind)
+    return events
+
+
+class Run:
+    """One churn run: the broker, the members, the policy file and the events between them."""
+
+    def __init__(self, plan: ChurnPlan, workdir: Path, log: Any, command: str) -> None:
+        self.plan, self.workdir, self.log = plan, workdir, log
+        self.rng = random.Random(plan.seed + 3)
+        self.outcome = Outcome(plan)
+        self.broker = bench_broker(workdir / "broker")
+        self.bootstrap = self.broker.start()
+        self.outcome.dated = dated_lines(self.broker, command)
+        self.policies = workdir / "policies.yaml"
+        self.removable, self.late, self.capped_max = True, False, LOOSE_MAX
+        self._write_policies()
+        for topic, subs in TOPICS.items():
+            for name in (topic, f"{topic}.dlt", *(f"{topic}.{s}" for s in subs)):
+                create_topic(self.bootstrap, name, PARTITIONS)
+        self.members = Members(workdir, self.bootstrap, self.policies, plan, self.outcome)
+
+    def _write_policies(self) -> None:
+        self.policies.write_text(policy_text(self.removable, self.late, self.capped_max))
+
+    def apply(self, kind: str) -> str:
+        """Carry out one event; what it did, in words."""
+        members, running = self.members, sorted(self.members.running)
+        if kind in ("kill", "state", "zombie"):
+            if not running:
+                return "skipped: no member running"
+            slot = self.rng.choice(running)
+            if kind == "zombie":
+                self.outcome.zombie_fenced = members.replace(slot)
+                return f"churn-{slot} replaced; the woken one fenced: {self.outcome.zombie_fenced}"
+            members.kill(slot)
+            if kind == "state":
+                shutil.rmtree(members.slots[slot].state, ignore_errors=True)
+            members.start(slot)
+            return f"churn-{slot}"
+        if kind == "broker":
+            self.broker.stop()
+            time.sleep(2)
+            self.broker.start()
+            return "stopped 2 s"
+        if kind in ("remove", "readd", "tighten"):
+            self.removable = kind != "remove" if kind != "tighten" else self.removable
+            self.capped_max = f"{self.plan.tight_s:g}s" if kind == "tighten" else self.capped_max
+            self._write_policies()
+            time.sleep(SETTLE_S)
+            return f"policy: removable {'in' if self.removable else 'out'}, capped max {self.capped_max}"
+        if kind == "rollout":
+            how = self.rng.choice(["SIGTERM", "kill -9"])
+            if how == "SIGTERM":
+                members.stop(running)
+            else:
+                for slot in running:
+                    members.kill(slot)
+            self.late = True
+            self._write_policies()
+            for slot in running:
+                members.start(slot)
+            return f"{how} of {['churn-' + str(s) for s in running]}, `late` added, started again"
+        slot = {"join": 2, "leave": 1, "return": 1, "depart": 0}[kind]
+        if kind in ("join", "return"):
+            members.start(slot)
+        else:
+            members.stop([slot])
+        return f"churn-{slot}"
+
+    def go(self, spark: SparkSession | None) -> Outcome:
+        plan, outcome, started = self.plan, self.outcome, time.monotonic()
+        # Cancels are sent within a delay span of their records, not within the whole window.
+        cancel_plan = dataclasses.replace(plan, window_s=plan.delay_s)
+        production = Production(self.bootstrap, plan)
+        cancels = Cancels(self.bootstrap, cancel_plan, production.produced["steady"], production.positions["steady"],
+                          topic="steady")  # fmt: skip
+        try:
+            for slot in (0, 1):
+                self.members.start(slot)
+            production.start()
+            cancels.start()
+            events = schedule(plan, random.Random(plan.seed))
+            instants = sorted(self.rng.uniform(0.05, 0.95) * plan.window_s for _ in events)
+            for kind, at in zip(events, instants, strict=True):
+                time.sleep(max(started + at - time.monotonic(), 0))
+                start_ms = int(time.time() * 1000)
+                self.log(f"[churn] {kind} at {time.monotonic() - started:.1f}s")
+                detail = self.apply(kind)
+                outcome.events.append(Event(kind, start_ms, int(time.time() * 1000), detail))
+            faults_over = time.monotonic()
+            production.join(plan.window_s + 120)
+            if production.error is not None:
+                raise RuntimeError(f"production failed: {production.error!r}")
+            cancels.finish()
+            while production.held and time.monotonic() < max(production.held) + 2:
+                time.sleep(0.5)
+            outcome.held_due = sum(faults_over < at < time.monotonic() for at in production.held)
+            self._settle(production, cancels)
+            cancels.stop()
+            if cancels.error is not None:
+                outcome.notes.append(f"canceller failed: {cancels.error!r}")
+            outcome.unclean_exits += [f"churn-{s} had exited by itself" for s in self.members.running
+                                      if not self.members.alive(s)]  # fmt: skip
+            self.members.stop(sorted(self.members.running))
+            outcome.fates = count(self.bootstrap, production, cancels.sent, outcome.events, plan)
+            if plan.spark_audit:
+                outcome.spark = spark_audit(self.bootstrap, self.policies, self.workdir, spark)
+                outcome.spark.disagreements = disagreements(outcome.fates, outcome.spark)
+        finally:
+            cancels.stop()
+            self.members.close()
+            self.broker.stop()
+        outcome.wall_s = time.monotonic() - started
+        return outcome
+
+    def _settle(self, production: Production, cancels: Cancels) -> None:
+        """Until every record has a fate (or a deadline passes), then a few commit intervals more:
+        copies that should not exist would come now."""
+        deadline = time.monotonic() + 300 + self.plan.records / 500
+        while True:
+            fates = count(self.bootstrap, production, cancels.sent, self.outcome.events, self.plan)
+            if not sum(fates.lost.values()):
+                break
+            if time.monotonic() > deadline:
+                self.outcome.notes.append(f"records without a fate at the deadline: {fates.lost}")
+                break
+            time.sleep(5)
+        time.sleep(self.plan.commit_interval_ms / 1000 * 4 + 2)
+
+
+def count(
+    bootstrap: str, production: Production, cancels: dict[str, tuple[int, int]], events: list[Event], plan: ChurnPlan
+) -> Fates:
+    """Every produced record's fate, from the topics as a read_committed consumer sees them."""
+    fates = Fates(cancels_sent=len(cancels))
+    windows = [(e.start_ms - REPEAT_WINDOW_S * 1000, e.end_ms + 5000.0) for e in events if e.kind in REPEATING]
+    repeats_allowed = plan.guarantee == "at-least-once"
+    answers: dict[str, list[tuple[str, int]]] = {}
+    for m in read_all(bootstrap, f"{CONTROL}.outcomes"):
+        data = json.loads(m.value())
+        answers.setdefault(data.get("id") or "", []).append((data.get("outcome", ""), m.timestamp()[1]))
+    cancelled = {cancels[i] for i, said in answers.items() if i in cancels and said[0][0] == "cancelled"}
+    fates.cancelled = len(cancelled)
+    for command_id, origin in cancels.items():
+        said = answers.get(command_id, [])
+        # At least once, an answer is an output like any other: repeated, unchanged, after a fault.
+        repeated = len({outcome for outcome, _ in said}) == 1 and _near(said[0][1], windows)
+        if len(said) != 1 and not (said and repeats_allowed and repeated):
+            fates.cancels_not_answered_once += 1
+            fates.examples.append(f"cancel {command_id} of steady/{origin[0]}/{origin[1]} answered {said}")
+
+    def extra(first_ms: list[int], name: str) -> None:
+        """Count a record's copies past the first, at least once allowed near a fault."""
+        if len(first_ms) > 1:
+            fates.duplicated[name] = fates.duplicated.get(name, 0) + len(first_ms) - 1
+            if repeats_allowed and _near(min(first_ms), windows):
+                fates.repeats_allowed += len(first_ms) - 1
+
+    removed = _span(events, "remove", "readd")
+    died_draining = removed is not None and any(
+        e.kind in REPEATING and removed[0] - SETTLE_S * 1000 <= e.start_ms <= removed[1] for e in events
+    )
+    tightened = next((e.end_ms for e in events if e.kind == "tighten"), None)
+    for topic, subs in TOPICS.items():
+        copies: dict[str, dict[tuple[int, int], list[int]]] = {s: {} for s in subs}
+        for sub in subs:
+            early = 0
+            for m in read_all(bootstrap, f"{topic}.{sub}"):
+                d = read_delivery(dict(m.headers() or []))
+                copies[sub].setdefault((d.partition, d.offset), []).append(m.timestamp()[1])
+                early += m.timestamp()[1] < d.deliver_at
+            fates.early[f"{topic}.{sub}"] = early
+        dead: dict[tuple[int, int], list[tuple[str, int]]] = {}
+        for m in read_all(bootstrap, f"{topic}.dlt"):
+            h = {k: v.decode() for k, v in (m.headers() or []) if v is not None}
+            origin = (int(h["delay-origin-partition"]), int(h["delay-origin-offset"]))
+            dead.setdefault(origin, []).append((h.get("delay-error-code", ""), m.timestamp()[1]))
+        records = [(p, o) for (t, p, o) in production.asked if t == topic]
+        fates.produced[topic] = len(records)
+        for p, o in records:
+            delay_ms, at_ms = production.asked[(topic, p, o)]
+            delivered = [s for s in subs if (p, o) in copies[s]]
+            for s in delivered:
+                extra(copies[s][(p, o)], f"{topic}.{s}")
+            codes = dead.get((p, o), [])
+            extra([ms for _, ms in codes], f"{topic}.dlt")
+            fates.rejected[topic] = fates.rejected.get(topic, 0) + bool(codes)
+            fates.dead_letters.update(f"{topic} {code}" for code, _ in codes)
+            gone = topic == "steady" and (p, o) in cancelled
+            may_die, must_die = dead_letter_rules(topic, delay_ms, at_ms, plan, removed, tightened)
+            fates.either[topic] = fates.either.get(topic, 0) + (may_die and not must_die)
+            example = (
+                f"{topic}/{p}/{o} (asked {delay_ms} ms at {at_ms}): delivered to {delivered}, dead-lettered {codes}"
+            )
+            if (codes or gone) and delivered:
+                fates.two_fates += 1
+                fates.dead_and_delivered += bool(codes)
+                fates.cancelled_and_delivered += gone
+                redone = died_draining or any(_near(min(copies[s][(p, o)]), windows) for s in delivered)
+                if repeats_allowed and redone and not gone and {c for c, _ in codes} == {"TOPIC_REMOVED"}:
+                    fates.two_fates_allowed += 1
+                else:
+                    fates.examples.append("two fates: " + example)
+            elif codes:
+                fates.dead_lettered[f"{topic} {codes[0][0]}"] = fates.dead_lettered.get(f"{topic} {codes[0][0]}", 0) + 1
+                if any(code != _code(topic) for code, _ in codes):
+                    fates.wrong_code += 1
+                    fates.examples.append("wrong code: " + example)
+                elif not may_die:
+                    fates.wrong_fate += 1  # e.g. a removable record read only after it came back
+                    fates.examples.append("dead-lettered past the policy in force: " + example)
+            elif not gone:
+                if must_die and delivered:
+                    fates.wrong_fate += 1
+                    fates.examples.append("delivered past the policy in force: " + example)
+                for s in subs:
+                    name = f"{topic}.{s}"
+                    if s in delivered:
+                        fates.delivered[name] = fates.delivered.get(name, 0) + 1
+                    else:
+                        fates.lost[name] = fates.lost.get(name, 0) + 1
+    del fates.examples[20:]
+    return fates
+
+
+def _near(ms: int, windows: list[tuple[float, float]]) -> bool:
+    return any(lo <= ms <= hi for lo, hi in windows)
+
+
+def _span(events: list[Event], start: str, end: str) -> tuple[int, int] | None:
+    """(the first event's end, the second's start), wall-clock ms."""
+    first = next((e for e in events if e.kind == start), None)
+    second = next((e for e in events if e.kind == end), None)
+    return (first.end_ms, second.start_ms if second else 2**62) if first else None
+
+
+def _code(topic: str) -> str:
+    return {"removable": "TOPIC_REMOVED", "capped": "EXCEEDS_MAX_DELAY"}.get(topic, "")
+
+
+def dead_letter_rules(
+    topic: str, delay_ms: int, at_ms: int, plan: ChurnPlan, removed: tuple[int, int] | None, tightened: int | None
+) -> tuple[bool, bool]:
+    """(may it be dead-lettered, must it be): a removable record produced before the removal was in
+    force may have been pending then; a capped record over the tight max must be refused once the
+    tightening was in force when it was produced, and may be if it was produced before."""
+    if topic == "removable":
+        return removed is not None and at_ms < removed[0] + SETTLE_S * 1000, False
+    if topic == "capped" and delay_ms > plan.tight_s * 1000 and tightened is not None:
+        return True, at_ms > tightened
+    return False, False
+
+
+def disagreements(fates: Fates, spark: SparkAudit) -> list[str]:
+    """Each count where the Spark audit and the bench's own count differ, in words."""
+    if spark.exit_code not in (0, 1) or not spark.report:
+        return [f"the Spark audit gave no counts (exit {spark.exit_code})"]
+    found: list[str] = []
+    summaries = {f"{s['topic']}.{s['subscription']}": s for s in spark.report["subscriptions"]}
+    for topic, subs in TOPICS.items():
+        rejected = fates.rejected.get(topic, 0)
+        for sub in subs:
+            name, s = f"{topic}.{sub}", summaries.get(f"{topic}.{sub}")
+            if s is None:
+                found.append(f"{name}: not in the Spark audit's report")
+                continue
+            pairs = [
+                ("inbound", fates.produced.get(topic, 0), s["inbound"]),
+                ("rejected", rejected, s["rejected"]),
+                ("delivered", fates.delivered.get(name, 0), s["delivered"]),
+                ("lost", fates.lost.get(name, 0), s["missing"] + s["pending"]),
+                ("duplicated", fates.duplicated.get(name, 0), s["duplicates"]),
+                ("early", fates.early.get(name, 0), s["early"]),
+                ("cancelled", fates.cancelled if topic == "steady" else 0, s.get("cancelled", 0)),
+            ]
+            found += [f"{what} ({name}): bench {mine}, Spark audit {theirs}" for what, mine, theirs in pairs
+                      if mine != theirs]  # fmt: skip
+    counts = spark.report.get("anomaly_counts", {})
+    total_duplicates = sum(fates.duplicated.values())
+    for what, mine, theirs in (
+        ("copies past the first, dead letters included", total_duplicates, counts.get("duplicate", 0)),
+        ("dead-lettered and delivered", fates.dead_and_delivered, counts.get("rejected_and_delivered", 0)),
+        ("delivered after a cancel", fates.cancelled_and_delivered, counts.get("delivered_after_cancel", 0)),
+    ):
+        if mine != theirs:
+            found.append(f"{what}: bench {mine}, Spark audit {theirs}")
+    by_code = {f"{r['topic']} {r['code']}": r["count"] for r in spark.report.get("rejections", [])}
+    mine_by_code = dict(fates.dead_letters)
+    if {k: v for k, v in by_code.items() if v} != mine_by_code:
+        found.append(f"dead-letter records by topic and code: bench {mine_by_code}, Spark audit {by_code}")
+    return found
+
+
+def table(outcome: Outcome, command: str) -> str:
+    f, plan = outcome.fates, outcome.plan
+    kinds = Counter(e.kind for e in outcome.events)
+    rows = [
+        ("command", f"`{command}`"),
+        ("guarantee, seed", f"{plan.guarantee}, {plan.seed}"),
+        (
+            f"records (deliver-after 0 to {plan.delay_s:.0f} s) per topic",
+            ", ".join(f"{t} {n:,}" for t, n in f.produced.items()),
+        ),
+        ("member starts / SIGKILLs / lost state dirs", f"{outcome.member_starts} / {kinds['kill']} / {kinds['state']}"),
+        (
+            "joins, leaves, returns on an old state dir, departures",
+            f"{kinds['join']}, {kinds['leave']}, {kinds['return']}, {kinds['depart']}",
+        ),
+        (
+            "topic removed and added back / added across a restart / max delay tightened",
+            f"{kinds['remove']} / {kinds['rollout']} / {kinds['tighten']}",
+        ),
+        ("broker restarts", str(kinds["broker"])),
+        ("zombie fenced", {None: "no zombie", True: "yes", False: "**no**"}[outcome.zombie_fenced]),
+        (
+            "cancels sent / answered cancelled / held records due after the faults",
+            f"{f.cancels_sent:,} / {f.cancelled:,} / {outcome.held_due}",
+        ),
+        ("delivered (per subscription)", ", ".join(f"{k} {v:,}" for k, v in sorted(f.delivered.items()))),
+        (
+            "dead-lettered (per topic and code)",
+            ", ".join(f"{k} {v:,}" for k, v in sorted(f.dead_lettered.items())) or "none",
+        ),
+        (
+            "records that could have had either fate",
+            ", ".join(f"{k} {v:,}" for k, v in sorted(f.either.items()) if v) or "none",
+        ),
+        ("lost", str(sum(f.lost.values()))),
+        (
+            "copies past the first / allowed (at least once, near a fault)",
+            f"{sum(f.duplicated.values())} / {f.repeats_allowed}",
+        ),
+        ("early", str(sum(f.early.values()))),
+        (
+            "two fates (of them allowed at least once) / wrong code / wrong fate for the policy in force",
+            f"{f.two_fates} ({f.two_fates_allowed}) / {f.wrong_code} / {f.wrong_fate}",
+        ),
+        ("cancels not answered exactly once", str(f.cancels_not_answered_once)),
+        ("members not ended by the bench, or not exiting 0 on SIGTERM", str(len(outcome.unclean_exits))),
+        ("anomalies in all", str(f.anomalies)),
+    ]
+    spark = outcome.spark
+    if spark is not None:
+        verdict = {0: "PASS", 1: "FAIL (anomalies)"}.get(spark.exit_code, "**could not run**")
+        rows += [
+            ("Spark audit (`delay-sidecar audit`, read_committed)", f"exit {spark.exit_code}, {verdict}"),
+            ("Spark audit's counts equal the bench's", "yes" if not spark.disagreements else "**no**"),
+        ]
+    rows.append(("wall time", f"{outcome.wall_s:.0f} s"))
+    lines = ["| | |", "| --- | --- |", *(f"| {k} | {v} |" for k, v in rows)]
+    lines += [f"\nnote: {n}" for n in outcome.notes + outcome.unclean_exits]
+    lines += [f"\nrecord: {e}" for e in f.examples]
+    if spark is not None:
+        lines += [f"\nSPARK AUDIT DISAGREES: {d}" for d in spark.disagreements]
+        if spark.exit_code != 0 or spark.disagreements:
+            lines += ["\nSpark audit's output (last lines):\n```", spark.output, "```"]
+    lines.append("\nevents: " + "; ".join(f"{e.kind} ({e.detail})" for e in outcome.events))
+    return "\n".join(lines)
+
+
+def run(plan: ChurnPlan, workdir: Path, log: Any = print, spark: SparkSession | None = None,
+        command: str = "bench.churn") -> Outcome:  # fmt: skip
+    return Run(plan, workdir, log, command).go(spark)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--guarantee", choices=("exactly-once", "at-least-once"), default="exactly-once")
+    parser.add_argument("--records", type=int, default=20_000, metavar="N")
+    parser.add_argument("--window-s", type=float, default=90.0, metavar="S", help="production and events span")
+    parser.add_argument("--delay-s", type=float, default=20.0, metavar="S", help="deliver-after 0 to S")
+    parser.add_argument("--tight-s", type=float, default=10.0, metavar="S", help="capped's max delay once tightened")
+    parser.add_argument(
+        "--hold-s", type=float, default=40.0, metavar="S", help="held records fall due S after the window"
+    )
+    parser.add_argument("--kills", type=int, default=8, metavar="N")
+    parser.add_argument("--cancel-fraction", type=float, default=0.03, metavar="F")
+    parser.add_argument("--seed", type=int, default=48, metavar="N")
+    parser.add_argument("--spark-audit", action="store_true", help="also run delay-sidecar audit over the run")
+    parser.add_argument("--json", type=Path, metavar="PATH", help="also write the outcome as JSON")
+    args = parser.parse_args(argv)
+    plan = ChurnPlan(records=args.records, kills=args.kills, window_s=args.window_s, seed=args.seed,
+                     nack_fraction=0.0, cancel_fraction=args.cancel_fraction, spark_audit=args.spark_audit,
+                     hold_s=args.hold_s, guarantee=args.guarantee, delay_s=args.delay_s,
+                     tight_s=args.tight_s)  # fmt: skip
+    command = command_line("bench.churn", argv)
+    workdir = Path(tempfile.mkdtemp(prefix="bench-churn-"))
+    outcome: Outcome | None = None
+    try:
+        outcome = run(plan, workdir, log=lambda line: print(line, file=sys.stderr, flush=True), command=command)
+    finally:
+        if outcome is not None and outcome.passed:
+            shutil.rmtree(workdir, ignore_errors=True)
+        else:
+            print(f"kept {workdir} (the members' logs and state dirs, the broker's data)", file=sys.stderr)
+    print(outcome.dated + "\n")
+    print(table(outcome, command))
+    if args.json:
+        args.json.write_text(json.dumps(dataclasses.asdict(outcome), indent=2, default=str))
+    return 0 if outcome.passed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
