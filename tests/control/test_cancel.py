@@ -407,8 +407,15 @@ def test_a_cancel_racing_the_due_instant_is_either_delivered_or_cancelled_never_
 def test_cancels_hold_when_a_member_hands_its_partitions_over(
     kafka: str, kafka_helper: KafkaHelper, topic_factory: TopicFactory, policy_file: PolicyFile, tmp_path: Path
 ) -> None:
-    """Exactly-once, two members: the one that decided the cancels leaves; the other takes its
-    partitions over from the state topic, applies the facts again, and delivers none of them."""
+    """Exactly-once, two members: the one that decided the cancels, alone in the group then, hands
+    its partitions over (some when the other joins, the rest when it leaves); the other takes them
+    over from the state topic, applies the facts again, and delivers none of the cancelled records.
+
+    The records are produced once `a` serves, and fall due from 30 s after that, one every 25 ms
+    over 10 s: the cancels are answered long before (asserted: every one `cancelled` before the
+    handoff), and however slowly `b` starts (a CI run had `b` start and join for longer than a due
+    fixed before `a` started, and its cancels came too late), the later records fall due once `b`
+    owns them. A member that ignored the facts would deliver them."""
     partitions = 4
     topic, control = topic_factory("cancelhandoff", partitions=partitions), f"ctl-{uuid.uuid4().hex[:8]}"
     policies_path, group = policies(topic, policy_file), f"g-{topic}"
@@ -422,25 +429,34 @@ def test_cancels_hold_when_a_member_hands_its_partitions_over(
 
     (a, a_port), (b, b_port) = member("a"), member("b")
     count = 400
-    due = int(time.time() * 1000) + 25_000
-    for i in range(count):
-        kafka_helper.produce(topic, f"v{i}".encode(), headers=[("deliver-at", str(due + i))], partition=i % partitions)
-    kafka_helper.flush()
-    cancelled = {(i % partitions, i // partitions) for i in range(0, count, 4)}
+    ids = [(i % partitions, i // partitions) for i in range(count)]  # record i: (partition, offset) of a new topic
+    cancelled = {ids[i] for i in range(0, count, 3)}  # every partition has cancelled records and others
     producer = Producer({"bootstrap.servers": kafka})
     try:
-        a.start()
+        start_serving(a, a_port)
+        everything = scrape(a_port, "delay_sidecar_assigned_partitions")  # a alone: every partition
+        due = int(time.time() * 1000) + 30_000
+        for i, (p, _) in enumerate(ids):
+            kafka_helper.produce(topic, f"v{i}".encode(), headers=[("deliver-at", str(due + 25 * i))], partition=p)
+        kafka_helper.flush()
+        last = due + 25 * (count - 1)
         wait_for(lambda: scrape(a_port, "delay_sidecar_tracked_messages", topic=topic) == count, 60, "a indexed all")
-        start_serving(b, b_port)
         for p, o in sorted(cancelled):
             command(
                 producer, control, {"type": "cancel", "topic": topic, "partition": p, "offset": o, "id": f"{p}-{o}"}
             )
         assert producer.flush(10) == 0
-        wait_for(lambda: len(outcomes(kafka_helper, control, committed_only=True)) >= len(cancelled), 60, "answers")
-        assert a.stop() == 0, a.tail()  # a's partitions go to b
-        wait_for(lambda: scrape(b_port, "delay_sidecar_assigned_partitions") >= partitions, 60, "b owns everything")
-        wait_for(lambda: time.time() * 1000 > due + count + 2_000, 60, "every time passed")
+        answered = lambda: len(outcomes(kafka_helper, control, committed_only=True)) >= len(cancelled)  # noqa: E731
+        wait_for(answered, 60, "every cancel answered")
+        decided = outcomes(kafka_helper, control, committed_only=True)
+        assert decided.keys() == {f"{p}-{o}" for p, o in cancelled}
+        not_cancelled = {k: v for k, v in decided.items() if [x["outcome"] for x in v] != ["cancelled"]}
+        assert not not_cancelled, f"a did not answer each cancel once 'cancelled' before the handoff: {not_cancelled}"
+        assert all(sorted(v[0]["subscriptions"]) == ["billing", "fraud"] for v in decided.values())
+        start_serving(b, b_port)  # the group rebalances: some of a's partitions go to b
+        assert a.stop() == 0, a.tail()  # and the rest
+        wait_for(lambda: scrape(b_port, "delay_sidecar_assigned_partitions") == everything, 60, "b owns everything")
+        wait_for(lambda: time.time() * 1000 > last + 2_000, 120, "every time passed")
         wait_owed(kafka_helper, topic, dict.fromkeys(("billing", "fraud"), count - len(cancelled)), committed_only=True)
         wait_for(lambda: scrape(b_port, "delay_sidecar_tracked_messages", topic=topic) == 0, 60, "nothing pending")
         assert b.stop() == 0, b.tail()
@@ -448,12 +464,14 @@ def test_cancels_hold_when_a_member_hands_its_partitions_over(
         a.close()
         b.close()
     answers = outcomes(kafka_helper, control, committed_only=True)
-    assert all(len(v) == 1 and v[0]["outcome"] == "cancelled" for v in answers.values())
+    assert answers == decided, "a cancel answered again after the handoff"
     for sub in ("billing", "fraud"):
         records = kafka_helper.read_to_end(f"{topic}.{sub}", committed_only=True)
         got = Counter((int(r.headers[ORIGIN_PARTITION]), int(r.headers[ORIGIN_OFFSET])) for r in records)
-        assert all(n == 1 for n in got.values())
-        assert set(got) == {(i % partitions, i // partitions) for i in range(count)} - cancelled, sub
+        assert all(n == 1 for n in got.values()), sub
+        assert not set(got) & cancelled, (sub, sorted(set(got) & cancelled))
+        assert set(got) == set(ids) - cancelled, sub
+        assert not early(records), sub
 
 
 def test_a_cancelled_nack_already_due_at_a_restart_stays_cancelled(
