@@ -52,6 +52,8 @@ LONGEST_FIRST = (
     "tests/control/test_cancel.py",
     "tests/test_topic_removal.py",
     "tests/bench/test_e2e_quick.py",
+    "tests/bench/test_group_join.py",
+    "tests/bench/test_nack_backlog.py",
     "tests/inbound/test_decide_once.py",
     "tests/test_supervisor.py",
     "tests/test_checkpoint.py",
@@ -81,7 +83,34 @@ class _SparkTogether(LoadFileScheduling):
         return work_unit(nodeid)
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+BROKER_FIXTURES = frozenset({"kafka", "embedded_broker", "topic_factory", "kafka_helper"})
+STARTS_ITS_OWN = (
+    "tests/failover/",
+    "tests/spark/",
+    "tests/bench/test_e2e_quick.py",
+    "tests/bench/test_group_join.py",
+    "tests/bench/test_nack_backlog.py",
+    "tests/broker/test_apache.py",
+    "tests/broker/test_embedded.py",
+    "tests/broker/test_orphans.py",
+    "tests/test_chaos.py",
+    "tests/test_faults.py",
+)
+"""Test files that start brokers, clusters or Spark JVMs of their own, not through the fixtures."""
+
+
+def needs_a_broker(item: pytest.Item) -> bool:
+    """A test that uses the run's broker or starts a broker or JVM of its own: not in the fast loop
+    (`pytest -m "not broker"`, docs/development.md). The no-broker tests that start only a brief
+    child process (the CLI's, a sidecar that fails at once) stay in it."""
+    path = item.nodeid.split("::", 1)[0]
+    return bool(BROKER_FIXTURES & set(getattr(item, "fixturenames", ()))) or path.startswith(STARTS_ITS_OWN)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if needs_a_broker(item):
+            item.add_marker(pytest.mark.broker)
     rank = {unit: i for i, unit in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(work_unit(item.nodeid), len(rank)))  # stable: the rest keep their order
 
@@ -101,8 +130,11 @@ def pytest_configure(config: pytest.Config) -> None:
     """The controlling process starts the run's Apache Kafka before xdist starts its workers, which
     inherit its address through the environment; the broker stops when this process ends."""
     config.addinivalue_line("markers", "fallback: also run on noida-db, the fallback broker (scripts/test.sh)")
+    config.addinivalue_line("markers", "broker: set by the suite on every test that needs a broker or a JVM")
     if hasattr(config, "workerinput") or os.environ.get("KAFKA_BOOTSTRAP_SERVERS"):
         return
+    if "not broker" in (config.option.markexpr or ""):
+        return  # the fast loop: no test selected needs it
     if config.option.collectonly or broker_kind_of_run() != "apache-kafka":
         return
     data_dir = Path(tempfile.mkdtemp(prefix="delay-sidecar-test-kafka-"))

@@ -32,6 +32,7 @@ def cli(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> s
 
 
 @pytest.mark.fallback
+@pytest.mark.broker  # the demo starts a local broker
 def test_demo_runs_to_the_end() -> None:
     kind = broker_kind_of_run()
     result = cli("demo", "--broker-kind", kind, timeout=180)

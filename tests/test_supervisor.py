@@ -146,6 +146,7 @@ def test_a_worker_killed_under_load_is_restarted_and_nothing_is_lost(
     assert log.count("left the consumer group") == 0, "workers leave only with --leave-group-on-stop"
 
 
+@pytest.mark.broker  # a local broker of its own
 def test_kill_9_of_the_supervisor_takes_the_workers_and_the_local_broker_with_it(
     tmp_path: Path, reaper: list[psutil.Process]
 ) -> None:
