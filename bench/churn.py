@@ -211,7 +211,8 @@ def policy_text(removable: bool, late: bool, capped_max: str) -> str:
 
 
 class Production:
-    """Records spread evenly over the window, round robin over the topics, with what each asked for."""
+    """Records spread evenly over the window and on until the events are done, round robin over the
+    topics, with what each asked for."""
 
     def __init__(self, bootstrap: str, plan: ChurnPlan) -> None:
         self._bootstrap, self._plan = bootstrap, plan
@@ -224,6 +225,7 @@ class Production:
         self._pending: dict[tuple[str, int], tuple[int, int]] = {}
         self._thread = threading.Thread(target=self._run, daemon=True)
         self.error: BaseException | None = None
+        self.events_done = threading.Event()
 
     def start(self) -> Production:
         self._thread.start()
@@ -244,13 +246,19 @@ class Production:
         plan, rng = self._plan, random.Random(self._plan.seed)
         producer = Producer(producer_config(self._bootstrap))
         names = list(TOPICS)
-        started = time.monotonic()
-        for i in range(plan.records):
+        started, tail_end = time.monotonic(), None
+        i = 0
+        # `records` over the window, at that rate until the last event is done and `delay_s / 2` on:
+        # an event that came late (a zombie waits for the group) still has records after it.
+        while i < plan.records or tail_end is None or time.monotonic() < tail_end:
+            if tail_end is None and self.events_done.is_set():
+                tail_end = time.monotonic() + plan.delay_s / 2
             topic, j = names[i % len(names)], i // len(names)
             held = topic == "steady" and plan.held(j)
             delay_ms = rng.randrange(int(plan.delay_s * 1000))
-            if held:  # due `hold_s` after the window, whenever produced: after every event
-                delay_ms += int((started + plan.window_s + plan.hold_s - time.monotonic()) * 1000)
+            if held:  # due `hold_s` after the window (or after now, past it): after the events
+                now = time.monotonic()
+                delay_ms += int((max(started + plan.window_s, now) + plan.hold_s - now) * 1000)
                 self.held.append(time.monotonic() + delay_ms / 1000)
             self._pending[(topic, j)] = (delay_ms, int(time.time() * 1000))
             producer.produce(topic, f"{topic}-{j}".encode(), partition=j % PARTITIONS,
@@ -260,6 +268,7 @@ class Production:
             if i % 200 == 0:
                 producer.poll(0)
                 time.sleep(max(started + plan.window_s * i / plan.records - time.monotonic(), 0))
+            i += 1
         if producer.flush(60) != 0:
             raise RuntimeError("records not acknowledged within 60 s")
 
@@ -443,7 +452,8 @@ class Run:
                 detail = self.apply(kind)
                 outcome.events.append(Event(kind, start_ms, int(time.time() * 1000), detail))
             faults_over = time.monotonic()
-            production.join(plan.window_s + 120)
+            production.events_done.set()
+            production.join(plan.window_s + plan.delay_s + 120)
             if production.error is not None:
                 raise RuntimeError(f"production failed: {production.error!r}")
             cancels.finish()

@@ -208,6 +208,10 @@ def test_cancels_and_reschedules_hold_across_kill_9_and_a_lost_state_dir(
         # request it answers was written in the transaction that committed its command's offset.
         if mode == "at-least-once":
             wait_for(lambda: settled_control(kafka, kafka_helper, group, control, 0), 60, "every command committed")
+        # At least once, what went out before the kill may go out again (the contract: since the
+        # last commit). On a loaded machine the sooner reschedules can fall due before the kill: in
+        # CI, records 5, 11, 17, ... came twice. Nothing else may.
+        before = {sub: set(by_offset(kafka_helper.read_to_end(f"{topic}.{sub}"))) for sub in ("billing", "fraud")}
         sidecar.kill()
         shutil.rmtree(state)
         sidecar.start()
@@ -236,6 +240,8 @@ def test_cancels_and_reschedules_hold_across_kill_9_and_a_lost_state_dir(
         records = kafka_helper.read_to_end(f"{topic}.{sub}", committed_only=mode == "exactly-once")
         counts = by_offset(records)
         expected = Counter({o: 1 for o in range(count) if o not in gone})
+        if mode == "at-least-once":
+            counts = Counter({o: 1 if o in before[sub] and n == 2 else n for o, n in counts.items()})
         assert counts == expected, (sub, sorted((counts - expected).items()), sorted((expected - counts).items()))
         assert not early(records)
         stamped = {int(r.headers[ORIGIN_OFFSET]): r.header_int(DELIVER_AT) for r in records}
