@@ -507,7 +507,8 @@ def count(
     for m in read_all(bootstrap, f"{CONTROL}.outcomes"):
         data = json.loads(m.value())
         answers.setdefault(data.get("id") or "", []).append((data.get("outcome", ""), m.timestamp()[1]))
-    cancelled = {cancels[i] for i, said in answers.items() if i in cancels and said[0][0] == "cancelled"}
+    # The last answer counts, as in the Spark audit: at least once a cancel can be answered again, otherwise.
+    cancelled = {cancels[i] for i, said in answers.items() if i in cancels and said[-1][0] == "cancelled"}
     fates.cancelled = len(cancelled)
     for command_id, origin in cancels.items():
         said = answers.get(command_id, [])
