@@ -757,13 +757,7 @@ def table(outcome: Outcome, command: str) -> str:
         ("anomalies in all", str(a.anomalies)),
     ]
     spark = outcome.spark
-    if spark is not None:
-        verdict = {0: "PASS", 1: "FAIL (anomalies)"}.get(spark.exit_code, "**could not run**")
-        rows += [
-            ("Spark audit (`delay-sidecar audit`, read_committed)", f"exit {spark.exit_code}, {verdict}"),
-            ("Spark audit's counts equal the bench's", "yes" if not spark.disagreements else "**no**"),
-            ("Spark audit's wall time", f"{spark.seconds:.0f} s"),
-        ]
+    rows += spark_rows(spark) if spark is not None else []
     rows.append(("wall time", f"{outcome.wall_s:.0f} s"))
     lines = ["| | |", "| --- | --- |", *(f"| {k} | {v} |" for k, v in rows)]
     lines += [f"\nnote: {n}" for n in outcome.notes]
@@ -773,6 +767,16 @@ def table(outcome: Outcome, command: str) -> str:
         lines += [f"\nSPARK AUDIT DISAGREES: {d}" for d in spark.disagreements]
         lines += ["\nSpark audit's output (last lines):\n```", spark.output, "```"]
     return "\n".join(lines)
+
+
+def spark_rows(spark: SparkAudit) -> list[tuple[str, str]]:
+    """The Spark audit's rows of a run's table: its verdict, its agreement, its time."""
+    verdict = {0: "PASS", 1: "FAIL (anomalies)"}.get(spark.exit_code, "**could not run**")
+    return [
+        ("Spark audit (`delay-sidecar audit`, read_committed)", f"exit {spark.exit_code}, {verdict}"),
+        ("Spark audit's counts equal the bench's", "yes" if not spark.disagreements else "**no**"),
+        ("Spark audit's wall time", f"{spark.seconds:.0f} s"),
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -34,7 +34,7 @@ from bench.chaos import (
     run,
     table,
 )
-from bench.churn import ChurnPlan
+from bench.churn_fates import ChurnPlan, dead_letter_rules
 from spark.session import build_session
 
 
@@ -251,7 +251,7 @@ def test_the_churn_count_knows_which_fates_the_policy_in_force_allows() -> None:
     """No broker: which fates `churn.count` allows a record, by when it was produced and what it asked for."""
     removed, tightened = (10_000, 20_000), 30_000
     plan = ChurnPlan(tight_s=5.0)
-    rules = churn.dead_letter_rules
+    rules = dead_letter_rules
     assert rules("removable", 100, 9_000, plan, removed, tightened) == (True, False)
     assert rules("removable", 100, removed[0] + 4_000, plan, removed, tightened) == (False, False)
     assert rules("capped", 6_000, 29_000, plan, removed, tightened) == (True, False)
