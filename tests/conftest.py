@@ -65,6 +65,20 @@ the rest: xdist orders units by their number of tests, so a long file of three t
 run) started last and the suite waited on it. The rest follow in collection order."""
 
 
+HEAVY = frozenset(
+    {
+        "tests/failover/test_failover.py",
+        "spark",
+        "tests/spark/test_audit_cli.py",
+        "tests/test_chaos.py",
+        "tests/test_faults.py",
+        "tests/bench/test_e2e_quick.py",
+    }
+)
+"""Units that start a cluster, JVMs or several sidecars and brokers of their own."""
+HEAVY_AT_ONCE = 2
+
+
 def work_unit(nodeid: str) -> str:
     path = nodeid.split("::", 1)[0]
     return "spark" if path.startswith(SPARK_SESSION_FILES) and path not in OWN_UNITS else path
@@ -81,6 +95,22 @@ class _SparkTogether(LoadFileScheduling):
 
     def _split_scope(self, nodeid: str) -> str:
         return work_unit(nodeid)
+
+    def _assign_work_unit(self, node: object) -> None:
+        """The next unit in order, unless HEAVY_AT_ONCE heavy units are running already: then the
+        next light one, if any is left. On two cores, the 3-node cluster, the Spark session, the
+        audit CLI's JVMs and the chaos run starting together had pushed the load average to 60-90."""
+        running = sum(
+            1
+            for work in self.assigned_work.values()
+            for unit, tests in work.items()
+            if unit in HEAVY and not all(tests.values())
+        )
+        if running >= HEAVY_AT_ONCE:
+            light = next((unit for unit in self.workqueue if unit not in HEAVY), None)
+            if light is not None:
+                self.workqueue.move_to_end(light, last=False)
+        super()._assign_work_unit(node)
 
 
 BROKER_FIXTURES = frozenset({"kafka", "embedded_broker", "topic_factory", "kafka_helper"})
