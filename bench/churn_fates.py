@@ -127,8 +127,9 @@ def count(
     for m in read_all(bootstrap, f"{CONTROL}.outcomes"):
         data = json.loads(m.value())
         answers.setdefault(data.get("id") or "", []).append((data.get("outcome", ""), m.timestamp()[1]))
-    # The last answer counts, as in the Spark audit: at least once a cancel can be answered again, otherwise.
-    cancelled = {cancels[i] for i, said in answers.items() if i in cancels and said[-1][0] == "cancelled"}
+    # Any `cancelled` answer counts, as in the Spark audit: at least once a cancel can be answered
+    # again, otherwise, and a record both answered `cancelled` and delivered has two fates.
+    cancelled = {cancels[i] for i, said in answers.items() if i in cancels and any(o == "cancelled" for o, _ in said)}
     fates.cancelled = len(cancelled)
     for command_id, origin in cancels.items():
         said = answers.get(command_id, [])
