@@ -5,6 +5,12 @@ partition, so "cancelled" and "delivered" cannot both happen (control/cancels.py
 changes something is written down as a fact in the same partition and taken into the partition's
 overrides at once; the fact comes back later through intake and is skipped then, unless an earlier
 owner wrote it. A rebuild applies facts again and skips requests, which were decided already.
+
+A member that takes a partition over reads past the commit what the earlier owner appended since:
+requests it decided, and further on the facts it wrote for them. While the partition is held
+(`PartitionState.hold_until`, the end at assignment) requests are set aside; once that end is read,
+those that no earlier fact names are decided, in log order, before anything is delivered. Deciding
+them as they came had answered a cancel twice after a handoff (the churn bench, at least once).
 """
 
 import logging
@@ -82,9 +88,26 @@ class CommandStep:
                 continue  # another sidecar group's
             name, value = headers[1]
             if name == REQUEST:
-                self._decide(batch, state, routes, record, value)
+                if state.hold_until is not None and record.offset() < state.hold_until:
+                    state.held_requests.append((record.offset(), value))
+                    continue
+                self.decide_held(batch, state, routes, record.offset())
+                self._decide(batch, state, routes, record.offset(), value)
             elif name == FACT:
                 self._fact_read(state, record.offset(), value, live=True)
+        self._answer_late()
+
+    def decide_held(self, batch: IntakeBatch, state: PartitionState, routes: Routes, read_to: int) -> None:
+        """The requests set aside while the partition was held, once everything below its hold's end
+        is read (`read_to`: the next offset to read), or the hold is over: each that no fact of an
+        earlier owner names is decided now."""
+        if not state.held_requests or (state.hold_until is not None and read_to < state.hold_until):
+            return
+        held, decided = state.held_requests, state.decided_earlier
+        state.held_requests, state.decided_earlier = [], set()
+        for offset, raw in held:
+            if offset not in decided:
+                self._decide(batch, state, routes, offset, raw)
         self._answer_late()
 
     def replay(self, state: PartitionState, record: Message, through: int) -> None:
@@ -96,15 +119,12 @@ class CommandStep:
     # ------------------------------------------------------------------ deciding a request
 
     def _decide(
-        self, batch: IntakeBatch, state: PartitionState, routes: Routes, record: Message, raw: bytes | None
+        self, batch: IntakeBatch, state: PartitionState, routes: Routes, offset: int, raw: bytes | None
     ) -> None:
         request = Request.decode(raw, self._default_control)
         if request is None:
-            logger.error(
-                "unreadable cancel or reschedule request skipped partition=%s offset=%d", state.name, record.offset()
-            )
+            logger.error("unreadable cancel or reschedule request skipped partition=%s offset=%d", state.name, offset)
             return
-        offset = record.offset()
         rule = state.rules.at(request.offset) or batch.rule(state.topic, routes, self._retention_ms.get(state.topic))
         tracker = state.tracker
         decision = with_taken_nacks(
@@ -196,6 +216,8 @@ class CommandStep:
         if live and fact.request in state.unread_facts:
             state.unread_facts.discard(fact.request)
             return  # ours: taken into the overrides when it was decided
+        if live and state.hold_until is not None:
+            state.decided_earlier.add(fact.request)  # an earlier owner's: its request is not decided again
         pending = False
         copy, at = fact.copy, fact.deliver_at
         if copy is not None and at is not None and (through is None or pack(at, copy) > through):

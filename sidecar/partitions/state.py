@@ -100,6 +100,11 @@ class PartitionState:
     hold_until: int | None = None
     """Deliver nothing from this partition before reading up to here: facts written by an earlier
     owner may lie past the commit, and a cancel in them must be in force before anything goes out."""
+    held_requests: list[tuple[int, bytes | None]] = field(default_factory=list)
+    """(offset, request) read below `hold_until`: the earlier owner may have decided them, and its
+    fact lies further on. They are decided once the hold's end is read, unless a fact names them."""
+    decided_earlier: set[int] = field(default_factory=set)
+    """Request offsets named by facts of an earlier owner read while held."""
 
     @property
     def name(self) -> str:
@@ -121,6 +126,7 @@ class PartitionState:
         self.committed_fingerprint = fingerprint
         cursor = tracker.index_cursor()
         self.overrides, self.unread_facts = Overrides(), set()
+        self.held_requests, self.decided_earlier = [], set()
         if metadata.commands and cursor is not None:
             # The cancels in force are not in the local index: its facts are read again from the log.
             logger.info("local index set aside, cancels or reschedules are in force partition=%s", self.name)
