@@ -205,7 +205,7 @@ class Sidecar:
         self._fenced = set(writer.fenced)
         states = assignment.states
         self._idle = IdleFetch(self._consumer, idle_fetch_pause_ms, self._paced)
-        self._holds = Holds(states, self._idle.position, self._consumer)
+        self._holds = Holds(states, self._idle.position, self._consumer, self._hold_released)
         self._delivery = Delivery(writer, states, self._current_routes, retention, metrics, clock, outbound_headers)
         self._roll_reader = LogReader(client_config, self._stop) if payload_cache is not None else None
         self._roll = (
@@ -240,7 +240,10 @@ class Sidecar:
             self._nacks, metrics, clock, outbound_headers,
         )  # fmt: skip
         indexer = Indexer(self._dispatcher, self._delivery)
-        commands = CommandStep(group_id, writer, self._delivery, outcomes, self._reader, retention, control_topic)
+        self._commands: CommandStep = CommandStep(
+            group_id, writer, self._delivery, outcomes, self._reader, retention, control_topic
+        )
+        commands = self._commands
         self._admission = Admission(retention, writer, self._delivery, indexer, metrics, commands)
         self._receiver = Receiver(
             states, batches(self._current_routes, metrics, clock, payload_cache), self._admission,
@@ -347,6 +350,9 @@ class Sidecar:
 
     def _current_routes(self) -> dict[str, Routes]:
         return self._routes
+
+    def _hold_released(self, state: PartitionState) -> None:
+        self._commands.decide_released(state, self._routes.get(state.topic))
 
     def _apply(self, policies: PolicySet) -> None:
         """Serve a new policy generation: create topics; a removed topic's pending records go to its

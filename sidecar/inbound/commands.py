@@ -14,7 +14,7 @@ them as they came had answered a cancel twice after a handoff (the churn bench, 
 """
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from confluent_kafka import Message
@@ -47,6 +47,8 @@ from sidecar.policy.routes import IntakeRule, Routes
 from sidecar.tracker.base import pack
 
 logger = logging.getLogger(__name__)
+
+RuleOf = Callable[[], IntakeRule]
 
 
 @dataclass
@@ -92,23 +94,34 @@ class CommandStep:
                     state.held_requests.append((record.offset(), value))
                     continue
                 self.decide_held(batch, state, routes, record.offset())
-                self._decide(batch, state, routes, record.offset(), value)
+                self._decide(self._rule_of(batch, state, routes), state, record.offset(), value)
             elif name == FACT:
                 self._fact_read(state, record.offset(), value, live=True)
         self._answer_late()
 
     def decide_held(self, batch: IntakeBatch, state: PartitionState, routes: Routes, read_to: int) -> None:
         """The requests set aside while the partition was held, once everything below its hold's end
-        is read (`read_to`: the next offset to read), or the hold is over: each that no fact of an
-        earlier owner names is decided now."""
-        if not state.held_requests or (state.hold_until is not None and read_to < state.hold_until):
-            return
+        is read (`read_to`: the next offset to read), or the hold is over."""
+        if state.held_requests and (state.hold_until is None or read_to >= state.hold_until):
+            self._decide_set_aside(state, self._rule_of(batch, state, routes))
+
+    def decide_released(self, state: PartitionState, routes: Routes | None) -> None:
+        """The same once the hold is over by the consumer's position (partitions/holds.py): the log
+        can end below the hold's end in a transaction marker, which no record reaches."""
+        if state.held_requests and state.hold_until is None and routes is not None:
+            self._decide_set_aside(state, lambda: routes.rule(self._retention_ms.get(state.topic)))
+
+    def _decide_set_aside(self, state: PartitionState, rule_of: "RuleOf") -> None:
+        """Each request set aside that no fact of an earlier owner names, in log order."""
         held, decided = state.held_requests, state.decided_earlier
         state.held_requests, state.decided_earlier = [], set()
         for offset, raw in held:
             if offset not in decided:
-                self._decide(batch, state, routes, offset, raw)
+                self._decide(rule_of, state, offset, raw)
         self._answer_late()
+
+    def _rule_of(self, batch: IntakeBatch, state: PartitionState, routes: Routes) -> "RuleOf":
+        return lambda: batch.rule(state.topic, routes, self._retention_ms.get(state.topic))
 
     def replay(self, state: PartitionState, record: Message, through: int) -> None:
         """A marked record read again by a rebuild: facts are applied, requests were decided before."""
@@ -118,14 +131,13 @@ class CommandStep:
 
     # ------------------------------------------------------------------ deciding a request
 
-    def _decide(
-        self, batch: IntakeBatch, state: PartitionState, routes: Routes, offset: int, raw: bytes | None
-    ) -> None:
+    def _decide(self, rule_of: "RuleOf", state: PartitionState, offset: int, raw: bytes | None) -> None:
+        """`rule_of`: the rule in force now, for a request about a record no rule was recorded for."""
         request = Request.decode(raw, self._default_control)
         if request is None:
             logger.error("unreadable cancel or reschedule request skipped partition=%s offset=%d", state.name, offset)
             return
-        rule = state.rules.at(request.offset) or batch.rule(state.topic, routes, self._retention_ms.get(state.topic))
+        rule = state.rules.at(request.offset) or rule_of()
         tracker = state.tracker
         decision = with_taken_nacks(
             state.overrides.decide(offset, request, rule.delayed, tracker.contains), request.kind, request.nacks

@@ -38,12 +38,15 @@ class Holds:
         states: Mapping[TopicPartitionKey, PartitionState],
         position: Callable[[list[TopicPartition]], list[TopicPartition]],
         consumer: Consumer,
+        released: Callable[[PartitionState], None],
     ) -> None:
         """`position`: the intake consumer's positions (IdleFetch knows the ends its seeks hid);
-        `consumer`: the read_committed intake consumer, asked for the last stable offset."""
+        `consumer`: the read_committed intake consumer, asked for the last stable offset;
+        `released`: called with each partition whose hold is over (inbound/commands.py)."""
         self._states = states
         self._position = position
         self._consumer = consumer
+        self._released = released
 
     def release(self) -> None:
         """Every held partition whose hold is over delivers again."""
@@ -70,6 +73,8 @@ class Holds:
                     state.hold_until,
                 )
                 state.hold_until = None
+            if state.hold_until is None:
+                self._released(state)  # the requests set aside while held are decided before any delivery
 
     def _stable_end(self, tp: TopicPartition) -> int:
         """The last stable offset, asked of the broker by the read_committed consumer (-1: no answer)."""

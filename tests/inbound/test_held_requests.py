@@ -93,3 +93,23 @@ def test_without_a_hold_requests_are_decided_as_they_are_read() -> None:
     step, state, _, outcomes = taken_over(hold_until=None)
     step.take(Batch(), state, None, [request(10, 5, "c1")])  # type: ignore[arg-type]
     assert answered(outcomes) == [("c1", "cancelled")]
+
+
+class Routes:
+    def rule(self, retention_ms: int | None) -> IntakeRule:
+        return RULE
+
+
+def test_requests_set_aside_are_decided_when_the_hold_ends_by_position_past_a_transaction_marker() -> None:
+    """Exactly once the log ends in a commit marker, which no record reaches: the hold ends by the
+    consumer's position (partitions/holds.py), and the requests set aside are decided then. Before,
+    they waited for the partition's next record (the chaos test: 2 cancels never answered)."""
+    step, state, _, outcomes = taken_over(hold_until=20)
+    step.take(Batch(), state, None, [request(10, 5, "c1")])  # type: ignore[arg-type]
+    step.decide_held(Batch(), state, None, read_to=19)  # type: ignore[arg-type]  # offset 19: the marker
+    assert outcomes.sent == []
+    step.decide_released(state, Routes())  # type: ignore[arg-type]  # still held: nothing yet
+    assert outcomes.sent == []
+    state.hold_until = None
+    step.decide_released(state, Routes())  # type: ignore[arg-type]
+    assert answered(outcomes) == [("c1", "cancelled")]
