@@ -56,7 +56,6 @@ from sidecar.broker.admin import COORDINATOR_MOVING, while_coordinator_moves
 from sidecar.errors import BrokerError, SidecarError, StorageError
 from sidecar.metrics import BucketMetrics
 from sidecar.outbound.writer import Writer
-from sidecar.partitions.group_commit import BoundedCommit, CommitStillWaiting
 from sidecar.partitions.state import PartitionState
 from sidecar.state.topic import StateTopic
 
@@ -92,7 +91,6 @@ class Checkpoints:
         self._ops = ops
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="index-sync") if sync is not None else None
         self._pending: tuple[Future[bool], Points] | None = None
-        self._bounded = BoundedCommit(COMMIT_RETRY_S + 5)
         self.put_off = False
         """The last checkpoint was put off: the writer's records were not acknowledged in time."""
 
@@ -213,16 +211,9 @@ class Checkpoints:
                 # again everything since the last commit (CI, a loaded single broker: one
                 # NOT_COORDINATOR dead-lettered 561 records of a draining topic twice).
                 consumer = self._consumer
-                self._bounded(
-                    lambda: while_coordinator_moves(
-                        lambda: consumer.commit(offsets=offsets, asynchronous=False), COMMIT_RETRY_S, "commit"
-                    )
+                while_coordinator_moves(
+                    lambda: consumer.commit(offsets=offsets, asynchronous=False), COMMIT_RETRY_S, "commit"
                 )
-        except CommitStillWaiting as e:
-            # At least once, the coordinator away: the next checkpoint commits as much and more.
-            logger.warning("commit put off: %s", e)
-            self.put_off = True
-            return 0
         except SidecarError:
             raise
         except KafkaException as e:
