@@ -58,7 +58,7 @@ from confluent_kafka import Producer
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.chaos import Cancels, Positions, Sidecar, SparkAudit, producer_config, spark_audit, spark_rows
+from bench.chaos import Background, Cancels, Positions, Sidecar, SparkAudit, producer_config, spark_audit, spark_rows
 from bench.chaos import zombie as zombie_swap
 from bench.churn_fates import PARTITIONS, SETTLE_S, TOPICS, ChurnPlan, Event, Fates, count, disagreements
 from bench.probe import create_topic
@@ -119,11 +119,12 @@ def policy_text(removable: bool, late: bool, capped_max: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-class Production:
+class Production(Background):
     """Records spread evenly over the window and on until the events are done, round robin over the
     topics, with what each asked for."""
 
     def __init__(self, bootstrap: str, plan: ChurnPlan) -> None:
+        super().__init__()
         self._bootstrap, self._plan = bootstrap, plan
         self.produced: dict[str, list[float]] = {t: [] for t in TOPICS}
         """Per topic, the monotonic instant of each record's production (bench/chaos.py's Cancels)."""
@@ -132,8 +133,6 @@ class Production:
         """(topic, partition, offset) -> (delay asked for in ms, wall-clock ms of its production)."""
         self.held: list[float] = []
         self._pending: dict[tuple[str, int], tuple[int, int]] = {}
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self.error: BaseException | None = None
         self.events_done = threading.Event()
 
     def start(self) -> Production:
@@ -145,13 +144,7 @@ class Production:
         if self._thread.is_alive():
             raise RuntimeError(f"production not done {timeout_s:.0f} s after its window")
 
-    def _run(self) -> None:
-        try:
-            self._produce()
-        except BaseException as e:  # reported in the outcome
-            self.error = e
-
-    def _produce(self) -> None:
+    def _loop(self) -> None:
         plan, rng = self._plan, random.Random(self._plan.seed)
         producer = Producer(producer_config(self._bootstrap))
         names = list(TOPICS)
