@@ -216,7 +216,7 @@ def test_members_and_policies_that_churn_give_every_record_one_fate(
     tmp_path: Path, spark: SparkSession, guarantee: str, seed: int
 ) -> None:
     """bench/churn.py, short: three members with their own state dirs join, leave, come back on their
-    old state dirs (after the others served their partitions, across a topic's removal and return,
+    old state dirs (after the others served their partitions, across a topic's removal,
     with these seeds), die by kill -9, lose a state dir and turn zombie; the broker restarts; a topic
     leaves the policies and comes back, one is added across a restart, and a max delay is tightened.
     Every record gets one fate, by the bench's count and by the Spark audit's, which must agree."""
