@@ -43,9 +43,10 @@ import threading
 import time
 import uuid
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, Producer, TopicPartition
 
@@ -779,6 +780,34 @@ def spark_rows(spark: SparkAudit) -> list[tuple[str, str]]:
     ]
 
 
+class Passing(Protocol):
+    @property
+    def passed(self) -> bool: ...
+
+
+Finished = TypeVar("Finished", bound=Passing)
+
+
+def in_workdir(prefix: str, go: Callable[[Path], Finished]) -> Finished:
+    """`go` in a new temporary dir, removed once its outcome passed. Otherwise, or when it raised,
+    the dir is kept and named: the sidecars' logs and state dirs, and the broker's data, are the
+    evidence."""
+    workdir = Path(tempfile.mkdtemp(prefix=prefix))
+    outcome: Finished | None = None
+    try:
+        outcome = go(workdir)
+    finally:
+        if outcome is not None and outcome.passed:
+            shutil.rmtree(workdir, ignore_errors=True)
+        else:
+            print(f"kept {workdir} (the sidecars' logs and state dirs, the broker's data)", file=sys.stderr)
+    return outcome
+
+
+def to_stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--records", type=int, default=20_000)
@@ -798,15 +827,7 @@ def main(argv: list[str] | None = None) -> int:
                 not args.no_state_loss, not args.no_zombie, nack_fraction=args.nack_fraction,
                 cancel_fraction=args.cancel_fraction,
                 spark_audit=args.spark_audit)  # fmt: skip
-    workdir = Path(tempfile.mkdtemp(prefix="bench-chaos-"))
-    outcome: Outcome | None = None
-    try:
-        outcome = run(plan, workdir, log=lambda line: print(line, file=sys.stderr, flush=True), command=command)
-    finally:
-        if outcome is not None and outcome.passed:
-            shutil.rmtree(workdir, ignore_errors=True)
-        else:  # the sidecars' logs and state dirs are the evidence
-            print(f"kept {workdir} (the sidecars' logs and state dirs, the broker's data)", file=sys.stderr)
+    outcome = in_workdir("bench-chaos-", lambda workdir: run(plan, workdir, log=to_stderr, command=command))
     print(outcome.dated + "\n")
     print(table(outcome, command))
     if args.json:

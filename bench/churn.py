@@ -44,7 +44,6 @@ import json
 import random
 import shutil
 import sys
-import tempfile
 import threading
 import time
 from collections import Counter
@@ -58,7 +57,18 @@ from confluent_kafka import Producer
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.chaos import Background, Cancels, Positions, Sidecar, SparkAudit, producer_config, spark_audit, spark_rows
+from bench.chaos import (
+    Background,
+    Cancels,
+    Positions,
+    Sidecar,
+    SparkAudit,
+    in_workdir,
+    producer_config,
+    spark_audit,
+    spark_rows,
+    to_stderr,
+)
 from bench.chaos import zombie as zombie_swap
 from bench.churn_fates import PARTITIONS, SETTLE_S, TOPICS, ChurnPlan, Event, Fates, count, disagreements
 from bench.probe import create_topic
@@ -314,8 +324,10 @@ class Run:
             self.broker.start()
             return "stopped 2 s"
         if kind in ("remove", "readd", "tighten"):
-            self.removable = kind != "remove" if kind != "tighten" else self.removable
-            self.capped_max = f"{self.plan.tight_s:g}s" if kind == "tighten" else self.capped_max
+            if kind == "tighten":
+                self.capped_max = f"{self.plan.tight_s:g}s"
+            else:
+                self.removable = kind == "readd"
             self._write_policies()
             time.sleep(SETTLE_S)
             return f"policy: removable {'in' if self.removable else 'out'}, capped max {self.capped_max}"
@@ -497,15 +509,7 @@ def main(argv: list[str] | None = None) -> int:
                      hold_s=args.hold_s, guarantee=args.guarantee, delay_s=args.delay_s,
                      tight_s=args.tight_s)  # fmt: skip
     command = command_line("bench.churn", argv)
-    workdir = Path(tempfile.mkdtemp(prefix="bench-churn-"))
-    outcome: Outcome | None = None
-    try:
-        outcome = run(plan, workdir, log=lambda line: print(line, file=sys.stderr, flush=True), command=command)
-    finally:
-        if outcome is not None and outcome.passed:
-            shutil.rmtree(workdir, ignore_errors=True)
-        else:
-            print(f"kept {workdir} (the members' logs and state dirs, the broker's data)", file=sys.stderr)
+    outcome = in_workdir("bench-churn-", lambda workdir: run(plan, workdir, log=to_stderr, command=command))
     print(outcome.dated + "\n")
     print(table(outcome, command))
     if args.json:

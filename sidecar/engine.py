@@ -240,14 +240,11 @@ class Sidecar:
             self._nacks, metrics, clock, outbound_headers,
         )  # fmt: skip
         indexer = Indexer(self._dispatcher, self._delivery)
-        self._commands: CommandStep = CommandStep(
-            group_id, writer, self._delivery, outcomes, self._reader, retention, control_topic
-        )
-        commands = self._commands
-        self._admission = Admission(retention, writer, self._delivery, indexer, metrics, commands)
+        self._commands = CommandStep(group_id, writer, self._delivery, outcomes, self._reader, retention, control_topic)
+        self._admission = Admission(retention, writer, self._delivery, indexer, metrics, self._commands)
         self._receiver = Receiver(
             states, batches(self._current_routes, metrics, clock, payload_cache), self._admission,
-            Rebuilder(self._delivery, retention, metrics, commands),
+            Rebuilder(self._delivery, retention, metrics, self._commands),
             ControlIntake(self._acceptance, self._redelivery), writer.poll, self._recent.keep,
         )  # fmt: skip
         self._questions = Questions(

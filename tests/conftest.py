@@ -137,7 +137,7 @@ def needs_a_broker(item: pytest.Item) -> bool:
     return bool(BROKER_FIXTURES & set(getattr(item, "fixturenames", ()))) or path.startswith(STARTS_ITS_OWN)
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if needs_a_broker(item):
             item.add_marker(pytest.mark.broker)

@@ -53,11 +53,8 @@ class Admission:
                 self._admit(batch, state, routes, [records[i] for i in plain], [headers[i] for i in plain])
             self._commands.take(batch, state, routes, [records[i] for i in marked])
             state.next_offset = records[-1].offset() + 1
-            self._commands.decide_held(batch, state, routes, state.next_offset)
             return
         self._admit(batch, state, routes, records, headers)
-        if state.held_requests:
-            self._commands.decide_held(batch, state, routes, records[-1].offset() + 1)
 
     def _admit(
         self,

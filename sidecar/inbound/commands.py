@@ -8,9 +8,11 @@ owner wrote it. A rebuild applies facts again and skips requests, which were dec
 
 A member that takes a partition over reads past the commit what the earlier owner appended since:
 requests it decided, and further on the facts it wrote for them. While the partition is held
-(`PartitionState.hold_until`, the end at assignment) requests are set aside; once that end is read,
-those that no earlier fact names are decided, in log order, before anything is delivered. Deciding
-them as they came had answered a cancel twice after a handoff (the churn bench, at least once).
+(`PartitionState.hold_until`, the end at assignment) requests are set aside; when the hold ends
+(partitions/holds.py, by the consumer's position: the log can end in a transaction marker that no
+record reaches), those that no earlier fact names are decided, in log order, before anything is
+delivered, and before any request read past that end. Deciding them as they came had answered a
+cancel twice after a handoff (the churn bench, at least once).
 """
 
 import logging
@@ -93,26 +95,23 @@ class CommandStep:
                 if state.hold_until is not None and record.offset() < state.hold_until:
                     state.held_requests.append((record.offset(), value))
                     continue
-                self.decide_held(batch, state, routes, record.offset())
-                self._decide(self._rule_of(batch, state, routes), state, record.offset(), value)
+                rule_of = self._rule_of(batch, state, routes)
+                self._decide_set_aside(state, rule_of)  # read to the hold's end: those first, in log order
+                self._decide(rule_of, state, record.offset(), value)
             elif name == FACT:
                 self._fact_read(state, record.offset(), value, live=True)
         self._answer_late()
 
-    def decide_held(self, batch: IntakeBatch, state: PartitionState, routes: Routes, read_to: int) -> None:
-        """The requests set aside while the partition was held, once everything below its hold's end
-        is read (`read_to`: the next offset to read), or the hold is over."""
-        if state.held_requests and (state.hold_until is None or read_to >= state.hold_until):
-            self._decide_set_aside(state, self._rule_of(batch, state, routes))
-
     def decide_released(self, state: PartitionState, routes: Routes | None) -> None:
-        """The same once the hold is over by the consumer's position (partitions/holds.py): the log
-        can end below the hold's end in a transaction marker, which no record reaches."""
-        if state.held_requests and state.hold_until is None and routes is not None:
+        """The requests set aside while the partition was held, now that its hold is over
+        (partitions/holds.py). A removed topic's (no routes) are left to its drain."""
+        if state.hold_until is None and routes is not None:
             self._decide_set_aside(state, lambda: routes.rule(self._retention_ms.get(state.topic)))
 
-    def _decide_set_aside(self, state: PartitionState, rule_of: "RuleOf") -> None:
+    def _decide_set_aside(self, state: PartitionState, rule_of: RuleOf) -> None:
         """Each request set aside that no fact of an earlier owner names, in log order."""
+        if not state.held_requests:
+            return
         held, decided = state.held_requests, state.decided_earlier
         state.held_requests, state.decided_earlier = [], set()
         for offset, raw in held:
@@ -120,7 +119,7 @@ class CommandStep:
                 self._decide(rule_of, state, offset, raw)
         self._answer_late()
 
-    def _rule_of(self, batch: IntakeBatch, state: PartitionState, routes: Routes) -> "RuleOf":
+    def _rule_of(self, batch: IntakeBatch, state: PartitionState, routes: Routes) -> RuleOf:
         return lambda: batch.rule(state.topic, routes, self._retention_ms.get(state.topic))
 
     def replay(self, state: PartitionState, record: Message, through: int) -> None:
@@ -131,7 +130,7 @@ class CommandStep:
 
     # ------------------------------------------------------------------ deciding a request
 
-    def _decide(self, rule_of: "RuleOf", state: PartitionState, offset: int, raw: bytes | None) -> None:
+    def _decide(self, rule_of: RuleOf, state: PartitionState, offset: int, raw: bytes | None) -> None:
         """`rule_of`: the rule in force now, for a request about a record no rule was recorded for."""
         request = Request.decode(raw, self._default_control)
         if request is None:
