@@ -96,12 +96,59 @@ def previous_broker(data_dir: Path) -> int | None:
     return pid if pid is not None and _running_noida(pid) else None
 
 
-def _exiting_broker(data_dir: Path) -> bool:
-    """The process this data dir's control file names still exists, in whatever state: a broker whose
-    parent was killed can hold its port for a moment after its threads stop counting as running
-    (seen once in CI, under load, as "port already in use" right after a kill -9 of `broker`)."""
+def _exiting_broker(data_dir: Path, port: int) -> bool:
+    """A broker of this data dir on its way out still holds the port: the process its control file
+    names still exists, in whatever state, or (the file already removed) the port's listener is held
+    only by processes that have released their memory, as a process does in its exit before it closes
+    its files. A broker whose parent was killed holds its port for a moment after its threads stop
+    counting as running (seen in CI, under load, as "port already in use" right after a kill -9 of
+    `broker`, once with the control file still there and once with it gone)."""
     pid = _control_pid(data_dir)
-    return pid is not None and Path(f"/proc/{pid}").exists()
+    if pid is not None:
+        return Path(f"/proc/{pid}").exists()
+    holders = _listener_holders(port)
+    return bool(holders) and all(_exiting(holder) for holder in holders)
+
+
+def _exiting(pid: int) -> bool:
+    """No thread of `pid` has a command line left: its memory is gone, its files not yet."""
+    try:
+        threads = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:
+        return True
+    for thread in threads:
+        try:
+            if (thread / "cmdline").read_bytes():
+                return False
+        except OSError:
+            continue
+    return True
+
+
+def _listener_holders(port: int) -> list[int]:
+    """The processes that hold the port's listening socket (those whose files can be read here)."""
+    inodes = listening_inodes(port)
+    if not inodes:
+        return []
+    wanted = {f"socket:[{inode}]" for inode in inodes}
+    holders = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fds = list((entry / "fd").iterdir())
+        except OSError:
+            continue
+        if any(_link(fd) in wanted for fd in fds):
+            holders.append(int(entry.name))
+    return holders
+
+
+def _link(fd: Path) -> str | None:
+    try:
+        return os.readlink(fd)
+    except OSError:  # closed meanwhile
+        return None
 
 
 def listening_inodes(port: int) -> set[str] | None:
@@ -214,7 +261,7 @@ class EmbeddedBroker(BrokerLauncher):
             busy = port_in_use(self.host, self.port)
             if previous is None and not busy:
                 return
-            if previous is None and not (_exiting_broker(self.data_dir) and time.monotonic() < deadline):
+            if previous is None and not (_exiting_broker(self.data_dir, self.port) and time.monotonic() < deadline):
                 raise BrokerError(
                     f"port {self.port} on {self.host} is already in use by another process, so the embedded broker "
                     f"cannot listen there; stop that process, or pick another port (--broker-port for run, --port "

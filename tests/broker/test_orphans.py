@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -294,3 +295,29 @@ def test_parent_death_signal_reaches_a_plain_child(tmp_path: Path) -> None:
     finally:
         if not gone(sleeper):
             sleeper.kill()
+
+
+def test_a_port_still_held_by_a_broker_on_its_way_out_is_waited_for(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """CI, under load, right after a kill -9 of `broker`: the old broker had removed its control
+    file but not yet closed its listener, and the next start failed with "port already in use". A
+    listener held only by processes that have released their memory (as an exiting one has, before
+    its files go) is waited for. Here the listener is this test's, made to look exiting; a live
+    process's listener stays an error at once (the test above)."""
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    port = listener.getsockname()[1]
+    looked_at: list[int] = []
+
+    def exiting(pid: int) -> bool:
+        looked_at.append(pid)
+        return True
+
+    monkeypatch.setattr(embedded, "_exiting", exiting)
+    threading.Timer(1.0, listener.close).start()
+    with EmbeddedBroker(tmp_path / "broker", port=port) as broker:
+        wait_for_metadata(broker.bootstrap_servers, timeout_s=DEADLINE_S)
+    assert os.getpid() in looked_at
