@@ -304,10 +304,13 @@ class ApacheKafka(BrokerLauncher):
     def _java(self, main_class: str, node: Node) -> list[str]:
         # The release's scripts give a broker KAFKA_HEAP_OPTS and a tool 256 MiB.
         heap = os.environ.get(HEAP_ENV, DEFAULT_HEAP).split() if main_class == "kafka.Kafka" else ["-Xmx256m"]
+        # As kafka-run-class.sh: KAFKA_JVM_PERFORMANCE_OPTS replaces the JVM settings, KAFKA_OPTS adds to them.
+        performance = os.environ.get("KAFKA_JVM_PERFORMANCE_OPTS")
         return [
             "java",
             *heap,
-            *JVM_OPTS,
+            *(performance.split() if performance is not None else JVM_OPTS),
+            *os.environ.get("KAFKA_OPTS", "").split(),
             f"-Dkafka.logs.dir={node.directory}",
             f"-Dlog4j2.configurationFile={self.data_dir / 'log4j2.properties'}",
             "-cp",

@@ -87,12 +87,22 @@ def assert_new_topics_replicated_and_single_replicas_named(bootstrap: str) -> No
         TopicAdmin(config, 1, replication_factor=4).create({"too-wide": 1})
 
 
-def test_a_restart_keeps_the_data_and_the_ports(tmp_path: Path) -> None:
+def test_a_restart_keeps_the_data_and_the_ports(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Also: the JVM settings come from the environment as the release's scripts read them."""
     cluster = ApacheKafka(tmp_path / "kafka", port=free_ports(2))
     with cluster:
         first = cluster.bootstrap_servers
         topic_replicas(first, "kept", 1)
+        node = cluster.nodes[0].process
+        assert node is not None
+        command = psutil.Process(node.pid).cmdline()
+        assert "-XX:+UseG1GC" in command and "-XX:TieredStopAtLevel=1" in command  # tests/conftest.py's KAFKA_OPTS
+    monkeypatch.setenv("KAFKA_JVM_PERFORMANCE_OPTS", "-XX:+UseSerialGC")
     with cluster:
+        node = cluster.nodes[0].process
+        assert node is not None
+        command = psutil.Process(node.pid).cmdline()
+        assert "-XX:+UseSerialGC" in command and "-XX:+UseG1GC" not in command
         assert cluster.bootstrap_servers == first
         assert "kept" in AdminClient({"bootstrap.servers": first}).list_topics(timeout=10).topics
 

@@ -32,6 +32,7 @@ from bench.failover import (
     Struck,
     admin,
     health,
+    leader_of,
     new_stage,
     now_ms,
     partition_count,
@@ -112,6 +113,8 @@ class Trial:
         self.samples: list[tuple[int, int]] = []
         """The same answers with when they were asked (ms since the epoch)."""
         self._sampling = threading.Event()
+        self.leaders: dict[str, set[int]] = {}
+        """Per topic of the stage, the nodes that led a partition of it just before the fault."""
 
     def seen(self) -> int:
         return sum(len(records) for records in self.live.records.values()) if self.live is not None else 0
@@ -123,9 +126,12 @@ class Trial:
         wait_for(lambda: health(stage.health_port)[0] == 200, DEADLINE_S, "the sidecar ready")
         self.live = LiveReader(stage.bootstrap, stage.outbound, PARTITIONS)
         stage.delivered = self.seen
-        self.load = Load(stage.bootstrap, stage.inbound, RATE).start()
+        self.load = Load(stage.bootstrap, stage.inbound, RATE, idempotent=False).start()
         threading.Thread(target=self._sample, daemon=True).start()
         wait_for(lambda: self.seen() >= RATE, DEADLINE_S, "deliveries before the fault")
+        self.leaders = {
+            t: {leader_of(stage.bootstrap, t, p) for p in range(PARTITIONS)} for t in [stage.inbound, *stage.outbound]
+        }
         self.phase(f"{stage.guarantee}: records delivered before the fault")
 
     def _sample(self) -> None:
@@ -170,11 +176,13 @@ class Trial:
         inbound records (as origins), and both readers' records per outbound topic."""
         assert self.load is not None and self.live is not None
         produced = self.load.stop()
-        expected = {(r.partition, r.offset, 0) for r in self.read_to_end(self.stage.inbound)}
+        inbound = self.read_to_end(self.stage.inbound)
+        expected = {(r.partition, r.offset, 0) for r in inbound}
         # The inbound topic is the truth: a record whose acknowledgement was lost in a roll (its delivery
-        # report an error) can still have been written (44,465 records, 44,464 acknowledged).
-        sent = self.load.sent
-        assert produced <= len(expected) <= sent, f"{len(expected)} inbound records: {produced} acked, {sent} sent"
+        # report an error) can still have been written (44,465 records, 44,464 acknowledged), and the
+        # load, not idempotent, can have written a retried record twice (two records to deliver).
+        sent, distinct = self.load.sent, len({r.value for r in inbound})
+        assert produced <= distinct <= sent, f"{distinct} distinct inbound records: {produced} acked, {sent} sent"
         live = self.live
 
         def all_seen() -> bool:
@@ -236,14 +244,6 @@ def assert_each_once(trial: Trial) -> None:
     print(f"records={len(expected)}")
 
 
-def test_kill_of_an_inbound_leader(cluster: ApacheKafka, tmp_path: Path, trials: list[Trial]) -> None:
-    trial = Trial(cluster, tmp_path, "exactly-once")
-    trials.append(trial)
-    struck = trial.strike("inbound-leader")
-    assert struck.facts["new_leader"] != struck.nodes[0]
-    assert_each_once(trial)
-
-
 def test_kill_of_an_outbound_leader_at_least_once(cluster: ApacheKafka, tmp_path: Path, trials: list[Trial]) -> None:
     """At least once, a broker fault repeats nothing this running sidecar wrote (docs/contract.md):
     each record once, as exactly once, counted by a fresh read and by a reader that kept reading."""
@@ -257,10 +257,14 @@ def test_kill_of_an_outbound_leader_at_least_once(cluster: ApacheKafka, tmp_path
 
 def test_kill_of_the_transaction_coordinator(cluster: ApacheKafka, tmp_path: Path, trials: list[Trial]) -> None:
     """The node struck is the one that coordinated the sidecar's transactional.id: its own log says
-    it initialized that id on the __transaction_state partition computed from the id's hash."""
+    it initialized that id on the __transaction_state partition computed from the id's hash. It led
+    a partition of the inbound topic and of each outbound topic too (a topic's 3 partitions are led
+    by the 3 nodes), so this kill is also an inbound and an outbound leader's: the test of an
+    inbound leader's kill alone proved nothing more, and went (bench/failover.py keeps it)."""
     trial = Trial(cluster, tmp_path, "exactly-once")
     trials.append(trial)
     struck = trial.strike("coordinator")
+    assert all(struck.nodes[0] in led for led in trial.leaders.values()), (struck.nodes, trial.leaders)
     server_log = (cluster.node(struck.nodes[0]).directory / "server.log").read_text(errors="replace")
     partition = f"{TRANSACTION_STATE}-{struck.facts['partition']}"
     initialized = [line for line in server_log.splitlines() if str(struck.facts["transactional_id"]) in line]
