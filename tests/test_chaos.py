@@ -36,6 +36,7 @@ from bench.chaos import (
 )
 from bench.churn_fates import ChurnPlan, dead_letter_rules
 from spark.session import build_session
+from tests.spark.conftest import NO_UI
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +48,7 @@ def spark() -> Iterator[SparkSession]:
     warm, on 2 cores). The audit's own tests keep Spark's default.
     """
     existing = SparkSession.getActiveSession()
-    session = build_session("local[2]", "delay-sidecar-chaos-audit", shuffle_partitions=4)
+    session = build_session("local[2]", "delay-sidecar-chaos-audit", shuffle_partitions=4, conf=NO_UI)
     session.sparkContext.setLogLevel("ERROR")
     adaptive = session.conf.get("spark.sql.adaptive.enabled") or "true"
     session.conf.set("spark.sql.adaptive.enabled", "false")
