@@ -170,3 +170,18 @@ def test_no_commit_is_sent_while_the_brokers_are_away() -> None:
     reachable[0] = True
     checkpoints.run([state], whole=False)
     assert not checkpoints.put_off and len(consumer.commits) == 1
+
+
+@pytest.mark.parametrize("whole", [True, False])
+def test_a_partition_with_requests_set_aside_is_not_committed_past_them(whole: bool) -> None:
+    """Set aside while the partition is held, a request is decided when the hold ends: a commit
+    before then, past it, followed by a crash or a fence, and no member would read it again."""
+    consumer = _Consumer([])
+    checkpoints, state = _checkpoints(consumer), _state()
+    state.next_offset = 5
+    state.held_requests = [(3, b"a cancel")]
+    checkpoints.run([state], whole=whole)
+    assert consumer.commits == [] and state.committed is None
+    state.held_requests = []
+    checkpoints.run([state], whole=whole)
+    assert [tp.offset for tp in consumer.commits[-1]] == [5]
