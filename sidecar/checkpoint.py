@@ -23,13 +23,7 @@
    an error in the log.
 
 At least once, the fsync runs in a thread beside the loop, and step 3 waits for it: the loop goes
-on delivering, and the commit is made at the first turn after the fsync returned (`settle`). That
-periodic commit is asynchronous: a partition's `committed` moves when the group coordinator
-acknowledges it (`on_commit`, served by the loop's poll), and while one is unanswered the next
-periodic checkpoint is put off. librdkafka's synchronous commit, asked for while no coordinator is
-known, waits for one with no timeout: in a broker outage it held the loop for the whole outage (no
-lost partitions handled, no SIGTERM acted on). The commits that must be made before the caller goes
-on (a revoke, a stop, a removed topic) stay synchronous; the coordinator answers a rebalance. An
+on delivering, and the commit is made at the first turn after the fsync returned (`settle`). An
 fsync waited for on the loop held up deliveries for 0.1 to 0.9 s at a time when the disk was busy.
 A checkpoint that must be whole before the caller goes on (a revoke, a stop, a removed topic)
 waits for both. A pending commit is dropped for a partition no longer assigned. A failed fsync
@@ -88,13 +82,11 @@ class Checkpoints:
         state_topic: StateTopic | None,
         sync: Callable[[], None] | None,
         ops: BucketMetrics,
-        acknowledged: Callable[[], None] = lambda: None,
         reachable: Callable[[], bool] = lambda: True,
     ) -> None:
         """`sync`: makes the trackers' writes durable (the snapshot store's), None without one.
-        `acknowledged`: called for each asynchronous commit the coordinator acknowledged.
         `reachable`: whether the brokers answer (kafka_io.Connectivity); while they are away no
-        asynchronous commit is sent."""
+        periodic commit is asked for."""
         self._writer = writer
         self._consumer = consumer
         self._state_topic = state_topic
@@ -103,14 +95,8 @@ class Checkpoints:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="index-sync") if sync is not None else None
         self._pending: tuple[Future[bool], Points] | None = None
         self.put_off = False
-        """The last checkpoint was put off: the writer's records were not acknowledged in time, or
-        the group coordinator has not acknowledged the last commit."""
-        self._acknowledged = acknowledged
+        """The last checkpoint was put off: the writer's records were not acknowledged in time."""
         self._reachable = reachable
-        self._unanswered: dict[tuple[str, int], tuple[PartitionState, tuple[int, str], str | None]] = {}
-        """At least once, the asynchronous commit sent and not answered yet, per partition."""
-        self._refused = False
-        """The coordinator refused the last asynchronous commit (or it timed out)."""
 
     def run(self, states: Iterable[PartitionState], whole: bool = True) -> int:
         """Run one checkpoint; returns the number of partitions committed.
@@ -119,21 +105,20 @@ class Checkpoints:
         which `settle` then commits; a pending commit of the checkpoint before is made first.
         """
         states = list(states)
+        self.put_off = False
         writer = self._writer
         exact = writer.transactional
-        self.put_off = False
-        if not (exact or whole):
-            # The coordinator refused the last commit, or has not answered it (it moves, or the
-            # brokers are away): put off, for /healthz. An unanswered one is not asked again, and
-            # none is sent while the brokers are away: this checkpoint waits for the next, which
-            # commits as much and more. (A commit librdkafka held through an outage long enough to
-            # lose the partitions went out when the broker was back, under the member id of before:
-            # FENCED_INSTANCE_ID, fatal to the consumer, and the engine started again.)
-            away = bool(self._unanswered) or not self._reachable()
-            self.put_off, self._refused = away or self._refused, False
-            if away:
-                return 0
-        committed = self.settle(states, wait=True, synchronous=whole)
+        if not (exact or whole or self._reachable()):
+            # At least once, the brokers away: librdkafka's synchronous commit, asked for while no
+            # coordinator is known, waits for one with no timeout, and held the loop until the
+            # session timed out; then it failed (_WAIT_COORD) and the engine started again from its
+            # last commit. The next checkpoint commits as much and more. (An asynchronous commit was
+            # tried: refused ILLEGAL_GENERATION in a rebalance on noida-db, it made librdkafka drop
+            # the assignment as lost, and the member that took a partition repeated it from the
+            # commit before.)
+            self.put_off = True
+            return 0
+        committed = self.settle(states, wait=True)
         if exact or whole:
             writer.flush()
         elif not writer.acknowledged(PUT_OFF_AFTER_S):
@@ -179,14 +164,14 @@ class Checkpoints:
             return committed
         points += claims
         if self._pool is None:
-            return committed + self._commit(points, synchronous=whole)
+            return committed + self._commit(points)
         if exact:
             # A failure is logged and the transaction commits anyway: a restart uses local state only
             # when it matches the commit exactly, and otherwise rebuilds it.
             self._sync_index()
-            return committed + self._commit(points, synchronous=True)
+            return committed + self._commit(points)
         self._pending = (self._pool.submit(self._sync_index), points)
-        return committed + (self.settle(states, wait=True, synchronous=True) if whole else 0)
+        return committed + (self.settle(states, wait=True) if whole else 0)
 
     def journal(self, state: PartitionState | None) -> None:
         """Between checkpoints, a control partition that just took commands writes its new nacks to
@@ -199,10 +184,9 @@ class Checkpoints:
         """An fsync is still running: the next checkpoint waits (the loop goes on meanwhile)."""
         return self._pending is not None and not self._pending[0].done()
 
-    def settle(self, states: Iterable[PartitionState], wait: bool = False, synchronous: bool = False) -> int:
+    def settle(self, states: Iterable[PartitionState], wait: bool = False) -> int:
         """Commit what the last checkpoint left waiting for the fsync, once it has returned (at
-        once with `wait`), for the partitions among `states`; returns how many were committed
-        (none yet when the commit is asynchronous: `on_commit` counts them)."""
+        once with `wait`), for the partitions among `states`; returns how many were committed."""
         pending = self._pending
         if pending is None or not (wait or pending[0].done()):
             return 0
@@ -212,35 +196,7 @@ class Checkpoints:
             return 0
         owned = {id(state) for state in states}
         points = [entry for entry in points if id(entry[0]) in owned]
-        return self._commit(points, synchronous) if points else 0
-
-    def on_commit(self, error: KafkaError | None, partitions: list[TopicPartition]) -> None:
-        """The group coordinator's answer to a commit, served by the consumer's poll on the loop.
-        An acknowledged asynchronous commit moves its partitions' `committed`, even those lost to
-        the group meanwhile: when the group gives them back, their commit is this one. A refused
-        one changes nothing, and the next checkpoint commits as much and more. A synchronous
-        commit's answer, or one superseded by a synchronous commit, finds nothing unanswered."""
-        refused: list[str] = []
-        answered = False
-        for tp in partitions:
-            key = (tp.topic, tp.partition)
-            entry = self._unanswered.get(key)
-            if entry is None or entry[1][0] != tp.offset:
-                continue
-            del self._unanswered[key]
-            answered = True
-            state, point, fingerprint = entry
-            if error is not None or tp.error is not None:
-                refused.append(f"{state.name}: {error or tp.error}")
-                continue
-            state.committed = point
-            if fingerprint is not None:
-                state.committed_fingerprint = fingerprint
-        if refused:
-            self._refused = True
-            logger.warning("commit put off: the group coordinator refused it errors=%s", refused)
-        elif answered and not self._unanswered:
-            self._acknowledged()
+        return self._commit(points) if points else 0
 
     def close(self) -> None:
         """Wait for a running fsync (the store closes after the engine); its commit is dropped."""
@@ -263,18 +219,12 @@ class Checkpoints:
         self._ops.on_op("sync", True, time.monotonic() - started)
         return True
 
-    def _commit(self, points: Points, synchronous: bool) -> int:
-        """Commit `points`; returns how many were committed. At least once and not `synchronous`,
-        the commit is sent and `on_commit` takes the answer: none committed yet."""
+    def _commit(self, points: Points) -> int:
         writer = self._writer
         offsets = [TopicPartition(s.topic, s.partition, offset, metadata=meta) for s, (offset, meta), _ in points]
         try:
             if writer.transactional:
                 writer.commit(offsets, self._consumer.consumer_group_metadata())
-            elif not synchronous:
-                self._consumer.commit(offsets=offsets, asynchronous=True)
-                self._unanswered.update(((s.topic, s.partition), (s, point, fp)) for s, point, fp in points)
-                return 0
             else:
                 # Asked again while the group's coordinator moves, as the Java consumer's commitSync
                 # does: the same offsets committed twice are one commit, while an engine restart sends
@@ -299,7 +249,6 @@ class Checkpoints:
         except Exception as e:
             raise BrokerError(f"committing inbound offsets failed: {e}; a restart resumes at the last commit") from e
         for state, point, fingerprint in points:
-            self._unanswered.pop((state.topic, state.partition), None)  # superseded: a late answer changes nothing
             state.committed = point
             if fingerprint is not None:
                 state.committed_fingerprint = fingerprint

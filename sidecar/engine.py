@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from confluent_kafka import Consumer, KafkaError, Message, TopicPartition
+from confluent_kafka import Consumer, Message
 
 from sidecar.broker.admin import TopicAdmin
 from sidecar.checkpoint import Checkpoints
@@ -147,8 +147,6 @@ class Sidecar:
             "enable.auto.offset.store": False,
             "auto.offset.reset": "earliest",
             "partition.assignment.strategy": assignment_strategy,
-            # At least once, the periodic commit's answer (sidecar/checkpoint.py), served by poll.
-            "on_commit": self._on_commit,
         }
         if instance_id:
             group["group.instance.id"] = instance_id
@@ -175,7 +173,6 @@ class Sidecar:
             self._state_topic,
             index_storage.sync if index_storage is not None else None,
             BucketMetrics(metrics),
-            metrics.commits.inc,
             lambda: self._connectivity.reason is None,
         )
         retention = self._admin.retention_ms
@@ -536,9 +533,6 @@ class Sidecar:
         state = self._assignment.states.get(partition)
         routes = self._routes.get(partition[0])
         return self._admission.rejudge(state, routes, record) if state is not None and routes is not None else None
-
-    def _on_commit(self, error: KafkaError | None, partitions: list[TopicPartition]) -> None:
-        self._checkpoints.on_commit(error, partitions)  # built after the consumer that calls this
 
     def _checkpoint(self, whole: bool = True) -> None:
         """`whole`: committed before this returns; else the commit may wait for the fsync (settle)."""

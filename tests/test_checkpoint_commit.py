@@ -1,8 +1,5 @@
 """The at-least-once commit rides out a moving group coordinator, and fails at once on anything else.
 
-The periodic commit is asynchronous: a synchronous one asked for while no coordinator is known
-waits with no timeout in librdkafka, and held the loop through a whole broker outage.
-
 An engine restart sends again everything since the last commit: at least once that is allowed, but a
 coordinator that moves for a moment (NOT_COORDINATOR from a loaded broker) is no reason for it. The
 Java consumer's commitSync asks again too. No broker: the consumer is a stand-in that answers what
@@ -31,8 +28,9 @@ class _Consumer:
         self.commits: list[list[TopicPartition]] = []
 
     def commit(self, offsets: list[TopicPartition], asynchronous: bool) -> None:
+        assert not asynchronous
         self.commits.append(offsets)
-        if self.answers and not asynchronous:
+        if self.answers:
             raise KafkaException(KafkaError(self.answers.pop(0)))
 
 
@@ -47,10 +45,9 @@ class _Writer:
         return True
 
 
-def _checkpoints(consumer: _Consumer, acknowledged: list[int] | None = None) -> Checkpoints:
+def _checkpoints(consumer: _Consumer) -> Checkpoints:
     metrics = BucketMetrics(Metrics(CollectorRegistry()))
-    counted = acknowledged if acknowledged is not None else []
-    return Checkpoints(_Writer(), consumer, None, None, metrics, lambda: counted.append(1))  # type: ignore[arg-type]
+    return Checkpoints(_Writer(), consumer, None, None, metrics)  # type: ignore[arg-type]
 
 
 def _state() -> PartitionState:
@@ -70,7 +67,7 @@ def test_a_commit_is_asked_again_while_the_coordinator_moves(code: int) -> None:
     consumer = _Consumer([code, code])
     state = _state()
     point = (42, '{"earliest":7}')
-    assert _checkpoints(consumer)._commit([(state, point, "fp")], synchronous=True) == 1
+    assert _checkpoints(consumer)._commit([(state, point, "fp")]) == 1
     assert len(consumer.commits) == 3
     assert [(tp.offset, tp.metadata) for tp in consumer.commits[-1]] == [point]
     assert state.committed == point and state.committed_fingerprint == "fp"
@@ -80,7 +77,7 @@ def test_a_commit_that_fails_otherwise_fails_at_once_and_changes_nothing() -> No
     consumer = _Consumer([KafkaError.ILLEGAL_GENERATION])
     state = _state()
     with pytest.raises(BrokerError, match="a restart resumes at the last commit"):
-        _checkpoints(consumer)._commit([(state, (42, "{}"), "fp")], synchronous=True)
+        _checkpoints(consumer)._commit([(state, (42, "{}"), "fp")])
     assert len(consumer.commits) == 1
     assert state.committed is None
 
@@ -97,79 +94,24 @@ def test_a_coordinator_that_stays_away_puts_the_commit_off(monkeypatch: pytest.M
     monkeypatch.setattr(checkpoint.time, "monotonic", monotonic)
     consumer: Any = _Consumer([KafkaError.NOT_COORDINATOR] * 1000)
     checkpoints, state = _checkpoints(consumer), _state()
-    assert checkpoints._commit([(state, (42, "{}"), "fp")], synchronous=True) == 0
+    assert checkpoints._commit([(state, (42, "{}"), "fp")]) == 0
     assert 1 < len(consumer.commits) < 1000
     assert checkpoints.put_off and state.committed is None
 
 
-def _answer(offset: int) -> list[TopicPartition]:
-    return [TopicPartition("orders", 0, offset)]
-
-
-def test_a_periodic_commit_is_sent_and_moves_the_partition_once_acknowledged() -> None:
-    """Sent asynchronously, so that a coordinator nobody knows cannot hold the loop; the partition's
-    commit is the acknowledged one, even if the group took the partition away meanwhile."""
-    consumer, acknowledged = _Consumer([]), []
-    checkpoints, state = _checkpoints(consumer, acknowledged), _state()
-    assert checkpoints._commit([(state, (42, "{}"), "fp")], synchronous=False) == 0
-    assert [(tp.offset, tp.metadata) for tp in consumer.commits[-1]] == [(42, "{}")]
-    assert state.committed is None and not acknowledged
-    checkpoints.on_commit(None, _answer(42))
-    assert state.committed == (42, "{}") and state.committed_fingerprint == "fp"
-    assert acknowledged == [1]
-    checkpoints.on_commit(None, _answer(42))  # a synchronous commit's answer, say: nothing to count
-    assert acknowledged == [1]
-
-
-def test_while_a_commit_is_unanswered_the_periodic_checkpoints_are_put_off() -> None:
-    consumer = _Consumer([])
-    checkpoints, state = _checkpoints(consumer), _state()
-    checkpoints._commit([(state, (42, "{}"), "fp")], synchronous=False)
-    for _ in range(3):
-        assert checkpoints.run([state], whole=False) == 0
-        assert checkpoints.put_off
-    assert len(consumer.commits) == 1
-    checkpoints.on_commit(None, _answer(42))
-    checkpoints.run([state], whole=False)
-    assert not checkpoints.put_off
-
-
-def test_a_refused_commit_changes_nothing_and_the_next_checkpoint_is_put_off_once() -> None:
-    consumer, acknowledged = _Consumer([]), []
-    checkpoints, state = _checkpoints(consumer, acknowledged), _state()
-    checkpoints._commit([(state, (42, "{}"), "fp")], synchronous=False)
-    checkpoints.on_commit(KafkaError(KafkaError.COORDINATOR_NOT_AVAILABLE), _answer(42))
-    assert state.committed is None and not acknowledged
-    checkpoints.run([state], whole=False)
-    assert checkpoints.put_off
-    checkpoints.run([state], whole=False)
-    assert not checkpoints.put_off
-
-
-def test_a_late_answer_to_a_superseded_commit_does_not_move_the_partition_back() -> None:
-    """A revoke or a stop commits synchronously while a periodic commit is unanswered: the group's
-    commit is the later one (the coordinator answers in order), and so is the partition's."""
-    consumer = _Consumer([])
-    checkpoints, state = _checkpoints(consumer), _state()
-    checkpoints._commit([(state, (42, "{}"), "fp42")], synchronous=False)
-    assert checkpoints._commit([(state, (50, "{}"), "fp50")], synchronous=True) == 1
-    checkpoints.on_commit(None, _answer(42))
-    assert state.committed == (50, "{}") and state.committed_fingerprint == "fp50"
-
-
-def test_no_commit_is_sent_while_the_brokers_are_away() -> None:
-    """librdkafka held one through an outage long enough to lose the partitions and sent it when
-    the broker was back, under the member id of before: FENCED_INSTANCE_ID, fatal to the consumer."""
+def test_no_periodic_commit_is_asked_for_while_the_brokers_are_away() -> None:
+    """librdkafka's synchronous commit, asked for while no coordinator is known, waits for one: it
+    held the loop until the session timed out, then failed, and the engine started again."""
     consumer, reachable = _Consumer([]), [False]
     metrics = BucketMetrics(Metrics(CollectorRegistry()))
-    checkpoints = Checkpoints(_Writer(), consumer, None, None, metrics, lambda: None, lambda: reachable[0])  # type: ignore[arg-type]
+    checkpoints = Checkpoints(_Writer(), consumer, None, None, metrics, lambda: reachable[0])  # type: ignore[arg-type]
     state = _state()
     state.next_offset = 5
     assert checkpoints.run([state], whole=False) == 0
     assert checkpoints.put_off and consumer.commits == []
     reachable[0] = True
-    checkpoints.run([state], whole=False)
-    assert not checkpoints.put_off and len(consumer.commits) == 1
+    assert checkpoints.run([state], whole=False) == 1
+    assert not checkpoints.put_off and [tp.offset for tp in consumer.commits[-1]] == [5]
 
 
 @pytest.mark.parametrize("whole", [True, False])
