@@ -190,6 +190,8 @@ class Checkpoints:
         pending = self._pending
         if pending is None or not (wait or pending[0].done()):
             return 0
+        if not (wait or self._reachable()):
+            return 0  # the brokers away: committed once they are back, or by a whole checkpoint (see `run`)
         self._pending = None
         future, points = pending
         if not future.result():

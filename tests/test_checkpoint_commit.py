@@ -6,6 +6,7 @@ Java consumer's commitSync asks again too. No broker: the consumer is a stand-in
 the test tells it to.
 """
 
+import time
 from typing import Any
 
 import pytest
@@ -127,3 +128,21 @@ def test_a_partition_with_requests_set_aside_is_not_committed_past_them(whole: b
     state.held_requests = []
     checkpoints.run([state], whole=whole)
     assert [tp.offset for tp in consumer.commits[-1]] == [5]
+
+
+def test_a_commit_waiting_for_the_fsync_is_not_made_while_the_brokers_are_away() -> None:
+    """The periodic commit waits for the index's fsync and is made on a later turn (`settle`): the
+    brokers can go in between."""
+    consumer, reachable = _Consumer([]), [True]
+    metrics = BucketMetrics(Metrics(CollectorRegistry()))
+    checkpoints = Checkpoints(_Writer(), consumer, None, lambda: None, metrics, lambda: reachable[0])  # type: ignore[arg-type]
+    state = _state()
+    state.next_offset = 5
+    assert checkpoints.run([state], whole=False) == 0  # the fsync runs beside the loop
+    while checkpoints.syncing:
+        time.sleep(0.01)
+    reachable[0] = False
+    assert checkpoints.settle([state]) == 0 and consumer.commits == []
+    reachable[0] = True
+    assert checkpoints.settle([state]) == 1 and [tp.offset for tp in consumer.commits[-1]] == [5]
+    checkpoints.close()
