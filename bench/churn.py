@@ -65,6 +65,7 @@ from bench.chaos import (
     SparkAudit,
     in_workdir,
     producer_config,
+    read_all,
     spark_audit,
     spark_rows,
     to_stderr,
@@ -77,6 +78,9 @@ from bench.report import command_line, dated_lines
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
+
+DRAIN_WAIT_S = 60.0
+"""How long the removed topic's return waits for its drain's first dead letter."""
 
 LOOSE_MAX = "1h"
 """`capped`'s max delay before it is tightened."""
@@ -300,6 +304,17 @@ class Run:
                 create_topic(self.bootstrap, name, PARTITIONS)
         self.members = Members(workdir, self.bootstrap, self.policies, plan, self.outcome)
 
+    def _drain_begun(self) -> float:
+        """Wait, up to DRAIN_WAIT_S, until the removed topic's drain has dead-lettered a record (read
+        as the count reads): a return before then leaves the TOPIC_REMOVED fate unchecked. In CI a
+        removal of 14 s, amid a rollout, a join and a lost state dir, had dead-lettered nothing."""
+        began = time.monotonic()
+        topic = "removable.dlt"
+        committed = self.plan.guarantee == "exactly-once"
+        while time.monotonic() - began < DRAIN_WAIT_S and not read_all(self.bootstrap, topic, committed):
+            time.sleep(0.5)
+        return time.monotonic() - began
+
     def _write_policies(self) -> None:
         self.policies.write_text(policy_text(self.removable, self.late, self.capped_max))
 
@@ -324,13 +339,15 @@ class Run:
             self.broker.start()
             return "stopped 2 s"
         if kind in ("remove", "readd", "tighten"):
+            waited = self._drain_begun() if kind == "readd" else None
             if kind == "tighten":
                 self.capped_max = f"{self.plan.tight_s:g}s"
             else:
                 self.removable = kind == "readd"
             self._write_policies()
             time.sleep(SETTLE_S)
-            return f"policy: removable {'in' if self.removable else 'out'}, capped max {self.capped_max}"
+            after = f" (after {waited:.0f} s for the drain's first dead letter)" if waited is not None else ""
+            return f"policy: removable {'in' if self.removable else 'out'}, capped max {self.capped_max}{after}"
         if kind == "rollout":
             how = self.rng.choice(["SIGTERM", "kill -9"])
             if how == "SIGTERM":
