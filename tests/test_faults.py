@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from sidecar.broker import BrokerLauncher
 from sidecar.broker.ports import free_port
 from sidecar.outbound.records import DELIVER_AT, ORIGIN_OFFSET
 from tests.kafka_helpers import (
@@ -32,6 +33,19 @@ from tests.kafka_helpers import (
 PolicyFile = Callable[[str], Path]
 RESTARTS = 2
 COUNT = 6_000
+
+
+def one_subscription(
+    policy_file: PolicyFile, tmp_path: Path, topic: str, *extra: str
+) -> tuple[BrokerLauncher, int, SidecarProcess, KafkaHelper]:
+    """A broker of the test's own, started, and a sidecar not started yet (its /metrics port given)
+    that serves `topic` to one subscription, `a`, in the group named `topic`, with `extra` arguments."""
+    broker = own_broker(tmp_path / "broker")
+    bootstrap = broker.start()
+    policies = policy_file(f"topics:\n  {topic}:\n    subscriptions: {{a: {{}}}}\n")
+    port = free_port()
+    args = run_args(bootstrap, policies, tmp_path / "state", port, topic, *extra)
+    return broker, port, SidecarProcess(args, tmp_path / "sidecar.log"), KafkaHelper(bootstrap)
 
 
 def health(port: int) -> tuple[int, dict[str, object]]:
@@ -152,15 +166,10 @@ def test_a_broker_outage_repeats_nothing_at_least_once(policy_file: PolicyFile, 
     queue while the partitions, restored from the last checkpoint, sent them again); after the purge
     of that queue, what was delivered and acknowledged since the last commit went out twice (issue
     48: 4,019 of 5,000)."""
-    broker = own_broker(tmp_path / "broker")
-    bootstrap = broker.start()
     topic, count = "outage", 3_000
-    policies = policy_file(f"topics:\n  {topic}:\n    subscriptions: {{a: {{}}}}\n")
-    port = free_port()
-    args = run_args(bootstrap, policies, tmp_path / "state", port, "outage", "--session-timeout-ms", "6000",
-                    "--commit-interval-ms", "1000")  # fmt: skip
-    sidecar = SidecarProcess(args, tmp_path / "sidecar.log")
-    helper = KafkaHelper(bootstrap)
+    broker, port, sidecar, helper = one_subscription(
+        policy_file, tmp_path, topic, "--session-timeout-ms", "6000", "--commit-interval-ms", "1000"
+    )
     try:
         sidecar.start()
         wait_for(lambda: health(port)[0] == 200, 60, "ready")
@@ -208,18 +217,13 @@ def test_a_commit_asked_for_while_the_broker_is_away_does_not_hold_the_loop(
     commit (CI: a broker away for 120 s and nothing logged). Now none is asked for while the brokers
     are away, and the partitions come back as this member left them.
 
-    The records are read between one periodic commit and the next (10 s apart), and the broker is
+    The records are read between one periodic commit and the next (5 s apart), and the broker is
     stopped before the next: they have nothing to deliver, so nothing unacknowledged puts that
     commit off, as records being delivered would."""
-    broker = own_broker(tmp_path / "broker")
-    bootstrap = broker.start()
     topic = "away"
-    policies = policy_file(f"topics:\n  {topic}:\n    subscriptions: {{a: {{}}}}\n")
-    port = free_port()
-    args = run_args(bootstrap, policies, tmp_path / "state", port, "away", "--session-timeout-ms", "30000",
-                    "--commit-interval-ms", "5000")  # fmt: skip
-    sidecar = SidecarProcess(args, tmp_path / "sidecar.log")
-    helper = KafkaHelper(bootstrap)
+    broker, port, sidecar, helper = one_subscription(
+        policy_file, tmp_path, topic, "--session-timeout-ms", "30000", "--commit-interval-ms", "5000"
+    )
     an_hour = [("deliver-after", "3600000")]
 
     def indexed() -> float:
@@ -234,7 +238,7 @@ def test_a_commit_asked_for_while_the_broker_is_away_does_not_hold_the_loop(
         before = commits()
         helper.produce(topic, b"first", headers=an_hour)
         helper.flush()
-        # Its periodic commit: the next one is 10 s away.
+        # Its periodic commit: the next one is 5 s away.
         wait_for(lambda: indexed() == 1 and commits() > before, 60, "the first record indexed and committed")
         for i in range(100):
             helper.produce(topic, f"v{i}".encode(), headers=an_hour)
@@ -243,7 +247,7 @@ def test_a_commit_asked_for_while_the_broker_is_away_does_not_hold_the_loop(
         broker.stop()
         wait_for(lambda: "partitions lost" in sidecar.log.read_text(), 120, "the partitions lost to the outage handled")
         broker.start()
-        # Nobody else committed meanwhile: the group's commit is this member's last acknowledged one.
+        # Nobody else committed meanwhile: the group's commit is this member's last one.
         wait_for(lambda: "partition back as this member left it" in sidecar.log.read_text(), 120, "the partitions back")
         wait_for(lambda: health(port)[0] == 200, 120, "/healthz ready again by itself")
         assert sidecar.stop() == 0, sidecar.tail()

@@ -66,20 +66,27 @@ def _running_noida(pid: int) -> bool:
     Threads are looked at one by one: while a process exits, its leader thread can show as a zombie
     (with an empty command line) while the other threads still hold its files, the listener among them.
     """
-    try:
-        threads = list(Path(f"/proc/{pid}/task").iterdir())
-    except OSError:
-        return False
-    for thread in threads:
-        try:
-            stat = (thread / "stat").read_text()
-            cmdline = (thread / "cmdline").read_bytes()
-        except OSError:
-            continue
-        state = stat.rsplit(")", 1)[-1].split()[0]
-        if state not in ("Z", "X") and b"noida-db" in cmdline:
+    for stat, cmdline in _threads(pid) or ():
+        state = stat.rsplit(b")", 1)[-1].split()[0]
+        if state not in (b"Z", b"X") and b"noida-db" in cmdline:
             return True
     return False
+
+
+def _threads(pid: int) -> list[tuple[bytes, bytes]] | None:
+    """Each thread's /proc stat and command line (threads that went meanwhile left out); None when
+    the process's threads cannot be listed (it is gone)."""
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:
+        return None
+    found = []
+    for task in tasks:
+        try:
+            found.append(((task / "stat").read_bytes(), (task / "cmdline").read_bytes()))
+        except OSError:
+            continue
+    return found
 
 
 def _control_pid(data_dir: Path) -> int | None:
@@ -112,17 +119,7 @@ def _exiting_broker(data_dir: Path, port: int) -> bool:
 
 def _exiting(pid: int) -> bool:
     """No thread of `pid` has a command line left: its memory is gone, its files not yet."""
-    try:
-        threads = list(Path(f"/proc/{pid}/task").iterdir())
-    except OSError:
-        return True
-    for thread in threads:
-        try:
-            if (thread / "cmdline").read_bytes():
-                return False
-        except OSError:
-            continue
-    return True
+    return not any(cmdline for _, cmdline in _threads(pid) or ())
 
 
 def _listener_holders(port: int) -> list[int]:
