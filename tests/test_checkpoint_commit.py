@@ -27,6 +27,11 @@ class _Consumer:
         self.answers = answers
         """Error codes the next commits fail with, in order; then commits succeed."""
         self.commits: list[list[TopicPartition]] = []
+        self.member = "vm-1-5f2c"
+        """The member id librdkafka holds: "" once it timed its group session out."""
+
+    def memberid(self) -> str:
+        return self.member
 
     def commit(self, offsets: list[TopicPartition], asynchronous: bool) -> None:
         assert not asynchronous
@@ -146,3 +151,19 @@ def test_a_commit_waiting_for_the_fsync_is_not_made_while_the_brokers_are_away()
     reachable[0] = True
     assert checkpoints.settle([state]) == 1 and [tp.offset for tp in consumer.commits[-1]] == [5]
     checkpoints.close()
+
+
+def test_no_commit_is_sent_once_the_client_timed_its_session_out() -> None:
+    """librdkafka resets a member's id when no heartbeat was answered for session.timeout.ms, and
+    hands the lost partitions over at the next poll. A static member's commit sent in between,
+    with no member id, is refused FENCED_INSTANCE_ID and the consumer goes fatal (CI: two broker
+    restarts close together; the engine started again and repeated a record)."""
+    consumer = _Consumer([])
+    consumer.member = ""
+    checkpoints = _checkpoints(consumer)
+    state = _state()
+    assert checkpoints._commit([(state, (42, "{}"), "fp")]) == 0
+    assert consumer.commits == [] and checkpoints.put_off
+    assert state.committed is None
+    consumer.member = "vm-1-9a01"  # the group has it again: the next checkpoint commits
+    assert checkpoints._commit([(state, (42, "{}"), "fp")]) == 1
