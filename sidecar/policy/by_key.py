@@ -1,0 +1,133 @@
+"""Keyed replacement (`delayed_delivery: {by_key: replace}`): the newest record for a key decides.
+
+The rule must be one that a rebuild from the log decides the same way as the live intake did,
+whichever member reads it and from where. So it looks only at the log:
+
+    A record R at offset o for key K replaces K's previous record P (offset p, deliver-at T) when,
+    and only when, P was delayed and no record of the partition from p to o (any key, P and R
+    included) has a timestamp at or past T.
+
+A timestamp at or past T in between means P's time had come before R was in the log, so P is
+delivered and R is a record of its own. The timestamps are those of the log (CreateTime or
+LogAppendTime), and the maximum over the range, not R's own timestamp, is what counts: a producer
+whose clock lags cannot put a record "before" one already past T.
+
+The delivery side keeps the rule true: a keyed partition's entry due at T is delivered only once
+a record with a timestamp at or past T has been read after it (the clock gate), so that any record
+read later finds that timestamp in its range and replaces nothing. A partition with no such record
+gets one written by the sidecar.
+
+No I/O here: the key index is given (RocksDB beside the bucket index in the engine, a dict in the
+tests), and so is the order of the records, which is the log's.
+"""
+
+from bisect import bisect_left
+from typing import NamedTuple, Protocol
+
+
+class Pending(NamedTuple):
+    """A key's newest record, as the key index keeps it."""
+
+    offset: int
+    deliver_at: int | None
+    """None: not delayed (delivered at once, or a tombstone); nothing of it can be replaced."""
+
+
+class KeyIndex(Protocol):
+    def get(self, key: bytes) -> Pending | None: ...
+
+    def put(self, key: bytes, pending: Pending) -> None: ...
+
+
+class Verdict(NamedTuple):
+    replaced: int | None
+    """The offset of the key's record that this one replaces, if any."""
+    deliver: bool
+    """False for a tombstone: it cancels, and is not delivered itself."""
+
+
+NOT_KEYED = Verdict(None, True)
+
+
+class WindowClock:
+    """The greatest timestamp over the records read from any offset on: the `no record from p to o`
+    of the rule, for every p at once.
+
+    It keeps the records whose timestamp no later record reaches (a strictly decreasing run), so
+    with timestamps in order it holds one record, and the answer is a binary search.
+    """
+
+    def __init__(self) -> None:
+        self._offsets: list[int] = []
+        self._stamps: list[int] = []
+
+    def note(self, offset: int, timestamp: int) -> None:
+        """A record read, in offset order."""
+        offsets, stamps = self._offsets, self._stamps
+        while stamps and stamps[-1] <= timestamp:
+            stamps.pop()
+            offsets.pop()
+        offsets.append(offset)
+        stamps.append(timestamp)
+
+    def since(self, offset: int) -> int | None:
+        """The greatest timestamp of the records read at `offset` or later; None if none was."""
+        i = bisect_left(self._offsets, offset)
+        return self._stamps[i] if i < len(self._stamps) else None
+
+    @property
+    def latest(self) -> int | None:
+        """The newest record's timestamp (it is always the last one kept)."""
+        return self._stamps[-1] if self._stamps else None
+
+    def forget_below(self, offset: int) -> None:
+        """No pending record is below `offset` any more: nobody will ask from there."""
+        i = bisect_left(self._offsets, offset)
+        if i:
+            del self._offsets[:i], self._stamps[:i]
+
+    def __len__(self) -> int:
+        return len(self._offsets)
+
+
+def replaces(previous: Pending | None, clock: WindowClock) -> int | None:
+    """The rule, once the new record has been noted on the clock: the offset it replaces, if any."""
+    if previous is None or previous.deliver_at is None:
+        return None
+    newest = clock.since(previous.offset)
+    return previous.offset if newest is None or newest < previous.deliver_at else None
+
+
+class KeyStep:
+    """The rule applied to one partition's records in offset order, live and in a rebuild alike.
+
+    A rebuild starts at the partition's earliest pending offset with an empty clock: every record
+    that could still be replaced is at or past it, and so is every record of the ranges the rule
+    looks at. A key whose newest record is below it was decided already (delivered, or replaced by
+    a record also below it), so the index may forget it; what it remembers of it is never pending
+    by the rule, since the clock gate let it go only once a later timestamp reached its time.
+    """
+
+    def __init__(self, index: KeyIndex) -> None:
+        self.index = index
+        self.clock = WindowClock()
+
+    def take(self, offset: int, timestamp: int, key: bytes | None, tombstone: bool, deliver_at: int | None) -> Verdict:
+        """One record: its timestamp, key, whether its value is null, and its deliver-at (None: due
+        at once). A record without a key, or with an empty one, is not keyed: producers place it as
+        no key. A dead-lettered record is given without its key: it replaces nothing, and the
+        key's pending record stays pending. Every record is noted on the clock."""
+        self.clock.note(offset, timestamp)
+        if not key:
+            return NOT_KEYED
+        replaced = replaces(self.index.get(key), self.clock)
+        self.index.put(key, Pending(offset, None if tombstone else deliver_at))
+        return Verdict(replaced, not tombstone)
+
+    def due_through(self, now_ms: int) -> int:
+        """Entries due at this time or earlier may go (the clock gate): the newest record's
+        timestamp, never past now; -1 before any record. It is on the safe side: a greater
+        timestamp earlier in the partition may already have decided an entry, but only a timestamp
+        read after every pending entry decides them all."""
+        latest = self.clock.latest
+        return min(now_ms, latest) if latest is not None else -1

@@ -1,0 +1,148 @@
+"""The keyed replacement rule (policy/by_key.py) against the rule written out by brute force, live
+and from any place a rebuild may start. Pure."""
+
+from typing import NamedTuple
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from sidecar.policy.by_key import NOT_KEYED, KeyStep, Pending, Verdict, WindowClock
+
+
+class Rec(NamedTuple):
+    timestamp: int
+    key: bytes | None
+    tombstone: bool
+    deliver_at: int | None
+
+
+class DictIndex:
+    def __init__(self) -> None:
+        self.keys: dict[bytes, Pending] = {}
+
+    def get(self, key: bytes) -> Pending | None:
+        return self.keys.get(key)
+
+    def put(self, key: bytes, pending: Pending) -> None:
+        self.keys[key] = pending
+
+
+def by_brute_force(log: list[Rec]) -> list[Verdict]:
+    """The rule as the contract words it, one record at a time over the whole log."""
+    verdicts, newest = [], {}
+    for o, rec in enumerate(log):
+        if not rec.key:
+            verdicts.append(NOT_KEYED)
+            continue
+        replaced = None
+        if rec.key in newest:
+            p = newest[rec.key]
+            due = None if log[p].tombstone else log[p].deliver_at
+            if due is not None and max(r.timestamp for r in log[p : o + 1]) < due:
+                replaced = p
+        newest[rec.key] = o
+        verdicts.append(Verdict(replaced, not rec.tombstone))
+    return verdicts
+
+
+def run(log: list[Rec], start: int = 0) -> list[Verdict]:
+    step = KeyStep(DictIndex())
+    return [step.take(o, r.timestamp, r.key, r.tombstone, r.deliver_at) for o, r in enumerate(log) if o >= start]
+
+
+@st.composite
+def logs(draw: st.DrawFn) -> list[Rec]:
+    """Timestamps mostly in order, some behind (a producer whose clock lags) or ahead; few keys, so
+    that they repeat; deliver-at a little after the timestamp, or none (due at once)."""
+    n = draw(st.integers(1, 60))
+    out, now = [], 1_000
+    for _ in range(n):
+        now += draw(st.integers(0, 20))
+        skew = draw(st.sampled_from([0, 0, 0, -50, 30, 300]))
+        key = draw(st.sampled_from([None, b"", b"a", b"b", b"c"]))
+        tombstone = key is not None and draw(st.integers(0, 5)) == 0
+        at = None if tombstone or draw(st.integers(0, 4)) == 0 else now + draw(st.integers(1, 120))
+        out.append(Rec(now + skew, key, tombstone, at))
+    return out
+
+
+@given(logs())
+def test_the_live_step_decides_as_the_rule_says(log: list[Rec]) -> None:
+    assert run(log) == by_brute_force(log)
+
+
+def replaceable(log: list[Rec], cut: int) -> list[int]:
+    """Offsets below `cut` that a record at or after it could still replace."""
+    newest: dict[bytes, int] = {}
+    for o, rec in enumerate(log[:cut]):
+        if rec.key:
+            newest[rec.key] = o
+    return [
+        p
+        for p in newest.values()
+        if not log[p].tombstone
+        and log[p].deliver_at is not None
+        and max(r.timestamp for r in log[p:cut]) < log[p].deliver_at  # type: ignore[operator]
+    ]
+
+
+AHEAD = [Rec(1_300, b"x", False, None), Rec(1_010, b"k", False, 1_100), Rec(1_020, b"k", False, 2_000)]
+"""A record stamped ahead (1,300) before the one a rebuild starts at: a rule that looked past the
+replaced record's offset would decide differently for a member that read it and one that did not."""
+
+
+@given(logs(), st.data())
+def test_a_rebuild_from_before_every_replaceable_record_decides_the_same(log: list[Rec], data: st.DataObject) -> None:
+    """A member that starts reading at the partition's earliest pending offset (at or below every
+    record that can still be replaced: an entry is pending until the clock gate lets it go) with an
+    empty index decides the records from there on as the member that read everything did."""
+    cut = data.draw(st.integers(0, len(log)))
+    earliest = min(replaceable(log, cut), default=cut)
+    start = data.draw(st.integers(0, earliest))
+    live = run(log)[cut:]
+    rebuilt = run(log, start)[cut - start :]
+    assert rebuilt == live
+
+
+def test_a_timestamp_ahead_before_the_rebuilds_start_changes_nothing() -> None:
+    assert min(replaceable(AHEAD, 2)) == 1
+    assert run(AHEAD)[2] == run(AHEAD, 1)[1] == Verdict(1, True)
+
+
+def test_at_the_boundary_a_timestamp_at_the_due_time_keeps_the_old_record() -> None:
+    """P due at 2,000; R one millisecond before it replaces P, R at 2,000 does not, and neither
+    does R after another key's record stamped 2,000."""
+    for r_stamp, between, replaced in ((1_999, None, 0), (2_000, None, None), (1_500, 2_000, None)):
+        log = [Rec(1_000, b"k", False, 2_000)]
+        if between is not None:
+            log.append(Rec(between, b"other", False, None))
+        log.append(Rec(r_stamp, b"k", False, 5_000))
+        assert run(log)[-1] == Verdict(replaced, True), (r_stamp, between)
+
+
+def test_a_tombstone_cancels_and_is_not_delivered_and_then_nothing_is_pending() -> None:
+    log = [Rec(1_000, b"k", False, 9_000), Rec(1_001, b"k", True, None), Rec(1_002, b"k", False, 9_000)]
+    assert run(log) == [Verdict(None, True), Verdict(0, False), Verdict(None, True)]
+
+
+def test_the_gate_lets_an_entry_go_only_once_a_record_at_its_time_was_read() -> None:
+    step = KeyStep(DictIndex())
+    assert step.due_through(5_000) == -1
+    step.take(0, 1_000, b"k", False, 2_000)
+    assert step.due_through(5_000) == 1_000  # nothing read at 2,000 yet: the entry waits
+    step.take(1, 2_000, None, False, None)
+    assert step.due_through(1_990) == 1_990 and step.due_through(5_000) == 2_000
+    step.take(2, 1_200, b"j", False, None)  # a producer whose clock lags: the gate waits again
+    assert step.due_through(5_000) == 1_200
+
+
+@given(st.lists(st.integers(0, 100), max_size=40), st.data())
+def test_the_clock_answers_the_greatest_timestamp_from_any_offset(stamps: list[int], data: st.DataObject) -> None:
+    clock = WindowClock()
+    for o, t in enumerate(stamps):
+        clock.note(o, t)
+    forget = data.draw(st.integers(0, len(stamps)))
+    clock.forget_below(forget)
+    for o in range(forget, len(stamps) + 1):
+        assert clock.since(o) == (max(stamps[o:]) if stamps[o:] else None)
+    assert len(clock) <= len(stamps)
