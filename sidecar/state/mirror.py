@@ -12,7 +12,15 @@ within one checkpoint) is simply dropped from the queue.
 from __future__ import annotations
 
 from sidecar.state.image import Record, bucket_records, bucket_tombstones
-from sidecar.tracker.storage.base import BucketMeta, BucketWrite, PartitionMeta, Segment, SnapshotBatch, SnapshotStorage
+from sidecar.tracker.storage.base import (
+    BucketMeta,
+    BucketWrite,
+    KeyEntry,
+    PartitionMeta,
+    Segment,
+    SnapshotBatch,
+    SnapshotStorage,
+)
 
 MIRRORED_KINDS = frozenset({"create", "merge"})
 """Batches that make a new bucket. A checkpoint's bitmap rewrite only saves recovery time locally,
@@ -49,6 +57,9 @@ class MirroredStorage(SnapshotStorage):
 
     def load_wal(self, partition: str) -> list[Segment]:
         return self.local.load_wal(partition)
+
+    def load_key(self, partition: str, key: bytes) -> KeyEntry | None:
+        return self.local.load_key(partition, key)
 
     def write(self, partition: str, batch: SnapshotBatch) -> int:
         outbox = self._outboxes.setdefault(partition, _Outbox())

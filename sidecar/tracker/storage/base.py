@@ -111,6 +111,10 @@ class BucketWrite:
     segments: dict[int, Segment] = field(default_factory=dict)
 
 
+KeyEntry = tuple[int, int | None]
+"""A key's newest record: its offset, and its deliver-at (None: nothing of it can be replaced)."""
+
+
 @dataclass(slots=True)
 class SnapshotBatch:
     """One atomic change. Deletes are applied before writes, so a batch may replace a key."""
@@ -125,6 +129,9 @@ class SnapshotBatch:
     wal_append: tuple[int, Segment] | None = None
     """(chunk sequence number, entries) appended to the write-ahead log."""
     clear_partition: bool = False
+    keys: dict[bytes, KeyEntry] = field(default_factory=dict)
+    """Keyed topics (`by_key: replace`): each key's newest record since the last batch that had it,
+    written with the checkpoint whose cursor is past it."""
 
 
 class SnapshotStorage(ABC):
@@ -154,6 +161,10 @@ class SnapshotStorage(ABC):
     @abstractmethod
     def load_wal(self, partition: str) -> list[Segment]:
         """The write-ahead log chunks of the mutable bucket, oldest first."""
+
+    @abstractmethod
+    def load_key(self, partition: str, key: bytes) -> KeyEntry | None:
+        """A key's newest record as the last batch with it wrote it, or None."""
 
     @abstractmethod
     def write(self, partition: str, batch: SnapshotBatch) -> int:

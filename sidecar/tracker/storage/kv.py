@@ -11,6 +11,7 @@ Layout (all integers big-endian so that key order is numeric order):
     p <partition utf-8> \\0 b <bucket:8> m        bucket metadata
     p <partition utf-8> \\0 b <bucket:8> x        bucket bitmap (pyroaring serialization)
     p <partition utf-8> \\0 b <bucket:8> s <n:4>  segment n of the bucket
+    p <partition utf-8> \\0 k <record key>      a key's newest record (keyed topics): offset, deliver-at
 
 Kafka topic names cannot hold a NUL byte, so the NUL after the partition name keeps the key
 ranges of "t/1" and "t/10" apart.
@@ -31,6 +32,7 @@ from sidecar.tracker.storage.base import (
     KEY_SHIFT,
     OFFSET_MASK,
     BucketMeta,
+    KeyEntry,
     PartitionMeta,
     Segment,
     SnapshotBatch,
@@ -49,6 +51,9 @@ BUCKET_TAG = b"b"
 BUCKET_META_TAG = b"m"
 BUCKET_BITMAP_TAG = b"x"
 BUCKET_SEGMENT_TAG = b"s"
+KEY_TAG = b"k"
+_KEY_ENTRY = struct.Struct(">Qq")
+"""offset, deliver-at (-1: none): 16 bytes a key."""
 
 _BUCKET_HEADER = struct.Struct(">BQQqQQQI")
 _BUCKET_META_VERSION = 2
@@ -322,6 +327,16 @@ class KeyValueSnapshotStorage(SnapshotStorage):
                 raise self._corrupt(f"the write-ahead log of partition {partition!r}", exc) from exc
         return chunks
 
+    def load_key(self, partition: str, key: bytes) -> KeyEntry | None:
+        value = self._get(partition_prefix(partition) + KEY_TAG + key)
+        if value is None:
+            return None
+        try:
+            offset, deliver_at = _KEY_ENTRY.unpack(value)
+        except struct.error as exc:
+            raise self._corrupt(f"the entry of a key of partition {partition!r}", exc) from exc
+        return offset, None if deliver_at < 0 else deliver_at
+
     def write(self, partition: str, batch: SnapshotBatch) -> int:
         self._commit(ops := self._encode(partition_prefix(partition), batch), sync=batch.kind in SYNCED_KINDS)
         return sum(len(op[2]) for op in ops if op[0] == "put")
@@ -353,6 +368,11 @@ class KeyValueSnapshotStorage(SnapshotStorage):
         if batch.wal_append is not None:
             seq, chunk = batch.wal_append
             ops.append(("put", prefix + WAL_TAG + seq.to_bytes(8, "big"), encode_segment(chunk)))
+        key_prefix = prefix + KEY_TAG
+        ops.extend(
+            ("put", key_prefix + key, _KEY_ENTRY.pack(offset, -1 if at is None else at))
+            for key, (offset, at) in batch.keys.items()
+        )
         if batch.partition_meta is not None:
             ops.append(("put", prefix + META_TAG, encode_partition_meta(batch.partition_meta)))
         return ops

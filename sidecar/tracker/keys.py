@@ -1,0 +1,42 @@
+"""The key index of a keyed partition (`by_key: replace`): each key's newest record, on disk.
+
+A million keys would cost a Python dict about 100 bytes each; the index lives in the state dir's
+RocksDB instead, beside the bucket index, under the partition's prefix, so that a clear of the
+partition clears it too. What memory holds is the keys written since the last checkpoint: they go
+to disk in the checkpoint's own batch, with the cursor past their records, so after a crash the
+index and the cursor agree, and the log from the cursor on puts the rest back.
+"""
+
+from sidecar.policy.by_key import Pending
+from sidecar.tracker.storage.base import KeyEntry, SnapshotStorage
+
+
+class StoredKeys:
+    """policy.by_key.KeyIndex over the snapshot storage, for one partition."""
+
+    def __init__(self, storage: SnapshotStorage, partition: str) -> None:
+        self._storage = storage
+        self._partition = partition
+        self._unwritten: dict[bytes, KeyEntry] = {}
+
+    def get(self, key: bytes) -> Pending | None:
+        entry = self._unwritten.get(key)
+        if entry is None:
+            entry = self._storage.load_key(self._partition, key)
+        return None if entry is None else Pending(*entry)
+
+    def put(self, key: bytes, pending: Pending) -> None:
+        self._unwritten[key] = (pending.offset, pending.deliver_at)
+
+    def take_unwritten(self) -> dict[bytes, KeyEntry]:
+        """The keys to write with the next checkpoint's batch; memory forgets them."""
+        unwritten, self._unwritten = self._unwritten, {}
+        return unwritten
+
+    def forget_unwritten(self) -> None:
+        """The partition's index is cleared (a rebuild starts): what was not written goes too."""
+        self._unwritten = {}
+
+    def __len__(self) -> int:
+        """Keys held in memory: those written since the last checkpoint."""
+        return len(self._unwritten)
