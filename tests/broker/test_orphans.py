@@ -321,3 +321,21 @@ def test_a_port_still_held_by_a_broker_on_its_way_out_is_waited_for(
     with EmbeddedBroker(tmp_path / "broker", port=port) as broker:
         wait_for_metadata(broker.bootstrap_servers, timeout_s=DEADLINE_S)
     assert os.getpid() in looked_at
+
+
+def test_a_listener_that_closes_between_two_looks_is_not_taken_for_a_stranger(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """CI, under load: the port was found in use, and by the time its holders were looked for, the
+    listener had closed; the start failed "port already in use". The launcher looks again. (The
+    first look is made to see the port in use; no listener is there when the holders are sought.)"""
+    port = free_port()
+    looks: list[int] = []
+
+    def in_use_at_first(host: str, at: int) -> bool:
+        looks.append(at)
+        return len(looks) == 1
+
+    monkeypatch.setattr(embedded, "port_in_use", in_use_at_first)
+    EmbeddedBroker(tmp_path / "broker", port=port)._claim()
+    assert looks == [port, port]
