@@ -214,7 +214,7 @@ class Sidecar:
             if payload_cache is not None and self._roll_reader is not None
             else None
         )
-        self._drains = Drains(client_config, writer, metrics, clock)
+        self._drains = Drains(client_config, writer, metrics, clock, group_id)
         self._removed = RemovedTopics(
             self._consumer, states, self._drains, lambda: self._admin.partitions, self._forget_dispatch, self._restore
         )

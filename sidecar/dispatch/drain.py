@@ -12,6 +12,12 @@ whether the topic was removed while the sidecar ran or while it was down:
 - A consumer of its own reads that range once, in offset order, and judges each record again with
   the intake rule the commit recorded for it, as a rebuild does (partitions/state.py): a delayed
   record above the watermark is pending, and goes to the dead-letter topic with TOPIC_REMOVED.
+- Cancels and reschedules count: a record taken back from every subscription is not dead-lettered,
+  nor one a reschedule delivered, while one whose reschedule's copy is still pending is, once, even
+  when its own deliver-at is past. Their facts (cancels.Fact) follow the records they name in the
+  log, so a first pass reads the facts, from `earliest` when the commit says some took records
+  back, else from the commit (facts written after it), to the end of the log; then the range is
+  read again from `drain_from`.
 - Progress is the offset reached, `PartitionState.drain_from`. A checkpoint commits it as the
   partition's earliest pending offset, after the producer flush that acknowledged every dead letter
   below it, or in the same transaction (exactly-once). A crash, a stop or a handoff mid-drain
@@ -33,6 +39,7 @@ from typing import Any
 from confluent_kafka import Consumer, KafkaError, Message, TopicPartition
 
 from sidecar.clock import Clock
+from sidecar.control.cancels import FACT, Fact, is_marked
 from sidecar.errors import BrokerError, ConfigError
 from sidecar.kafka_io import consume_batch, log_reader
 from sidecar.metrics import Metrics
@@ -71,6 +78,34 @@ class RemovedTopic:
     namespace: str = ""
 
 
+class TakenBack:
+    """A drained partition's cancels and reschedules, from its facts in log order: which records are
+    still owed to some subscription."""
+
+    def __init__(self) -> None:
+        self._suppressed: set[tuple[int, str]] = set()
+        self._carrier: dict[tuple[int, str], tuple[int, int]] = {}
+        """(message offset, subscription) -> the copy of its latest reschedule: offset, deliver-at."""
+
+    def add(self, fact: Fact) -> None:
+        self._suppressed.update(fact.suppress)
+        if fact.copy is not None and fact.deliver_at is not None:
+            for sub in fact.subs:
+                self._carrier[(fact.origin, sub)] = (fact.copy, fact.deliver_at)
+
+    def owed(self, origin: int, deliver_at: int, subscriptions: tuple[str, ...], through: int) -> bool:
+        """Whether the record at `origin` is still pending for one of `subscriptions`: its carrier
+        (the record, or its latest reschedule's copy) is past the delivered watermark and was not
+        taken back from that subscription."""
+        if not subscriptions:  # owed to no delayed subscription: as the index has it
+            return pack(deliver_at, origin) > through
+        for sub in subscriptions:
+            carrier, at = self._carrier.get((origin, sub), (origin, deliver_at))
+            if (carrier, sub) not in self._suppressed and pack(at, carrier) > through:
+                return True
+        return False
+
+
 @dataclass
 class _Job:
     state: PartitionState
@@ -79,6 +114,9 @@ class _Job:
     """The committed offset: the pending records all lie below it."""
     through: int
     """The committed watermark: records at or below it were delivered."""
+    facts_from: int | None = None
+    """Where the first pass, for facts, reads from; None once it reached the end of the log."""
+    taken: TakenBack = field(default_factory=TakenBack)
     sent: int = 0
     counted: int = 0
     """Of `sent`, how many the metric has."""
@@ -128,8 +166,11 @@ def removed_while_down(
 
 
 class Drains:
-    def __init__(self, client_config: dict[str, Any], writer: Writer, metrics: Metrics, clock: Clock) -> None:
+    def __init__(
+        self, client_config: dict[str, Any], writer: Writer, metrics: Metrics, clock: Clock, group_id: str
+    ) -> None:
         self._client_config = client_config
+        self._group = group_id.encode()
         self._writer = writer
         self._metrics = metrics
         self._clock = clock
@@ -169,9 +210,11 @@ class Drains:
         if state.rules.at(earliest) is None:
             logger.warning("no intake rules in the commit; judging with delays on partition=%s", state.name)
         key = (state.topic, state.partition)
-        self._jobs[key] = _Job(state, topic, end, metadata.through)
+        # Facts before the commit matter only if it says some took records back that are pending.
+        facts_from = earliest if metadata.commands else end
+        self._jobs[key] = _Job(state, topic, end, metadata.through, facts_from)
         self._metrics.rejected.labels(topic.name, topic.namespace, TOPIC_REMOVED)  # exported from 0 on
-        self._reader().incremental_assign([TopicPartition(state.topic, state.partition, earliest)])
+        self._reader().incremental_assign([TopicPartition(state.topic, state.partition, facts_from)])
         self._progressed = time.monotonic()
         logger.info(
             "dead-lettering the pending records of a removed topic partition=%s from=%d until=%d dead_letter_topic=%s",
@@ -217,6 +260,9 @@ class Drains:
             return  # fetched before the partition was let go
         state = job.state
         assert state.drain_from is not None
+        if job.facts_from is not None:
+            self._read_fact(job, record)
+            return
         error = record.error()
         offset = record.offset()
         if error is not None:
@@ -236,14 +282,17 @@ class Drains:
             self._finish(key, job)
             return
         job.absent += offset - state.drain_from
+        headers = record.headers()
+        if is_marked(headers):  # a request or a fact: not a message (its facts were read first)
+            state.drain_from = offset + 1
+            if state.drain_from >= job.end:
+                self._finish(key, job)
+            return
         publish_ms = record.timestamp()[1]
-        fate = self._judge(
-            state.rules.at(offset) or FALLBACK_RULE,
-            record.headers(),
-            publish_ms if publish_ms > 0 else self._clock.now_ms(),
-        )
+        rule = state.rules.at(offset) or FALLBACK_RULE
+        fate = self._judge(rule, headers, publish_ms if publish_ms > 0 else self._clock.now_ms())
         deliver_at = fate.deliver_at
-        if deliver_at is not None and pack(deliver_at, offset) > job.through:
+        if deliver_at is not None and job.taken.owed(offset, deliver_at, rule.delayed, job.through):
             self._writer.dead_letter(
                 job.topic.dead_letter_topic,
                 record,
@@ -254,6 +303,26 @@ class Drains:
         state.drain_from = offset + 1
         if state.drain_from >= job.end:
             self._finish(key, job)
+
+    def _read_fact(self, job: _Job, record: Message) -> None:
+        """The first pass: facts of this group, to the end of the log; then back to `drain_from`."""
+        error = record.error()
+        if error is not None:
+            if error.code() != KafkaError._PARTITION_EOF:
+                logger.warning("removed topic read error partition=%s error=%s", job.state.name, error)
+                return
+            self._progressed = time.monotonic()
+            job.facts_from = None
+            state = job.state
+            assert state.drain_from is not None
+            self._reader().seek(TopicPartition(state.topic, state.partition, state.drain_from))
+            return
+        self._progressed = time.monotonic()
+        headers = record.headers()
+        if headers and len(headers) >= 2 and headers[0][1] == self._group and headers[1][0] == FACT:
+            fact = Fact.decode(headers[1][1])
+            if fact is not None:
+                job.taken.add(fact)
 
     def _finish(self, key: TopicPartitionKey, job: _Job) -> None:
         job.state.drain_from = job.end
@@ -284,7 +353,9 @@ class Drains:
     def _reader(self) -> Consumer:
         if self._consumer is None:
             # The range comes from the group's commit; offsets of it deleted by retention are counted.
-            self._consumer = log_reader(self._client_config, "delay-sidecar.drain-reader")
+            # Exactly once, the facts of aborted transactions (a zombie's) are not facts.
+            committed = {"isolation.level": "read_committed"} if self._writer.transactional else {}
+            self._consumer = log_reader(self._client_config, "delay-sidecar.drain-reader", **committed)
         return self._consumer
 
     def close(self) -> None:
