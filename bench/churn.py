@@ -58,6 +58,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.chaos import (
+    WENT_ON,
     Background,
     Cancels,
     Positions,
@@ -94,7 +95,8 @@ class Outcome:
     member_starts: int = 0
     unclean_exits: list[str] = field(default_factory=list)
     """Members that a SIGTERM did not end with exit 0, or that died by themselves."""
-    zombie_fenced: bool | None = None
+    zombie: str | None = None
+    """How the woken zombie stopped (bench.chaos.zombie), or None: no zombie in the plan."""
     held_due: int = 0
     notes: list[str] = field(default_factory=list)
     spark: SparkAudit | None = None
@@ -103,7 +105,7 @@ class Outcome:
 
     @property
     def passed(self) -> bool:
-        """No anomaly, every member ended by the bench, the zombie fenced, and the Spark audit agreeing.
+        """No anomaly, every member ended by the bench, the zombie stopped, and the Spark audit agreeing.
         Exactly once the audit must also pass; at least once it flags as duplicates the repeats the
         bench allowed near faults, so only its agreement counts there."""
         spark_ok = self.spark is None or (
@@ -114,7 +116,7 @@ class Outcome:
         return (
             self.fates.anomalies == 0
             and not self.unclean_exits
-            and self.zombie_fenced is not False
+            and self.zombie != WENT_ON
             and not self.notes
             and spark_ok
         )
@@ -248,9 +250,9 @@ class Members:
         member.kill()
         self.running.discard(slot)
 
-    def replace(self, slot: int) -> bool:
+    def replace(self, slot: int) -> str:
         """The zombie: `slot`'s process is stopped (SIGSTOP) and a successor with its instance id, on
-        another host and state dir, takes its place; the first is woken, and must be fenced."""
+        another host and state dir, takes its place; the first is woken, and must stop: how it did."""
         first, successor = self.slots[slot], self._member(slot, f"m{slot}z{len(self.retired)}")
         fenced = zombie_swap(first, successor)
         self.retired.append(first)
@@ -324,8 +326,8 @@ class Run:
                 return "skipped: no member running"
             slot = self.rng.choice(running)
             if kind == "zombie":
-                self.outcome.zombie_fenced = members.replace(slot)
-                return f"churn-{slot} replaced; the woken one fenced: {self.outcome.zombie_fenced}"
+                self.outcome.zombie = members.replace(slot)
+                return f"churn-{slot} replaced; the woken one: {self.outcome.zombie}"
             members.kill(slot)
             if kind == "state":
                 shutil.rmtree(members.slots[slot].state, ignore_errors=True)
@@ -447,7 +449,7 @@ def table(outcome: Outcome, command: str) -> str:
             f"{kinds['remove']} / {kinds['rollout']} / {kinds['tighten']}",
         ),
         ("broker restarts", str(kinds["broker"])),
-        ("zombie fenced", {None: "no zombie", True: "yes", False: "**no**"}[outcome.zombie_fenced]),
+        ("woken zombie", outcome.zombie or "no zombie"),
         (
             "cancels sent / answered cancelled / held records due after the faults",
             f"{f.cancels_sent:,} / {f.cancelled:,} / {outcome.held_due}",
