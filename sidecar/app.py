@@ -1,5 +1,6 @@
 """Wiring: a cluster from a launcher, the policies, the trackers, the loop and the status endpoint."""
 
+import faulthandler
 import functools
 import logging
 import signal
@@ -370,4 +371,7 @@ def run_until_signalled(app: Signalled) -> None:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGHUP, lambda signum, frame: app.reload_policies())
+    # A hang's evidence: every thread's stack to stderr, written by the signal handler itself, so it
+    # works while the main thread is stuck in the Kafka client's C code.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     app.run()

@@ -399,7 +399,11 @@ class SidecarProcess:
             raise AssertionError(f"sidecar did not stop within 60 s\n{self.tail()}") from None
 
     def close(self) -> None:
+        """Kill it if it still runs (a test that failed), its threads' stacks in its log first: a
+        sidecar that hung says where (SIGUSR1, app.run_until_signalled)."""
         if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGUSR1)
+            time.sleep(0.5)
             self.process.kill()
             self.process.wait(10)
 

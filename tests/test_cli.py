@@ -2,6 +2,7 @@
 
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -13,10 +14,11 @@ from pydantic import SecretStr
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings
 
+from sidecar.broker.ports import free_port
 from sidecar.cli import BrokerCommand, DemoCommand, main
 from sidecar.settings import RunSettings
 from spark.command import AuditSettings
-from tests.kafka_helpers import ROOT, broker_kind_of_run
+from tests.kafka_helpers import ROOT, broker_kind_of_run, wait_for
 
 
 def cli(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
@@ -158,3 +160,28 @@ def test_bad_input_gets_a_clear_error_not_a_traceback(tmp_path: Path) -> None:
     bad_port = cli("run", "--metrics-port", "99999")
     assert bad_port.returncode == 2
     assert "--metrics-port" in bad_port.stderr and "Traceback" not in bad_port.stderr
+
+
+def test_sigusr1_writes_every_threads_stack_and_the_sidecar_goes_on(tmp_path: Path) -> None:
+    """A hang's evidence, taken while the loop is stuck where it may be (here: no broker at all)."""
+    policies = tmp_path / "p.yaml"
+    policies.write_text("topics:\n  t:\n    subscriptions: {a: {}}\n")
+    log = tmp_path / "log"
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "sidecar", "run", "--bootstrap-servers", f"127.0.0.1:{free_port()}",
+             "--policies", str(policies), "--state-dir", str(tmp_path / "state"), "--metrics-port", "0"],
+            stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
+        )  # fmt: skip
+    try:
+        wait_for(lambda: "policies loaded" in log.read_text(), 60, "the sidecar started")
+        process.send_signal(signal.SIGUSR1)
+        wait_for(lambda: "Current thread" in log.read_text(), 60, "the stacks")
+        assert process.poll() is None, log.read_text()[-3000:]
+        assert re.search(r'File ".*sidecar/app\.py", line \d+ in run', log.read_text()), log.read_text()[-3000:]
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(60) == 0, log.read_text()[-3000:]
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(10)
