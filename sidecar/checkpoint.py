@@ -49,6 +49,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as NotYet
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
@@ -70,6 +71,13 @@ COORDINATOR_AWAY = COORDINATOR_MOVING | {KafkaError._TRANSPORT}
 # How long a periodic at-least-once checkpoint waits for the writer's acknowledgements before it is
 # put off to the next: the loop is blocked meanwhile, and the broker may be away for minutes.
 PUT_OFF_AFTER_S = 5.0
+# How long the loop waits for an at-least-once commit's answer. librdkafka's synchronous commit has
+# no timeout: sent to a coordinator that stopped answering without closing its connections (a node
+# paused, or one going down as the commit left), it waited as long as the node was paused, 200 s and
+# more, whatever socket.timeout.ms said, and the loop with it (nothing delivered, no lost partition
+# handled). It runs on a thread of its own now (asked again there while the coordinator moves, for
+# COMMIT_RETRY_S); past this, the checkpoint is put off, and none is sent until that one is answered.
+COMMIT_WAIT_S = 5.0
 
 
 class Checkpoints:
@@ -94,6 +102,9 @@ class Checkpoints:
         self._ops = ops
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="index-sync") if sync is not None else None
         self._pending: tuple[Future[bool], Points] | None = None
+        self._committer = ThreadPoolExecutor(1, thread_name_prefix="commit")
+        self._unanswered: Future[None] | None = None
+        """At least once: a commit still waiting for the coordinator's answer."""
         self.put_off = False
         """The last checkpoint was put off: the writer's records were not acknowledged in time."""
         self._reachable = reachable
@@ -201,10 +212,12 @@ class Checkpoints:
         return self._commit(points) if points else 0
 
     def close(self) -> None:
-        """Wait for a running fsync (the store closes after the engine); its commit is dropped."""
+        """Wait for a running fsync (the store closes after the engine); its commit is dropped. A
+        commit still unanswered is not waited for: closing the consumer ends it."""
         self._pending = None
         if self._pool is not None:
             self._pool.shutdown(wait=True)
+        self._committer.shutdown(wait=False)
 
     def _sync_index(self) -> bool:
         """The fsync, counted and timed as the trackers' storage operations are; False (logged) when it failed."""
@@ -237,34 +250,77 @@ class Checkpoints:
                 logger.warning("commit put off: this member's group session lapsed; waiting to be assigned again")
                 self.put_off = True
                 return 0
+            elif not self._answered():
+                logger.warning("commit put off: the group coordinator has not answered the one before")
+                self.put_off = True
+                return 0
             else:
                 # Asked again while the group's coordinator moves, as the Java consumer's commitSync
                 # does: the same offsets committed twice are one commit, while an engine restart sends
                 # again everything since the last commit (CI, a loaded single broker: one
                 # NOT_COORDINATOR dead-lettered 561 records of a draining topic twice).
                 consumer = self._consumer
-                while_coordinator_moves(
-                    lambda: consumer.commit(offsets=offsets, asynchronous=False), COMMIT_RETRY_S, "commit"
-                )
+
+                def commit_then_note() -> None:
+                    while_coordinator_moves(
+                        lambda: consumer.commit(offsets=offsets, asynchronous=False), COMMIT_RETRY_S, "commit"
+                    )
+                    # Noted as soon as answered: partitions that come back meanwhile are compared
+                    # with the group's commit (partition back as this member left it).
+                    _committed(points)
+
+                commit = self._committer.submit(commit_then_note)
+                try:
+                    commit.result(COMMIT_WAIT_S)
+                except NotYet:
+                    self._unanswered = commit
+                    logger.warning("commit put off: the group coordinator has not answered for %.0f s", COMMIT_WAIT_S)
+                    self.put_off = True
+                    return 0
         except SidecarError:
             raise
         except KafkaException as e:
             if writer.transactional or e.args[0].code() not in COORDINATOR_AWAY:
-                raise BrokerError(
-                    f"committing inbound offsets failed: {e}; a restart resumes at the last commit"
-                ) from e
+                raise _failed(e) from e
             # At least once, the coordinator still away: the next checkpoint commits as much and more.
             # A restart here would send again everything acknowledged since the last commit.
             logger.warning("commit put off: the group coordinator does not answer error=%s", e.args[0])
             self.put_off = True
             return 0
         except Exception as e:
-            raise BrokerError(f"committing inbound offsets failed: {e}; a restart resumes at the last commit") from e
-        for state, point, fingerprint in points:
-            state.committed = point
-            if fingerprint is not None:
-                state.committed_fingerprint = fingerprint
+            raise _failed(e) from e
+        _committed(points)
         return len(points)
+
+    def _answered(self) -> bool:
+        """No commit is left unanswered. One refused since fails as a commit does at once; one
+        that landed noted itself."""
+        if self._unanswered is None:
+            return True
+        commit = self._unanswered
+        if not commit.done():
+            return False
+        self._unanswered = None
+        try:
+            commit.result()
+        except KafkaException as e:
+            if e.args[0].code() not in COORDINATOR_AWAY:
+                raise _failed(e) from e
+            return True
+        except Exception as e:
+            raise _failed(e) from e
+        return True
+
+
+def _failed(e: Exception) -> BrokerError:
+    return BrokerError(f"committing inbound offsets failed: {e}; a restart resumes at the last commit")
+
+
+def _committed(points: Points) -> None:
+    for state, point, fingerprint in points:
+        state.committed = point
+        if fingerprint is not None:
+            state.committed_fingerprint = fingerprint
 
 
 def _rule_histories(points: Points, state_topic: StateTopic | None) -> bool:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from sidecar.broker import BrokerLauncher
+from sidecar.broker import ApacheKafka, BrokerLauncher
 from sidecar.broker.ports import free_port
 from sidecar.outbound.records import DELIVER_AT, ORIGIN_OFFSET
 from tests.kafka_helpers import (
@@ -255,3 +255,57 @@ def test_a_commit_asked_for_while_the_broker_is_away_does_not_hold_the_loop(
         sidecar.close()
         helper.close()
         broker.stop()
+
+
+def test_a_commit_the_coordinator_does_not_answer_does_not_hold_the_loop(
+    policy_file: PolicyFile, tmp_path: Path
+) -> None:
+    """At least once, a periodic commit sent to a coordinator that stopped answering without closing
+    its connections: its node paused (SIGSTOP), so no error reaches the client. librdkafka's
+    synchronous commit has no timeout: the loop waited in it for as long as the node was paused (over
+    200 s here), and a CI run's outage test waited 120 s for a loop that logged nothing. Now the
+    commit waits on a thread of its own, and the checkpoint is put off while it is unanswered.
+
+    The record is read between one periodic commit and the next (5 s apart), so the next commit is
+    the first thing sent to the paused node."""
+    topic = "unanswered"
+    broker, port, sidecar, helper = one_subscription(
+        policy_file, tmp_path, topic, "--session-timeout-ms", "60000", "--commit-interval-ms", "5000"
+    )
+    assert isinstance(broker, ApacheKafka), "pausing a node needs Apache Kafka"
+    an_hour = [("deliver-after", "3600000")]
+    try:
+        sidecar.start()
+        wait_for(lambda: health(port)[0] == 200, 60, "ready")
+        before = scrape(port, "delay_sidecar_commits_total")
+        helper.produce(topic, b"first", headers=an_hour)
+        helper.flush()
+        wait_for(lambda: scrape(port, "delay_sidecar_commits_total") > before, 60, "a periodic commit")
+        helper.produce(topic, b"second", headers=an_hour)
+        helper.flush()
+        wait_for(lambda: scrape(port, "delay_sidecar_messages_delayed_total", topic=topic) == 2, 60, "read")
+        seen = len(sidecar.log.read_text())
+        broker.pause_node(1)
+        paused = time.monotonic()
+        reasons: list[str] = []
+        try:
+            wait_for(lambda: "has not answered" in sidecar.log.read_text()[seen:], 120, "the commit put off")
+            # Paused past the 15 s after which /healthz says the loop is held by a call to Kafka.
+            while time.monotonic() < paused + 25:
+                reasons += [str(r) for r in health(port)[1].get("reasons", [])]  # type: ignore[attr-defined]
+                time.sleep(0.5)
+        finally:
+            broker.resume_node(1)
+        held = [r for r in reasons if "the loop is waiting on it" in r]
+        assert not held, f"the loop was held while the node was paused: {held[:3]}"
+        # Answered once the node is back: a record read since is committed again.
+        committed_before = scrape(port, "delay_sidecar_commits_total")
+        helper.produce(topic, b"third", headers=an_hour)
+        helper.flush()
+        wait_for(lambda: scrape(port, "delay_sidecar_commits_total") > committed_before, 120, "commits again")
+        assert sidecar.stop() == 0, sidecar.tail()
+    finally:
+        sidecar.close()
+        helper.close()
+        broker.stop()
+    assert "engine failed" not in sidecar.log.read_text(), sidecar.tail()
