@@ -76,7 +76,8 @@ PUT_OFF_AFTER_S = 5.0
 # paused, or one going down as the commit left), it waited as long as the node was paused, 200 s and
 # more, whatever socket.timeout.ms said, and the loop with it (nothing delivered, no lost partition
 # handled). It runs on a thread of its own now (asked again there while the coordinator moves, for
-# COMMIT_RETRY_S); past this, the checkpoint is put off, and none is sent until that one is answered.
+# COMMIT_RETRY_S); past this, a periodic checkpoint is put off, and none is sent until that one is
+# answered. A whole checkpoint (a revoke, a stop) still waits for its commit.
 COMMIT_WAIT_S = 5.0
 
 
@@ -105,6 +106,9 @@ class Checkpoints:
         self._committer = ThreadPoolExecutor(1, thread_name_prefix="commit")
         self._unanswered: Future[None] | None = None
         """At least once: a commit still waiting for the coordinator's answer."""
+        self._wait_s: float | None = COMMIT_WAIT_S
+        """How long a commit is waited for: bounded for the periodic ones; a whole checkpoint (a
+        revoke, a stop) waits, as the partitions must not change hands before it."""
         self.put_off = False
         """The last checkpoint was put off: the writer's records were not acknowledged in time."""
         self._reachable = reachable
@@ -116,6 +120,13 @@ class Checkpoints:
         which `settle` then commits; a pending commit of the checkpoint before is made first.
         """
         states = list(states)
+        self._wait_s = None if whole else COMMIT_WAIT_S
+        try:
+            return self._run(states, whole)
+        finally:
+            self._wait_s = COMMIT_WAIT_S
+
+    def _run(self, states: list[PartitionState], whole: bool) -> int:
         self.put_off = False
         writer = self._writer
         exact = writer.transactional
@@ -271,7 +282,7 @@ class Checkpoints:
 
                 commit = self._committer.submit(commit_then_note)
                 try:
-                    commit.result(COMMIT_WAIT_S)
+                    commit.result(self._wait_s)
                 except NotYet:
                     self._unanswered = commit
                     logger.warning("commit put off: the group coordinator has not answered for %.0f s", COMMIT_WAIT_S)
@@ -293,12 +304,12 @@ class Checkpoints:
         return len(points)
 
     def _answered(self) -> bool:
-        """No commit is left unanswered. One refused since fails as a commit does at once; one
-        that landed noted itself."""
+        """No commit is left unanswered (a whole checkpoint waits for it). One refused since fails
+        as a commit does at once; one that landed noted itself."""
         if self._unanswered is None:
             return True
         commit = self._unanswered
-        if not commit.done():
+        if not commit.done() and self._wait_s is not None:
             return False
         self._unanswered = None
         try:
