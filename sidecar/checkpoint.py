@@ -107,8 +107,9 @@ class Checkpoints:
         self._unanswered: Future[None] | None = None
         """At least once: a commit still waiting for the coordinator's answer."""
         self._wait_s: float | None = COMMIT_WAIT_S
-        """How long a commit is waited for: bounded for the periodic ones; a whole checkpoint (a
-        revoke, a stop) waits, as the partitions must not change hands before it."""
+        """How long a commit is waited for: bounded for the periodic ones; None in a whole checkpoint
+        (a revoke, a stop), which commits on its own thread and waits, as the partitions must not
+        change hands before it."""
         self.put_off = False
         """The last checkpoint was put off: the writer's records were not acknowledged in time."""
         self._reachable = reachable
@@ -261,6 +262,16 @@ class Checkpoints:
                 logger.warning("commit put off: this member's group session lapsed; waiting to be assigned again")
                 self.put_off = True
                 return 0
+            elif self._wait_s is None:
+                # A whole checkpoint (a revoke, a stop) commits on the calling thread, as the rebalance
+                # callback's own: handed to another thread from inside the callback, the commit waited
+                # on the rebalance that waited on it (CI: a live topic removal's re-subscription held
+                # the loop, and the stop, for good). A periodic commit still unanswered goes first on
+                # the same connection.
+                consumer = self._consumer
+                while_coordinator_moves(
+                    lambda: consumer.commit(offsets=offsets, asynchronous=False), COMMIT_RETRY_S, "commit"
+                )
             elif not self._answered():
                 logger.warning("commit put off: the group coordinator has not answered the one before")
                 self.put_off = True
@@ -282,7 +293,7 @@ class Checkpoints:
 
                 commit = self._committer.submit(commit_then_note)
                 try:
-                    commit.result(self._wait_s)
+                    commit.result(COMMIT_WAIT_S)
                 except NotYet:
                     self._unanswered = commit
                     logger.warning("commit put off: the group coordinator has not answered for %.0f s", COMMIT_WAIT_S)
@@ -304,12 +315,12 @@ class Checkpoints:
         return len(points)
 
     def _answered(self) -> bool:
-        """No commit is left unanswered (a whole checkpoint waits for it). One refused since fails
-        as a commit does at once; one that landed noted itself."""
+        """No commit is left unanswered. One refused since fails as a commit does at once; one that
+        landed noted itself."""
         if self._unanswered is None:
             return True
         commit = self._unanswered
-        if not commit.done() and self._wait_s is not None:
+        if not commit.done():
             return False
         self._unanswered = None
         try:
