@@ -106,10 +106,9 @@ class Checkpoints:
         self._committer = ThreadPoolExecutor(1, thread_name_prefix="commit")
         self._unanswered: Future[None] | None = None
         """At least once: a commit still waiting for the coordinator's answer."""
-        self._wait_s: float | None = COMMIT_WAIT_S
-        """How long a commit is waited for: bounded for the periodic ones; None in a whole checkpoint
-        (a revoke, a stop), which commits on its own thread and waits, as the partitions must not
-        change hands before it."""
+        self._whole = False
+        """In a whole checkpoint (a revoke, a stop): the commit is made on the calling thread and
+        waited for, as the partitions must not change hands before it; periodic ones are bounded."""
         self.put_off = False
         """The last checkpoint was put off: the writer's records were not acknowledged in time."""
         self._reachable = reachable
@@ -121,11 +120,11 @@ class Checkpoints:
         which `settle` then commits; a pending commit of the checkpoint before is made first.
         """
         states = list(states)
-        self._wait_s = None if whole else COMMIT_WAIT_S
+        self._whole = whole
         try:
             return self._run(states, whole)
         finally:
-            self._wait_s = COMMIT_WAIT_S
+            self._whole = False
 
     def _run(self, states: list[PartitionState], whole: bool) -> int:
         self.put_off = False
@@ -262,7 +261,7 @@ class Checkpoints:
                 logger.warning("commit put off: this member's group session lapsed; waiting to be assigned again")
                 self.put_off = True
                 return 0
-            elif self._wait_s is None:
+            elif self._whole:
                 # A whole checkpoint (a revoke, a stop) commits on the calling thread, as the rebalance
                 # callback's own: handed to another thread from inside the callback, the commit waited
                 # on the rebalance that waited on it (CI: a live topic removal's re-subscription held
