@@ -42,6 +42,7 @@ METAVARS: dict[str, str] = {
     "outcomes_topic": "TOPIC",
     "max_delay": "DURATION",
     "fixed_delay": "DURATION",
+    "by_key": "none|replace",
     "topics": "TOPIC[,TOPIC...]",
     "subscriptions": "NAME[,NAME...]",
     "routes": "TOPIC/SUBSCRIPTION=OUTBOUND[,...]",

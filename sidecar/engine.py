@@ -32,6 +32,7 @@ from sidecar.control.redelivery import Redelivery
 from sidecar.control.topics import ControlTopics, retired
 from sidecar.dispatch.dispatcher import Dispatcher
 from sidecar.dispatch.drain import Drains
+from sidecar.dispatch.gates import KeyedGates
 from sidecar.dispatch.payload_cache import PayloadCache
 from sidecar.dispatch.reader import LogReader
 from sidecar.dispatch.recent import RecentRecords
@@ -215,6 +216,7 @@ class Sidecar:
             else None
         )
         self._drains = Drains(client_config, writer, metrics, clock, group_id)
+        self._gates = KeyedGates(writer, group_id, clock)
         self._removed = RemovedTopics(
             self._consumer, states, self._drains, lambda: self._admin.partitions, self._forget_dispatch, self._restore
         )
@@ -496,7 +498,8 @@ class Sidecar:
         if not self._redelivery.dispatch_due([s for s in states if s.control]):
             self._stalled_until = time.monotonic() + STALL_WAIT_S
         trackers = {(s.topic, s.partition): s.tracker for s in states if not s.control}
-        self._dispatcher.turn(trackers, read_ahead)
+        self._gates.wind(states)
+        self._dispatcher.turn(trackers, read_ahead, self._gates.of(states))
         if self._roll is not None and read_ahead:
             self._roll.turn(trackers, self._intake_cursors)
         self._writer.poll()
@@ -507,7 +510,7 @@ class Sidecar:
         states = self._delivering()
         times = [t for s in states if s.control and (t := s.tracker.next_delivery_time()) is not None]
         trackers = {(s.topic, s.partition): s.tracker for s in states if not s.control}
-        wake = self._dispatcher.next_wake_ms(trackers)
+        wake = self._dispatcher.next_wake_ms(trackers, self._gates.of(states))
         if wake is not None:
             times.append(wake)
         wait = IDLE_WAIT_S if not times else max((min(times) - self.clock.now_ms()) / 1000, 0.0)

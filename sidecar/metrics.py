@@ -59,6 +59,13 @@ class Metrics:
             ["topic", "subscription"],
             registry=r,
         )
+        self.replaced = Counter(
+            PREFIX + "messages_replaced",
+            "Pending records of keyed topics that a newer record for their key replaced (a tombstone: cancelled); "
+            "a rebuild counts again the ones it reads again",
+            ["topic"],
+            registry=r,
+        )
         self.replayed = Counter(
             PREFIX + "messages_replayed",
             "Inbound records read again to rebuild an index that did not survive a restart",

@@ -8,6 +8,9 @@ checkpoints keep their simple meaning, and reading ahead can never mean deliveri
 
 Payloads are deleted from the payload cache after the checkpoint that made their delivery durable.
 
+A partition of a keyed topic has a gate (partitions/keyed.py): its entries go only once the log
+holds a timestamp at their time, so that no record for the key read later can still replace them.
+
 A partition restored from the state topic on a new owner has no payloads here; the horizon roll's
 catch-up pass (roll.py) brings them into the payload cache. While its first read runs (the
 payloads due first), nothing is popped from it: each would be another read of the same records.
@@ -29,6 +32,9 @@ from sidecar.partitions import TopicPartitionKey
 from sidecar.tracker import DelayedDeliveryTracker, Due
 
 logger = logging.getLogger(__name__)
+
+Gates = dict[TopicPartitionKey, int]
+"""Partitions of keyed topics: the latest deliver-at each may deliver now (partitions/keyed.py)."""
 
 Deliver = Callable[[TopicPartitionKey, list[tuple[int, int, Message | None]]], None]
 """deliver(partition, [(deliver_at, offset, record), ...]) in deliver-at order; record is None when
@@ -86,11 +92,21 @@ class Dispatcher:
         """
         return self._held.keep(partition, offset, record)
 
-    def next_wake_ms(self, trackers: dict[TopicPartitionKey, DelayedDeliveryTracker]) -> int | None:
-        """When the loop must run next: now while reading ahead, else the next delivery or read-ahead."""
+    def next_wake_ms(
+        self, trackers: dict[TopicPartitionKey, DelayedDeliveryTracker], gates: Gates | None = None
+    ) -> int | None:
+        """When the loop must run next: now while reading ahead, else the next delivery or read-ahead.
+        An entry held by its partition's gate waits for intake, which wakes the loop anyway."""
         if self._ahead.reading:
             return 0
-        times = [t for tracker in trackers.values() if (t := tracker.next_delivery_time()) is not None]
+        gates = gates or {}
+        now = self._clock.now_ms()
+        times = [
+            t
+            for partition, tracker in trackers.items()
+            if (t := tracker.next_delivery_time()) is not None
+            and not (t <= now and (gate := gates.get(partition)) is not None and t > gate)
+        ]
         if not times:
             return None
         if self.read_ahead_ms > 0:
@@ -105,14 +121,19 @@ class Dispatcher:
 
     # ----------------------------------------------------------------- one turn of the loop
 
-    def turn(self, trackers: dict[TopicPartitionKey, DelayedDeliveryTracker], read_ahead: bool = True) -> None:
+    def turn(
+        self,
+        trackers: dict[TopicPartitionKey, DelayedDeliveryTracker],
+        read_ahead: bool = True,
+        gates: Gates | None = None,
+    ) -> None:
         """Deliver what is due; then, unless told not to, spend a slice of time reading ahead."""
         self._held.recount()
-        self._deliver_due(trackers)
+        self._deliver_due(trackers, gates or {})
         if read_ahead:
             self._ahead.turn(trackers)
 
-    def _deliver_due(self, trackers: dict[TopicPartitionKey, DelayedDeliveryTracker]) -> None:
+    def _deliver_due(self, trackers: dict[TopicPartitionKey, DelayedDeliveryTracker], gates: Gates) -> None:
         """Pop every due partition first, so what is not read ahead is fetched in one read for all."""
         popped: dict[TopicPartitionKey, list[Due]] = {}
         missing: dict[TopicPartitionKey, list[Due]] = {}
@@ -121,9 +142,13 @@ class Dispatcher:
         for partition, tracker in trackers.items():
             if catch_up is not None and not self._ahead.has_looked(partition) and catch_up.first_read(partition):
                 continue  # its first payloads are on their way; popping now would read them again
-            if not tracker.has_message_available():
+            gate = gates.get(partition)
+            if gate is None:
+                if not tracker.has_message_available():
+                    continue
+            elif (next_time := tracker.next_delivery_time()) is None or next_time > gate:
                 continue
-            due = tracker.pop_due(MAX_POP_FROM_LOG if partition in self._from_log else MAX_POP)
+            due = tracker.pop_due(MAX_POP_FROM_LOG if partition in self._from_log else MAX_POP, gate)
             if not due:
                 self._stalled_until_ms = self._clock.now_ms() + STALL_WAIT_MS
                 continue

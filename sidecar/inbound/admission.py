@@ -15,6 +15,7 @@ from sidecar.control.cancels import COMMAND_BY
 from sidecar.inbound.batch import IntakeBatch
 from sidecar.inbound.commands import CommandStep
 from sidecar.inbound.indexing import Delayed, Indexer
+from sidecar.inbound.keys import KeyedIntake, is_keyed
 from sidecar.metrics import Metrics
 from sidecar.outbound.delivery import Delivery, Due
 from sidecar.outbound.writer import Writer
@@ -35,6 +36,7 @@ class Admission:
         commands: CommandStep,
     ) -> None:
         self._commands = commands
+        self._keys = KeyedIntake(metrics)
         self._retention_ms = retention_ms
         self._writer = writer
         self._delivery = delivery
@@ -46,6 +48,9 @@ class Admission:
         headers = [r.headers() for r in records]  # read once: judging needs them too
         # is_marked, inlined: a call per record on the hot path costs more than the test
         marked = [i for i, h in enumerate(headers) if h and h[0][0] == COMMAND_BY]
+        if marked and is_keyed(state, batch.rule(state.topic, routes, self._retention_ms.get(state.topic))):
+            self._in_log_order(batch, state, routes, records, headers, set(marked))
+            return
         if marked:  # requests and facts of cancels and reschedules: rare, decided after the slice's records
             chosen = set(marked)
             plain = [i for i in range(len(records)) if i not in chosen]
@@ -55,6 +60,32 @@ class Admission:
             state.next_offset = records[-1].offset() + 1
             return
         self._admit(batch, state, routes, records, headers)
+
+    def _in_log_order(
+        self,
+        batch: IntakeBatch,
+        state: PartitionState,
+        routes: Routes,
+        records: Sequence[Message],
+        headers: list[Headers],
+        marked: set[int],
+    ) -> None:
+        """A keyed partition's slice in runs of messages and of the sidecar's own records, in log
+        order: the clock of the keyed step must see every timestamp in offset order."""
+        start = 0
+        while start < len(records):
+            own = start in marked
+            end = start + 1
+            while end < len(records) and (end in marked) == own:
+                end += 1
+            if own:
+                run = records[start:end]
+                self._keys.note(state, run)
+                self._commands.take(batch, state, routes, run)
+            else:
+                self._admit(batch, state, routes, records[start:end], headers[start:end])
+            start = end
+        state.next_offset = records[-1].offset() + 1
 
     def _admit(
         self,
@@ -73,11 +104,13 @@ class Admission:
         stamps = [record.timestamp()[1] for record in records]
         published = [s if s > 0 else now for s in stamps]  # a record without a timestamp: read now
         fates = self.judge.many(rule, list(zip(headers, published, strict=True)))
+        keyed = is_keyed(state, rule)
+        delivered = self._keys.decide(state, rule, records, fates) if keyed else None
         delayed: list[Delayed] = []
         now_list: list[Due] = []
         ordered: list[Due] | None = [] if routes.ordered else None
         route = routes.route
-        for record, at, fate in zip(records, published, fates, strict=True):
+        for i, (record, at, fate) in enumerate(zip(records, published, fates, strict=True)):
             deliver_at, rejected, overridden, disabled, miscased = fate
             if rejected is not None:
                 self._writer.dead_letter(route.dead_letter_topic, record, rejected.code, rejected.message)
@@ -86,7 +119,9 @@ class Admission:
             if overridden or disabled or miscased:
                 self._count(fate, topic, route.namespace or "")
             offset = record.offset()
-            if deliver_at is None:
+            if delivered is not None and not delivered[i]:
+                pass  # a tombstone that cancels: not for the delayed subscriptions
+            elif deliver_at is None:
                 now_list.append((at, offset, record))
             else:
                 delayed.append((offset, deliver_at, record))
@@ -99,7 +134,7 @@ class Admission:
         if ordered:
             self._delivery.send_many((topic, state.partition), routes.ordered, ordered, sent)
         if delayed:
-            self._indexer.take(batch, state, routes, delayed)
+            self._indexer.take(batch, state, routes, delayed, gated=keyed)
 
     def rejudge(self, state: PartitionState, routes: Routes, record: Message) -> int | None:
         """The deliver-at intake gave `record` (for the horizon roll's read of payloads), or None: not

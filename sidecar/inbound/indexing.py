@@ -20,12 +20,19 @@ class Indexer:
         self._dispatcher = dispatcher
         self._delivery = delivery
 
-    def take(self, batch: IntakeBatch, state: PartitionState, routes: Routes, delayed: list[Delayed]) -> None:
+    def take(
+        self, batch: IntakeBatch, state: PartitionState, routes: Routes, delayed: list[Delayed], gated: bool = False
+    ) -> None:
         """Delayed records of one partition in offset order: each into the tracker, keeping its
-        payload; one due now is sent now."""
+        payload; one due now is sent now, unless `gated` (a keyed partition: the gate of
+        dispatch/dispatcher.py lets it go once the log's clock reaches it)."""
         partition = (state.topic, state.partition)
         sent = batch.sent[state.topic]
-        refused = state.tracker.add_many([r[0] for r in delayed], [r[1] for r in delayed])
+        tracker = state.tracker
+        if gated:
+            refused = [i for i, (offset, at, _) in enumerate(delayed) if not tracker.add(offset, at, deliver_now=False)]
+        else:
+            refused = tracker.add_many([r[0] for r in delayed], [r[1] for r in delayed])
         if refused:
             due: list[Due] = [(at, offset, record) for offset, at, record in map(delayed.__getitem__, refused)]
             self._delivery.send_many(partition, routes.delayed, due, sent)

@@ -12,6 +12,7 @@ from confluent_kafka import Message
 from sidecar.control.cancels import is_marked
 from sidecar.inbound.batch import IntakeBatch
 from sidecar.inbound.commands import CommandStep
+from sidecar.inbound.keys import KeyedIntake, is_keyed
 from sidecar.metrics import Metrics
 from sidecar.outbound.delivery import Delivery
 from sidecar.partitions.state import PartitionState
@@ -25,6 +26,7 @@ class Rebuilder:
         self, delivery: Delivery, retention_ms: dict[str, int | None], metrics: Metrics, commands: CommandStep
     ) -> None:
         self._commands = commands
+        self._keys = KeyedIntake(metrics)
         self._delivery = delivery
         self._retention_ms = retention_ms
         self._metrics = metrics
@@ -40,16 +42,23 @@ class Rebuilder:
                 break
             offset = record.offset()
             headers = record.headers()
+            rule = state.rules.at(offset) or current
+            keyed = is_keyed(state, rule)
             if is_marked(headers):
+                if keyed:
+                    self._keys.note(state, [record])
                 self._commands.replay(state, record, rebuild.through)
                 deliver_at = None
             else:
                 publish_ms = record.timestamp()[1]
-                rule = state.rules.at(offset) or current
-                deliver_at = judge(rule, headers, publish_ms if publish_ms > 0 else batch.now).deliver_at
+                fate = judge(rule, headers, publish_ms if publish_ms > 0 else batch.now)
+                deliver_at = fate.deliver_at
+                if keyed and not self._keys.decide(state, rule, [record], [fate])[0]:
+                    deliver_at = None  # a tombstone that cancels
             if deliver_at is not None and pack(deliver_at, offset) > rebuild.through:
-                # Nothing goes out while a cancel read later in the log may still take it back.
-                deliver_now = not state.exact and state.hold_until is None
+                # Nothing goes out while a cancel read later in the log may still take it back,
+                # nor, on a keyed topic, before the log's clock reaches it (the gate).
+                deliver_now = not state.exact and state.hold_until is None and not keyed
                 if state.tracker.add(offset, deliver_at, deliver_now=deliver_now):
                     rebuild.indexed += 1
                     if batch.payloads is not None:

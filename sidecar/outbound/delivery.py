@@ -87,6 +87,9 @@ class Delivery:
             return
         now = self._clock.now_ms()
         sent: Counter[str] = Counter()
+        keyed = state.keyed
+        if keyed is not None and keyed.replaced:
+            due = [d for d in due if not keyed.popped(d[1])]  # replaced: out of the index, to nobody
         if state.overrides:
             due = self._overridden(state, routes, due, sent)
         found: list[Due] = [d for d in due if d[2] is not None]

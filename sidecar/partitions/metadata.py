@@ -62,6 +62,12 @@ class CommitMetadata:
     """A control partition's commit: a control topic the policies no longer name is still read while
     such a commit holds a pending nack (control/topics.py)."""
 
+    @property
+    def keyed(self) -> bool:
+        """A rule of the history replaces records by key: the key index, its clock and the replaced
+        records are read again from `earliest`, like cancels (partitions/keyed.py)."""
+        return any(rule.keyed for _, rule in self.rules)
+
     def encode(self) -> str:
         rules = self._encoded_rules()
         data = self._fields(rules)

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from sidecar.control.overrides import Overrides
+from sidecar.partitions.keyed import KeyedPartition
 from sidecar.partitions.metadata import MAX_METADATA_BYTES, CommitMetadata, RuleHistory
 from sidecar.policy.routes import IntakeRule
 from sidecar.tracker.base import NOTHING_DELIVERED, DelayedDeliveryTracker
@@ -105,6 +106,9 @@ class PartitionState:
     fact lies further on. They are decided once the hold's end is read, unless a fact names them."""
     decided_earlier: set[int] = field(default_factory=set)
     """Request offsets named by facts of an earlier owner read while held."""
+    keyed: KeyedPartition | None = None
+    """Set once a record of a keyed topic (`by_key: replace`) is read: from then on every record of
+    the partition moves its clock (partitions/keyed.py)."""
 
     @property
     def name(self) -> str:
@@ -127,9 +131,15 @@ class PartitionState:
         cursor = tracker.index_cursor()
         self.overrides, self.unread_facts = Overrides(), set()
         self.held_requests, self.decided_earlier = [], set()
-        if metadata.commands and cursor is not None:
-            # The cancels in force are not in the local index: its facts are read again from the log.
-            logger.info("local index set aside, cancels or reschedules are in force partition=%s", self.name)
+        self.keyed = None
+        read_again = metadata.commands or metadata.keyed
+        if read_again and cursor is not None:
+            # Cancels in force, and keys, are not in the local index: read again from the log.
+            logger.info(
+                "local index set aside, %s partition=%s",
+                "cancels or reschedules are in force" if metadata.commands else "the topic is keyed",
+                self.name,
+            )
             tracker.clear()
             cursor = None
         if cursor is not None:
@@ -164,8 +174,8 @@ class PartitionState:
             self.replay_until = committed
             return earliest if tail is None else max(earliest, min(tail, committed))
         # Cancels' facts are records: with commands pending, read everything again (what the
-        # buckets hold is not indexed twice) and apply the facts in log order.
-        start = earliest if tail is None or metadata.commands else max(earliest, min(tail, committed))
+        # buckets hold is not indexed twice) and apply the facts in log order. Keys likewise.
+        start = earliest if tail is None or read_again else max(earliest, min(tail, committed))
         if start < committed:
             self.rebuild = Rebuild(start, committed, metadata.through)
             logger.info(
@@ -223,6 +233,8 @@ class PartitionState:
             default=self.next_offset,
         )
         self.rules.prune(earliest)
+        if self.keyed is not None:
+            self.keyed.forget_below(earliest)
         metadata = CommitMetadata(
             earliest,
             tracker.delivered_through(),

@@ -111,16 +111,31 @@ class KeyStep:
     def __init__(self, index: KeyIndex) -> None:
         self.index = index
         self.clock = WindowClock()
+        self.start: int | None = None
+        """The first offset this step read. An entry of the index outside [start, the record read)
+        was left by an earlier reading of the log (a durable index is not emptied when its owner
+        starts again): the records this step read decided every key they hold, and nothing else
+        is pending."""
+
+    def note(self, offset: int, timestamp: int) -> None:
+        """A record that is not a keyed message: it moves the clock all the same."""
+        if self.start is None:
+            self.start = offset
+        self.clock.note(offset, timestamp)
 
     def take(self, offset: int, timestamp: int, key: bytes | None, tombstone: bool, deliver_at: int | None) -> Verdict:
         """One record: its timestamp, key, whether its value is null, and its deliver-at (None: due
         at once). A record without a key, or with an empty one, is not keyed: producers place it as
         no key. A dead-lettered record is given without its key: it replaces nothing, and the
         key's pending record stays pending. Every record is noted on the clock."""
-        self.clock.note(offset, timestamp)
+        self.note(offset, timestamp)
         if not key:
             return NOT_KEYED
-        replaced = replaces(self.index.get(key), self.clock)
+        previous = self.index.get(key)
+        start = offset if self.start is None else self.start  # set by note(): never None here
+        if previous is not None and not start <= previous.offset < offset:
+            previous = None
+        replaced = replaces(previous, self.clock)
         self.index.put(key, Pending(offset, None if tombstone else deliver_at))
         return Verdict(replaced, not tombstone)
 

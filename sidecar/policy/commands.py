@@ -9,7 +9,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, TextIO, get_args
 
 from pydantic import BaseModel, Field
 from pydantic_settings import CliApp, CliPositionalArg, CliSubCommand, CliToggleFlag
@@ -19,7 +19,7 @@ from sidecar.errors import ConfigError, SidecarError
 from sidecar.policy.edit import Level, duration_value, set_delayed_delivery
 from sidecar.policy.errors import PolicyError
 from sidecar.policy.loader import load_policies
-from sidecar.policy.model import EffectiveDelay, PolicySet, Sourced
+from sidecar.policy.model import ByKey, EffectiveDelay, PolicySet, Sourced
 
 POLICIES_ENV = "DELAY_SIDECAR_POLICIES"
 DEFAULT_POLICIES = Path("policies")
@@ -66,6 +66,8 @@ def effective_policy_json(policy_set: PolicySet, topic: str) -> dict[str, Any]:
 def _shown(name: str, sourced: Sourced) -> str:
     if name == "enabled":
         return "true" if sourced.value else "false"
+    if name == "by_key":
+        return str(sourced.value)
     ms = int(sourced.value)
     return "0 (off)" if ms == 0 else f"{format_duration_ms(ms)} ({ms} ms)"
 
@@ -89,6 +91,7 @@ def format_effective_policy(policy_set: PolicySet, topic: str) -> str:
             _shown("fixed", delay.fixed_delivery_delay),
             delay.fixed_delivery_delay.source,
         ),
+        ("by_key", _shown("by_key", delay.by_key), delay.by_key.source),
     ]
     widths = [max(len(r[i]) for r in rows) for i in range(2)]
     lines += [f"  {a:<{widths[0]}}  {b:<{widths[1]}}  {c}" for a, b, c in rows]
@@ -184,6 +187,9 @@ class SetDelayedDeliveryCommand(BaseModel):
     fixed_delay: str = Field("", description="fixed delivery delay, overriding producers; 0 = off")
     enable: CliToggleFlag[bool] = Field(False, description="enable delayed delivery")
     disable: CliToggleFlag[bool] = Field(False, description="disable delayed delivery (deliver at once)")
+    by_key: str = Field(
+        "", description="replace: a key's newest record replaces its pending one, a tombstone cancels it; none: off"
+    )
     file: str = Field("", description="the policy file to edit (required)")
     policies: Path = Field(
         default_factory=default_policies_path,
@@ -211,6 +217,10 @@ class SetDelayedDeliveryCommand(BaseModel):
             values["fixed_delivery_delay"] = duration_value("--fixed-delay", self.fixed_delay)
         if self.enable or self.disable:
             values["enabled"] = self.enable
+        if self.by_key:
+            if self.by_key not in get_args(ByKey):
+                raise ConfigError(f"--by-key takes {' or '.join(get_args(ByKey))}, not {self.by_key!r}")
+            values["by_key"] = self.by_key
         return values
 
     def cli_cmd(self) -> None:

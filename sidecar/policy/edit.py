@@ -60,7 +60,7 @@ def edit_delayed_delivery(text: str, file: Path, level: Level, values: dict[str,
     """`text` with `values` set under `level`'s delayed_delivery; PolicyError if the result is invalid."""
     if not values:
         raise PolicyError(
-            [Problem(str(file), "", "nothing to set: give --max-delay, --fixed-delay, --enable or --disable")]
+            [Problem(str(file), "", "nothing to set: give --max-delay, --fixed-delay, --enable, --disable or --by-key")]
         )
     unknown = set(values) - set(DELAY_FIELDS)
     if unknown:

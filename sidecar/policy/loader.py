@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
+from typing import Any, get_args
 
 from pydantic import ValidationError
 from ruamel.yaml import YAML
@@ -19,13 +19,16 @@ from sidecar.durations import format_duration_ms
 from sidecar.policy.errors import PolicyError, Problem
 from sidecar.policy.model import (
     BUILT_IN,
+    DELAY_FIELDS,
     DURATION_FORMS,
+    ByKey,
     DelayedDeliveryPolicy,
     NamespacePolicy,
     PolicyFile,
     PolicySet,
     SubscriptionPolicy,
     SubscriptionRoute,
+    SubscriptionType,
     TopicPolicy,
     TopicRoute,
     matching_namespaces,
@@ -46,7 +49,7 @@ __all__ = [
 
 POLICY_SUFFIXES = (".yaml", ".yml")
 
-_DELAY_KEYS = "enabled, max_delivery_delay, fixed_delivery_delay"
+_DELAY_KEYS = ", ".join(DELAY_FIELDS)
 _ALLOWED_KEYS = {
     "file": "defaults, namespaces, topics, allow_empty",
     "defaults": "delayed_delivery",
@@ -369,7 +372,8 @@ def _expected(err: Any) -> str:
         what = "a Kafka topic name" if topical else "a string"
         return f"expected {what}, got {got}"
     if kind == "literal_error":
-        return f"expected one of shared, key_shared, exclusive, failover, got {got}"
+        choices = get_args(ByKey) if loc and loc[-1] == "by_key" else get_args(SubscriptionType)
+        return f"expected one of {', '.join(choices)}, got {got}"
     if kind in ("model_type", "dict_type", "model_attributes_type"):
         return f"expected a mapping, got {got}"
     if kind in ("int_type", "int_parsing"):

@@ -18,6 +18,8 @@ from sidecar.durations import MAX_EPOCH_MS, format_duration_ms, parse_duration_m
 from sidecar.errors import ConfigError
 
 SubscriptionType = Literal["shared", "key_shared", "exclusive", "failover"]
+ByKey = Literal["none", "replace"]
+"""`replace`: on the topic, a key's newest record replaces its pending one (policy/by_key.py)."""
 # Subscriptions of these types keep inbound order and ignore delays, as in Pulsar (PIP-26).
 ORDERED_TYPES: frozenset[str] = frozenset({"exclusive", "failover"})
 
@@ -80,6 +82,7 @@ class DelayedDeliveryPolicy(_Strict):
     enabled: StrictBool | None = None
     max_delivery_delay: DurationMs | None = None
     fixed_delivery_delay: DurationMs | None = None
+    by_key: ByKey | None = None
 
 
 class SubscriptionPolicy(_Strict):
@@ -114,16 +117,16 @@ class PolicyFile(_Strict):
     save caught half-way (truncate, then write) than an operator who means to stop every topic."""
 
 
-BUILT_IN = DelayedDeliveryPolicy(enabled=True, max_delivery_delay=0, fixed_delivery_delay=0)
+BUILT_IN = DelayedDeliveryPolicy(enabled=True, max_delivery_delay=0, fixed_delivery_delay=0, by_key="none")
 """The level below defaults: what Pulsar does with an empty broker.conf (enabled, no limits)."""
-DELAY_FIELDS = ("enabled", "max_delivery_delay", "fixed_delivery_delay")
+DELAY_FIELDS = ("enabled", "max_delivery_delay", "fixed_delivery_delay", "by_key")
 
 
 @dataclass(frozen=True)
 class Sourced:
     """A value and the level it came from: 'topic', 'namespace:NAME', 'defaults' or 'built-in'."""
 
-    value: int | bool
+    value: int | bool | str
     source: str
 
 
@@ -132,6 +135,12 @@ class EffectiveDelay:
     enabled: Sourced
     max_delivery_delay: Sourced
     fixed_delivery_delay: Sourced
+    by_key: Sourced = Sourced("none", "built-in")
+
+    @property
+    def keyed(self) -> bool:
+        """`by_key: replace`: the newest record per key replaces the pending one."""
+        return self.by_key.value == "replace"
 
     @property
     def is_enabled(self) -> bool:
@@ -152,6 +161,7 @@ class EffectiveDelay:
                 ("enabled", self.enabled),
                 ("max_delivery_delay_ms", self.max_delivery_delay),
                 ("fixed_delivery_delay_ms", self.fixed_delivery_delay),
+                ("by_key", self.by_key),
             )
         }
 

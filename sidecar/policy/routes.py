@@ -24,27 +24,41 @@ class IntakeRule:
     to them, and only to them, at its deliver-at."""
 
     @property
-    def key(self) -> tuple[bool, int, int, int, tuple[str, ...]]:
+    def keyed(self) -> bool:
+        """Records judged by this rule replace their key's pending record (policy/by_key.py)."""
+        return self.delay.keyed
+
+    @property
+    def key(self) -> tuple[bool, int, int, int, tuple[str, ...], bool]:
         """The rule's values without where they came from: two rules with one key decide alike."""
         retention = -1 if self.retention_ms is None else self.retention_ms
         d = self.delay
-        return (d.is_enabled, d.fixed_ms, d.max_ms, retention, self.delayed)
+        return (d.is_enabled, d.fixed_ms, d.max_ms, retention, self.delayed, d.keyed)
 
     def encode(self, from_offset: int) -> list[Any]:
-        enabled, fixed, max_ms, retention, delayed = self.key
-        return [from_offset, int(enabled), fixed, max_ms, retention, list(delayed)]
+        """A keyed rule has a seventh item, 1; others keep the six items they always had, so a
+        topic without keys commits the very metadata it did before keys existed."""
+        enabled, fixed, max_ms, retention, delayed, keyed = self.key
+        item = [from_offset, int(enabled), fixed, max_ms, retention, list(delayed)]
+        return [*item, 1] if keyed else item
 
     @classmethod
     def decode(cls, item: object) -> tuple[int, "IntakeRule"] | None:
         """The (from offset, rule) of one encoded entry; None when it is not one of ours."""
-        if not isinstance(item, list) or len(item) != 6:
+        if not isinstance(item, list) or len(item) not in (6, 7):
             return None
-        offset, enabled, fixed, max_ms, retention, delayed = item
-        if not all(isinstance(v, int) for v in (offset, enabled, fixed, max_ms, retention)):
+        offset, enabled, fixed, max_ms, retention, delayed = item[:6]
+        keyed = item[6] if len(item) == 7 else 0
+        if not all(isinstance(v, int) for v in (offset, enabled, fixed, max_ms, retention, keyed)):
             return None
         if not isinstance(delayed, list) or not all(isinstance(s, str) for s in delayed):
             return None
-        delay = EffectiveDelay(Sourced(bool(enabled), RECORDED), Sourced(max_ms, RECORDED), Sourced(fixed, RECORDED))
+        delay = EffectiveDelay(
+            Sourced(bool(enabled), RECORDED),
+            Sourced(max_ms, RECORDED),
+            Sourced(fixed, RECORDED),
+            Sourced("replace" if keyed == 1 else "none", RECORDED),
+        )
         return offset, cls(delay, retention if retention >= 0 else None, tuple(delayed))
 
 

@@ -20,6 +20,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from sidecar.clock import Clock
+from sidecar.policy.by_key import KeyIndex
+from sidecar.tracker.keys import MemoryKeys
 
 if TYPE_CHECKING:
     from sidecar.tracker.storage.base import BucketWrite
@@ -62,6 +64,7 @@ class Snapshots(Protocol):
 class DelayedDeliveryTracker(ABC):
     def __init__(self, clock: Clock) -> None:
         self.clock = clock
+        self._keys: KeyIndex | None = None
 
     @abstractmethod
     def add(self, offset: int, deliver_at: int, *, deliver_now: bool = True) -> bool:
@@ -165,12 +168,20 @@ class DelayedDeliveryTracker(ABC):
         reading their payloads in bulk (dispatch/roll.py). Empty: this tracker does not say."""
         return []
 
+    def key_index(self) -> KeyIndex:
+        """The key index of a keyed topic's partition (policy/by_key.py), emptied by `clear`. Here
+        a dict; a durable tracker keeps it with its index, off the heap."""
+        if self._keys is None:
+            self._keys = MemoryKeys()
+        return self._keys
+
     def snapshots(self) -> Snapshots | None:
         """The index as sealed buckets for the state topic; None for an index that keeps none."""
         return None
 
-    def clear(self) -> None:  # noqa: B027
+    def clear(self) -> None:
         """Forget every entry (the subscription or topic was deleted)."""
+        self._keys = None
 
     def close(self) -> None:  # noqa: B027
         """Release memory and storage handles; the durable state stays for the next owner."""

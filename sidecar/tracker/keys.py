@@ -11,6 +11,19 @@ from sidecar.policy.by_key import Pending
 from sidecar.tracker.storage.base import KeyEntry, SnapshotStorage
 
 
+class MemoryKeys:
+    """policy.by_key.KeyIndex in a dict: for the in-memory tracker, lost with it."""
+
+    def __init__(self) -> None:
+        self._keys: dict[bytes, Pending] = {}
+
+    def get(self, key: bytes) -> Pending | None:
+        return self._keys.get(key)
+
+    def put(self, key: bytes, pending: Pending) -> None:
+        self._keys[key] = pending
+
+
 class StoredKeys:
     """policy.by_key.KeyIndex over the snapshot storage, for one partition."""
 
@@ -32,6 +45,10 @@ class StoredKeys:
         """The keys to write with the next checkpoint's batch; memory forgets them."""
         unwritten, self._unwritten = self._unwritten, {}
         return unwritten
+
+    def unwritten_back(self, keys: dict[bytes, KeyEntry]) -> None:
+        """A checkpoint that took `keys` failed to write them: they wait for the next one."""
+        self._unwritten = {**keys, **self._unwritten}
 
     def forget_unwritten(self) -> None:
         """The partition's index is cleared (a rebuild starts): what was not written goes too."""

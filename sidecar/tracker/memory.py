@@ -92,6 +92,7 @@ class InMemoryTracker(DelayedDeliveryTracker):
         return False
 
     def clear(self) -> None:
+        super().clear()
         self._heap.clear()
         self._pending.clear()
         self._popped = NOTHING_DELIVERED

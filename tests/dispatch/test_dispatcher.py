@@ -202,7 +202,7 @@ def test_a_window_served_by_the_payload_cache_is_topped_up_at_every_look(clock: 
 class StalledTracker(InMemoryTracker):
     """A due entry it cannot pop yet, like a bucket tracker whose next segment failed to load."""
 
-    def pop_due(self, max_messages: int) -> list[Due]:
+    def pop_due(self, max_messages: int, until_ms: int | None = None) -> list[Due]:
         return []
 
 

@@ -164,6 +164,8 @@ def test_cli_set_delayed_delivery(write_yaml: WriteYaml, capsys: pytest.CaptureF
     assert capsys.readouterr().out == f"updated {path}: namespace payments\n"
     assert run("set-delayed-delivery", "--defaults", "--disable", "--file", str(path)) == 0
     assert "    enabled: false\n" in path.read_text()
+    assert run("set-delayed-delivery", "--topic", "payments.refunds", "--by-key", "replace", "--file", str(path)) == 0
+    assert load_policies(path).topics["payments.refunds"].delay.keyed
 
 
 @pytest.mark.parametrize(
@@ -179,7 +181,8 @@ def test_cli_set_delayed_delivery(write_yaml: WriteYaml, capsys: pytest.CaptureF
             ["--topic", "a", "--max-delay", "soon"],
             "--max-delay: expected a duration (ms integer or 250ms, 30s, 5m, 2h, 7d), got 'soon'",
         ),
-        (["--topic", "a"], "{file}: nothing to set: give --max-delay, --fixed-delay, --enable or --disable"),
+        (["--topic", "a", "--by-key", "latest"], "--by-key takes none or replace, not 'latest'"),
+        (["--topic", "a"], "{file}: nothing to set: give --max-delay, --fixed-delay, --enable, --disable or --by-key"),
     ],
 )
 def test_cli_set_errors(
@@ -236,6 +239,7 @@ def test_cli_show(write_yaml: WriteYaml, capsys: pytest.CaptureFixture[str]) -> 
         "  enabled               true              defaults\n"
         "  max_delivery_delay    1d (86400000 ms)  namespace:payments\n"
         "  fixed_delivery_delay  30m (1800000 ms)  topic\n"
+        "  by_key                none              built-in\n"
         "  dead_letter_topic: payments.refunds.dlt\n"
         "  control_topic: the sidecar's --control-topic\n"
         "  subscriptions:\n"
@@ -277,6 +281,7 @@ def test_effective_policy_json_of_an_undeclared_topic(write_yaml: WriteYaml) -> 
             "enabled": {"value": True, "source": "defaults"},
             "max_delivery_delay_ms": {"value": 86_400_000, "source": "namespace:payments"},
             "fixed_delivery_delay_ms": {"value": 0, "source": "defaults"},
+            "by_key": {"value": "none", "source": "built-in"},
         },
         "dead_letter_topic": None,
         "control_topic": None,

@@ -48,7 +48,7 @@ def problems(path: Path) -> list[str]:
         (
             "namespaces:\n  pay:\n    topics: pay.*\n    delayed_delivery:\n      max_delay: 1d\n",
             "5: namespaces.pay.delayed_delivery.max_delay: "
-            "unknown key; expected one of enabled, max_delivery_delay, fixed_delivery_delay",
+            "unknown key; expected one of enabled, max_delivery_delay, fixed_delivery_delay, by_key",
         ),
         (
             "namespaces:\n  pay:\n    delayed_delivery: {}\n",
@@ -80,6 +80,10 @@ def problems(path: Path) -> list[str]:
         (
             "topic:\n  orders: {}\n",
             "1: topic: unknown key; expected one of defaults, namespaces, topics, allow_empty",
+        ),
+        (
+            "topics:\n  orders:\n    delayed_delivery: {by_key: latest}\n",
+            "3: topics.orders.delayed_delivery.by_key: expected one of none, replace, got 'latest'",
         ),
         (
             "defaults:\n  enabled: false\n",
@@ -300,3 +304,19 @@ def test_control_topic_from_the_topic_then_its_namespace_else_the_sidecars(write
         "pay.refunds": "refunds.control",
         "other": None,
     }
+
+
+def test_by_key_from_the_topic_then_its_namespace_then_the_defaults(write_yaml: WriteYaml) -> None:
+    policies = load_policies(
+        write_yaml(
+            "p.yaml",
+            "defaults:\n  delayed_delivery: {by_key: replace}\n"
+            "namespaces:\n  pay: {topics: 'pay.*', delayed_delivery: {by_key: none}}\n"
+            "topics:\n  pay.a: {}\n  pay.b: {delayed_delivery: {by_key: replace}}\n  other: {}\n",
+        )
+    )
+    assert policies.topics["pay.a"].delay.by_key == Sourced("none", "namespace:pay")
+    assert policies.topics["pay.b"].delay.by_key == Sourced("replace", "topic")
+    assert policies.topics["other"].delay.by_key == Sourced("replace", "defaults")
+    assert [t for t, r in policies.topics.items() if r.delay.keyed] == ["pay.b", "other"]
+    assert not load_policies(write_yaml("q.yaml", "topics:\n  a: {}\n")).topics["a"].delay.keyed

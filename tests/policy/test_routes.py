@@ -31,3 +31,16 @@ def test_rules_round_trip_and_compare_by_value(tmp_path: Path) -> None:
     assert offset == 17 and decoded is not None and decoded.key == rule.key
     assert routes.rule(None).key != rule.key
     assert IntakeRule.decode([1, 2]) is None and IntakeRule.decode("x") is None
+
+
+def test_a_keyed_rule_has_a_seventh_item_and_the_others_keep_six(tmp_path: Path) -> None:
+    plain = routes_of(tmp_path, "topics:\n  orders:\n    subscriptions: {a: {}}\n").rule(None)
+    keyed = routes_of(
+        tmp_path, "topics:\n  orders:\n    delayed_delivery: {by_key: replace}\n    subscriptions: {a: {}}\n"
+    ).rule(None)
+    assert len(plain.encode(3)) == 6 and keyed.encode(3)[6:] == [1]
+    assert plain.key != keyed.key
+    for rule in (plain, keyed):
+        offset, decoded = IntakeRule.decode(rule.encode(3)) or (None, None)
+        assert offset == 3 and decoded is not None and decoded.key == rule.key and decoded.keyed == rule.keyed
+    assert IntakeRule.decode([*keyed.encode(3)[:6], "x"]) is None

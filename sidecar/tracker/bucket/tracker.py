@@ -39,12 +39,14 @@ from pyroaring import BitMap64
 
 from sidecar.clock import Clock
 from sidecar.errors import ConfigError, StorageError
+from sidecar.policy.by_key import KeyIndex
 from sidecar.tracker.base import DelayedDeliveryTracker, Due, due_of
 from sidecar.tracker.bucket.buckets import SealedBuckets
 from sidecar.tracker.bucket.immutable import NO_KEY, ImmutableBucket
 from sidecar.tracker.bucket.mutable import NO_AT, MutableBucket
 from sidecar.tracker.bucket.stats import NullListener, TrackerListener, TrackerStats
 from sidecar.tracker.bucket.store import PartitionStore, release_memory
+from sidecar.tracker.keys import StoredKeys
 from sidecar.tracker.storage.base import KEY_SHIFT, OFFSET_MASK, BucketWrite, SnapshotBatch, SnapshotStorage
 
 logger = logging.getLogger(__name__)
@@ -96,6 +98,8 @@ class BucketTracker(DelayedDeliveryTracker):
         self._step = time_step_ms
         self._max_per_segment = max_indexes_per_segment
         self._rewrite_ratio = bitmap_rewrite_ratio
+        self._storage, self._partition = storage, partition
+        self._stored_keys: StoredKeys | None = None
         self._store = PartitionStore(
             storage,
             partition,
@@ -467,9 +471,13 @@ class BucketTracker(DelayedDeliveryTracker):
         for bucket, write in rewrites:
             batch.buckets.append(write)
             batch.delete_segments.append((bucket.bucket_id, bucket.meta.first_segment, bucket.segment))
+        if self._stored_keys is not None:
+            batch.keys = self._stored_keys.take_unwritten()
         try:
             store.write(batch)
         except StorageError:
+            if self._stored_keys is not None:
+                self._stored_keys.unwritten_back(batch.keys)
             return
         store.durable_cursor, store.delivered_through, store.lineage = index_cursor, popped, lineage
         if chunk is not None:
@@ -486,7 +494,15 @@ class BucketTracker(DelayedDeliveryTracker):
             return
         self._sealed.merge_over_limit(self._popped, force=True)
 
+    def key_index(self) -> KeyIndex:
+        """In the state dir's RocksDB, under the partition's prefix (tracker/keys.py)."""
+        if self._stored_keys is None:
+            self._stored_keys = StoredKeys(self._storage, self._partition)
+        return self._stored_keys
+
     def clear(self) -> None:
+        super().clear()
+        self._stored_keys = None
         self._store.delivered_through = 0
         self._reset_memory()
         self._store.clear()

@@ -1,0 +1,70 @@
+"""The keyed step of intake (`by_key: replace`): which pending record each new record replaces.
+
+Live intake and a rebuild both call it with a partition's records in offset order, every one of
+them (the sidecar's own records included: they move the clock), so both decide alike
+(policy/by_key.py has the rule). A replaced record stays in the index and comes out at its time
+to nobody (outbound/delivery.py); a tombstone that cancels is not delivered to the delayed
+subscriptions. Ordered subscriptions (exclusive, failover) take every record at once, in log
+order, as on any topic: nothing is pending for them.
+"""
+
+from collections.abc import Sequence
+
+from confluent_kafka import Message
+
+from sidecar.metrics import Metrics
+from sidecar.partitions.keyed import KeyedPartition
+from sidecar.partitions.state import PartitionState
+from sidecar.policy.intake import Fate
+from sidecar.policy.routes import IntakeRule
+
+
+def keyed_of(state: PartitionState) -> KeyedPartition:
+    """The partition's keyed state, started at the first record read under a keyed rule."""
+    if state.keyed is None:
+        state.keyed = KeyedPartition(state.tracker.key_index())
+    return state.keyed
+
+
+def is_keyed(state: PartitionState, rule: IntakeRule) -> bool:
+    """Records under `rule` go through the keyed step: the rule is keyed, or an earlier one was
+    (its pending records wait on the clock, which every record moves)."""
+    return rule.keyed or state.keyed is not None
+
+
+def stamp(record: Message) -> int:
+    """The record's log timestamp, as the rule reads it (0 for a record without one)."""
+    timestamp: int = record.timestamp()[1]
+    return max(timestamp, 0)
+
+
+class KeyedIntake:
+    def __init__(self, metrics: Metrics) -> None:
+        self._metrics = metrics
+
+    def note(self, state: PartitionState, records: Sequence[Message]) -> None:
+        """Records that are not messages (cancels' requests and facts, clock records)."""
+        keyed = keyed_of(state)
+        for record in records:
+            keyed.note(record.offset(), stamp(record))
+
+    def decide(
+        self, state: PartitionState, rule: IntakeRule, records: Sequence[Message], fates: list[Fate]
+    ) -> list[bool]:
+        """For each record, whether it is delivered at all (False: a tombstone that cancels, under
+        a keyed rule). Offsets it replaces are set aside in the partition's keyed state."""
+        keyed = keyed_of(state)
+        before = len(keyed.replaced)
+        delivered: list[bool] = []
+        for record, fate in zip(records, fates, strict=True):
+            offset = record.offset()
+            if not rule.keyed or fate.rejected is not None:
+                keyed.note(offset, stamp(record))  # a dead-lettered record replaces nothing
+                delivered.append(True)
+                continue
+            verdict = keyed.take(offset, stamp(record), record.key(), record.value() is None, fate.deliver_at)
+            delivered.append(verdict.deliver)
+        replaced = len(keyed.replaced) - before
+        if replaced:
+            self._metrics.child(self._metrics.replaced, state.topic).inc(replaced)
+        return delivered

@@ -1,0 +1,72 @@
+"""What a partition of a keyed topic (`by_key: replace`) keeps beside its index.
+
+- the key step (policy/by_key.py): the key index and the clock of the rule;
+- the offsets replaced while still in the index: they come out at their time and go to nobody
+  (the index is shared and is not edited in place, as with cancels);
+- when the sidecar last wrote a clock record to the partition, so that an idle partition's due
+  entries are let through by a timestamp the log holds (the gate of by_key.py).
+
+None of it outlives the member: a partition that holds keyed records is read again from its
+earliest pending record when its next owner starts (PartitionState.start), which puts all of it
+back, decided the same way, from the log alone.
+"""
+
+from pyroaring import BitMap64
+
+from sidecar.policy.by_key import KeyIndex, KeyStep, Verdict
+
+CLOCK_RETRY_MS = 1_000
+"""A clock record not read back within this long is written again (lost with an aborted
+transaction, or stamped by a broker whose LogAppendTime lags the due time)."""
+
+
+class KeyedPartition:
+    def __init__(self, index: KeyIndex) -> None:
+        self.step = KeyStep(index)
+        self.replaced = BitMap64()
+        self.clock_sent_ms: int | None = None
+        """When the last clock record was written, until a record at least that new is read."""
+
+    def take(self, offset: int, timestamp: int, key: bytes | None, tombstone: bool, deliver_at: int | None) -> Verdict:
+        verdict = self.step.take(offset, timestamp, key, tombstone, deliver_at)
+        if verdict.replaced is not None:
+            self.replaced.add(verdict.replaced)
+        self._read(timestamp)
+        return verdict
+
+    def note(self, offset: int, timestamp: int) -> None:
+        """A record that is not a keyed message (the sidecar's own, or judged by another rule): it
+        moves the clock all the same."""
+        self.step.note(offset, timestamp)
+        self._read(timestamp)
+
+    def _read(self, timestamp: int) -> None:
+        if self.clock_sent_ms is not None and timestamp >= self.clock_sent_ms:
+            self.clock_sent_ms = None
+
+    def gate(self, now_ms: int) -> int:
+        """Entries due at this time or earlier may go (by_key.KeyStep.due_through)."""
+        return self.step.due_through(now_ms)
+
+    def popped(self, offset: int) -> bool:
+        """An entry came out of the index: True when it was replaced (it goes to nobody)."""
+        if offset in self.replaced:
+            self.replaced.discard(offset)
+            return True
+        return False
+
+    def wants_clock(self, next_due: int | None, now_ms: int) -> bool:
+        """A clock record is needed: an entry is due by the wall clock but not by the log's, and
+        none is on its way (or the last one is overdue)."""
+        if next_due is None or next_due > now_ms or next_due <= self.gate(now_ms):
+            return False
+        sent = self.clock_sent_ms
+        return sent is None or now_ms - sent >= CLOCK_RETRY_MS
+
+    def forget_below(self, offset: int) -> None:
+        """Nothing below `offset` is pending any more: the clock need not answer from there, and a
+        replaced offset there will not come out of the index (a rebuild sets aside again the ones
+        below the committed watermark, which it does not index)."""
+        self.step.clock.forget_below(offset)
+        if self.replaced and self.replaced.min() < offset:
+            self.replaced.remove_range(0, offset)

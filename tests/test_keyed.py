@@ -1,0 +1,245 @@
+"""Keyed topics (`by_key: replace`) on a real broker: the newest record per key is delivered, once.
+
+Every record of a key but the newest is produced while the older one is pending, so the rule of
+policy/by_key.py says the older one is replaced; the boundary test sets timestamps by hand to put
+a record exactly at the due time in between. Deliveries are counted per value (a Counter: a
+duplicate fails), read to each topic's end once the last expected delivery is there: a replaced
+record falls due before the record that replaced it (same deliver-at, lower offset), so by then it
+has come out of the index, to nobody or, wrongly, to the subscription.
+"""
+
+import time
+from collections import Counter
+from pathlib import Path
+from typing import NamedTuple
+
+import pytest
+
+from sidecar.broker.ports import free_port
+from sidecar.control.cancels import COMMAND_BY
+from tests.kafka_helpers import (
+    KafkaHelper,
+    PolicyFile,
+    Received,
+    SidecarProcess,
+    TopicFactory,
+    committed,
+    early,
+    run_args,
+    scrape,
+    start_serving,
+    wait_for,
+)
+
+pytestmark = pytest.mark.fallback
+
+GUARANTEES = ["at-least-once", "exactly-once"]
+
+
+def keyed_policy(topic: str) -> str:
+    return f"""
+topics:
+  {topic}:
+    delayed_delivery: {{by_key: replace}}
+    subscriptions:
+      billing: {{}}
+      audit: {{type: exclusive}}
+"""
+
+
+def delivered(kafka_helper: KafkaHelper, outbound: str) -> list[Received]:
+    """What a read_committed consumer of `outbound` reads, to its end."""
+    return kafka_helper.read_to_end(outbound, committed_only=True)
+
+
+def values(records: list[Received]) -> Counter[bytes | None]:
+    return Counter(r.value for r in records)
+
+
+class ByTheRule(NamedTuple):
+    delivered: Counter[bytes | None]
+    """Values the subscriptions that honour delays get."""
+    replaced: int
+    """Delayed records replaced by a newer record of their key (a tombstone included)."""
+
+
+def by_the_rule(log: list[Received]) -> ByTheRule:
+    """The contract's rule applied to the inbound partition as it is, the sidecar's own records
+    included (their timestamps count): a delayed record is replaced by the next record of its key
+    unless a record from it to that one is stamped at or past its deliver-at; a tombstone is not
+    delivered; records without a key are. The test's oracle, written apart from the sidecar's."""
+    log = sorted(log, key=lambda r: r.offset)
+    delivered: Counter[bytes | None] = Counter()
+    replaced = 0
+    for i, record in enumerate(log):
+        if record.wire and record.wire[0][0] == COMMAND_BY:  # the sidecar's own
+            continue
+        at = record.headers.get("deliver-at")
+        later = [j for j in range(i + 1, len(log)) if log[j].key == record.key] if record.key else []
+        if at is not None and later and max(r.timestamp for r in log[i : later[0] + 1]) < int(at):
+            replaced += 1
+            continue
+        if record.key is None or record.value is not None:  # a tombstone is not delivered
+            delivered[record.value] += 1
+    return ByTheRule(delivered, replaced)
+
+
+def settled(kafka_helper: KafkaHelper, topic: str) -> tuple[list[Received], ByTheRule]:
+    """Once billing holds everything the rule says it gets: what it holds, and the rule's answer."""
+    found: list[tuple[list[Received], ByTheRule]] = []
+
+    def there() -> bool:
+        rule = by_the_rule(kafka_helper.read_to_end(topic))
+        billing = delivered(kafka_helper, f"{topic}.billing")
+        found[:] = [(billing, rule)]
+        return not rule.delivered - values(billing)
+
+    wait_for(there, 90, f"{topic}.billing: what the rule says delivered")
+    return found[0]
+
+
+class Producer:
+    """Records of one partition, each value naming what it is; deliver-at shared by the delayed ones."""
+
+    def __init__(self, kafka_helper: KafkaHelper, topic: str, deliver_at: int) -> None:
+        self.helper, self.topic, self.deliver_at = kafka_helper, topic, deliver_at
+        self.count = 0
+
+    def send(self, key: bytes | None, value: bytes | None, delayed: bool = True, timestamp: int = 0) -> None:
+        headers = [("deliver-at", str(self.deliver_at))] if delayed else []
+        self.helper.producer.produce(self.topic, value, key, headers=headers, partition=0, timestamp=timestamp)
+        self.count += 1
+
+    def flush(self) -> None:
+        self.helper.flush()
+
+
+def first_words(p: Producer) -> None:
+    """Before any restart: replaced, cancelled by a tombstone, replaced by a record due now, kept,
+    unkeyed, and one (e1) left pending for a replacement that comes later."""
+    p.send(b"a", b"a1")
+    p.send(b"a", b"a2")
+    p.send(b"b", b"b1")
+    p.send(b"b", None)  # tombstone: cancels b1, delivered to nobody that honours delays
+    p.send(b"c", b"c1")
+    p.send(b"c", b"c2", delayed=False)  # due now: c1 is replaced, c2 goes at once
+    p.send(b"d", b"d1")
+    p.send(None, b"n1")
+    p.send(None, b"n2")
+    p.send(b"e", b"e1")
+    p.flush()
+
+
+@pytest.mark.parametrize("guarantee", GUARANTEES)
+def test_the_newest_record_per_key_is_delivered_once(
+    guarantee: str, kafka: str, kafka_helper: KafkaHelper, topic_factory: TopicFactory, policy_file: PolicyFile,
+    tmp_path: Path,
+) -> None:  # fmt: skip
+    topic = topic_factory("keyed")
+    port = free_port()
+    args = run_args(kafka, policy_file(keyed_policy(topic)), tmp_path / "state", port, f"k-{topic}",
+                    "--processing-guarantee", guarantee)  # fmt: skip
+    sidecar = SidecarProcess(args, tmp_path / "sidecar.log")
+    try:
+        start_serving(sidecar, port)
+        p = Producer(kafka_helper, topic, int(time.time() * 1000) + 6_000)
+        first_words(p)
+        p.send(b"e", b"e2")  # e1 replaced after all
+        p.flush()
+        billing, rule = settled(kafka_helper, topic)
+        assert values(billing) == rule.delivered, sidecar.tail()
+        assert not early([r for r in billing if r.headers.get("deliver-at")]), "delivered early"
+        # An ordered subscription ignores delays and keys: every record at once, in log order.
+        audit = delivered(kafka_helper, f"{topic}.audit")
+        assert [r.value for r in audit] == [b"a1", b"a2", b"b1", None, b"c1", b"c2", b"d1", b"n1", b"n2", b"e1", b"e2"]
+        assert scrape(port, "delay_sidecar_messages_replaced_total", topic=topic) == rule.replaced
+        assert sidecar.stop() == 0
+    finally:
+        sidecar.close()
+
+
+@pytest.mark.parametrize("guarantee", GUARANTEES)
+@pytest.mark.parametrize("state", ["kept", "lost"])
+def test_replacements_are_decided_the_same_after_kill_9(
+    guarantee: str, state: str, kafka: str, kafka_helper: KafkaHelper, topic_factory: TopicFactory,
+    policy_file: PolicyFile, tmp_path: Path,
+) -> None:  # fmt: skip
+    """Killed once everything is read and committed, nothing due yet; started again on its state
+    dir or on an empty one (same instance id, as a pod that lost its volume). The keys read before
+    the kill still decide what comes after it."""
+    topic = topic_factory("keyedkill")
+    port = free_port()
+    group = f"k-{topic}"
+    policies = policy_file(keyed_policy(topic))
+
+    def process(state_dir: str) -> SidecarProcess:
+        args = run_args(kafka, policies, tmp_path / state_dir, port, group, "--processing-guarantee", guarantee,
+                        "--instance-id", group)  # fmt: skip
+        return SidecarProcess(args, tmp_path / "sidecar.log")
+
+    first = process("state")
+    second = process("state" if state == "kept" else "other")
+    try:
+        start_serving(first, port)
+        p = Producer(kafka_helper, topic, int(time.time() * 1000) + 20_000)
+        first_words(p)
+        wait_for(lambda: committed(kafka, group, topic, 1)[0][0] >= p.count, 30, "read and committed")
+        first.kill()
+        start_serving(second, port)
+        p.send(b"e", b"e2")  # replaces e1, which only the log read before the kill put in the index
+        p.send(b"d", None)  # cancels d1
+        p.flush()
+        billing, rule = settled(kafka_helper, topic)
+        # At least once too: c2, sent at once, went before the commit that covered it.
+        assert values(billing) == rule.delivered, second.tail()
+        assert not early([r for r in billing if r.headers.get("deliver-at")]), "delivered early"
+        assert second.stop() == 0
+    finally:
+        first.close()
+        second.close()
+
+
+@pytest.mark.parametrize("guarantee", GUARANTEES)
+def test_at_the_boundary_a_timestamp_at_the_due_time_keeps_the_old_record(
+    guarantee: str, kafka: str, kafka_helper: KafkaHelper, topic_factory: TopicFactory, policy_file: PolicyFile,
+    tmp_path: Path,
+) -> None:  # fmt: skip
+    """The rule of the contract: a record replaces its key's pending one unless a record between
+    them is stamped at or past the pending one's deliver-at. Stamps set by hand (CreateTime): one
+    millisecond before the due time between x1 and x2, the due time itself between y1 and y2."""
+    topic = topic_factory("keyededge")
+    port = free_port()
+    args = run_args(kafka, policy_file(keyed_policy(topic)), tmp_path / "state", port, f"k-{topic}",
+                    "--processing-guarantee", guarantee)  # fmt: skip
+    sidecar = SidecarProcess(args, tmp_path / "sidecar.log")
+    try:
+        start_serving(sidecar, port)
+        now = int(time.time() * 1000)
+        due = now + 5_000
+        p = Producer(kafka_helper, topic, due)
+        p.send(b"x", b"x1", timestamp=now)
+        p.send(None, b"tick-before", delayed=False, timestamp=due - 1)
+        p.send(b"x", b"x2", timestamp=now)
+        p.send(b"y", b"y1", timestamp=now)
+        p.send(None, b"tick-at", delayed=False, timestamp=due)
+        p.send(b"y", b"y2", timestamp=now)
+        p.flush()
+        billing, rule = settled(kafka_helper, topic)
+        # The stamps are the producer's: the rule's answer does not depend on the machine's speed.
+        assert rule.delivered == Counter([b"x2", b"y1", b"y2", b"tick-before", b"tick-at"])
+        assert values(billing) == rule.delivered, sidecar.tail()
+        # On an idle partition z1 goes once the sidecar's own record stamped at its time is in the
+        # log; z2, stamped before that time by a producer whose clock lags, comes after it and
+        # replaces nothing. Without that record the rule would say z2 replaced z1, delivered already.
+        stamp = int(time.time() * 1000)
+        Producer(kafka_helper, topic, stamp + 2_000).send(b"z", b"z1", timestamp=stamp)
+        kafka_helper.flush()
+        wait_for(lambda: b"z1" in values(delivered(kafka_helper, f"{topic}.billing")), 60, "z1 delivered")
+        Producer(kafka_helper, topic, stamp + 2_000).send(b"z", b"z2", timestamp=stamp)
+        kafka_helper.flush()
+        billing, rule = settled(kafka_helper, topic)
+        assert rule.delivered[b"z1"] == rule.delivered[b"z2"] == 1
+        assert values(billing) == rule.delivered, sidecar.tail()
+        assert sidecar.stop() == 0
+    finally:
+        sidecar.close()
