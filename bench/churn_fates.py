@@ -13,6 +13,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from bench.chaos import CONTROL, Plan, SparkAudit, read_all
+from sidecar.control.cancels import COMMAND_BY
 from sidecar.outbound.records import read_delivery
 
 TOPICS: dict[str, tuple[str, ...]] = {"steady": ("a", "b"), "removable": ("a",), "late": ("a",), "capped": ("a",)}
@@ -139,7 +140,8 @@ def count(
             fates.answers_repeated_allowed += 1
         elif len(said) != 1:
             fates.cancels_not_answered_once += 1
-            fates.examples.append(f"cancel {command_id} of steady/{origin[0]}/{origin[1]} answered {said}")
+            trail = _trail(bootstrap, origin)
+            fates.examples.append(f"cancel {command_id} of steady/{origin[0]}/{origin[1]} answered {said}; {trail}")
 
     def extra(first_ms: list[int], name: str) -> None:
         """Count a record's copies past the first, at least once allowed near a fault."""
@@ -213,6 +215,24 @@ def count(
                         fates.lost[name] = fates.lost.get(name, 0) + 1
     del fates.examples[20:]
     return fates
+
+
+def _trail(bootstrap: str, origin: tuple[int, int]) -> str:
+    """The requests and facts about one record in its partition, with the offset, timestamp and
+    what each says: which owner decided what, once or twice (read uncommitted, aborted ones too)."""
+    partition, offset = origin
+    found = []
+    for m in read_all(bootstrap, "steady", committed_only=False):
+        headers = m.headers() or []
+        if m.partition() != partition or len(headers) < 2 or headers[0][0] != COMMAND_BY:
+            continue
+        try:
+            data = json.loads(headers[1][1] or b"")
+        except ValueError:
+            continue
+        if data.get("offset") == offset or data.get("origin") == offset:
+            found.append(f"{headers[1][0]}@{m.offset()} t={m.timestamp()[1]} {json.dumps(data)}")
+    return "requests and facts: " + (" | ".join(found) or "none")
 
 
 def _near(ms: int, windows: list[tuple[float, float]]) -> bool:

@@ -12,7 +12,7 @@ One thread keeps the commit rule simple to state and to check (see checkpoint.py
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -482,7 +482,7 @@ class Sidecar:
         start = 0
         while start < len(records):
             if start:
-                self._dispatch_due(read_ahead=False)
+                self._dispatch_due(read_ahead=False, untaken=records[start:])
             first = records[start]
             control = self._controls.is_control(first.topic())
             size = CONTROL_SLICE if control else INTAKE_SLICE
@@ -492,8 +492,9 @@ class Sidecar:
                 self._checkpoints.journal(self._assignment.states.get((first.topic(), first.partition())))
         self._redelivery.release()  # nacks held for one read back of their payloads: before any checkpoint
 
-    def _dispatch_due(self, read_ahead: bool = True) -> None:
-        self._holds.release()
+    def _dispatch_due(self, read_ahead: bool = True, untaken: Sequence[Message] = ()) -> None:
+        """`untaken`: between two slices of a batch, the records still to take (holds.py)."""
+        self._holds.release(untaken)
         states = self._delivering()
         if not self._redelivery.dispatch_due([s for s in states if s.control]):
             self._stalled_until = time.monotonic() + STALL_WAIT_S
