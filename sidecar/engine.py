@@ -232,7 +232,9 @@ class Sidecar:
             self._copy_origins,
         )
         outcomes = Outcomes(writer, metrics)
-        forwarding = Forwarding(group_id, writer, self._reader, self._current_routes, outcomes, clock, controls)
+        forwarding = Forwarding(
+            group_id, writer, self._reader, self._current_routes, outcomes, clock, controls, lambda: self._admin.partitions
+        )
         self._acceptance = Acceptance(
             controls, group_id, writer, self._reader, states, self._current_routes, self._nacks, metrics, clock,
             forwarding,

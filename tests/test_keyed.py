@@ -8,15 +8,19 @@ record falls due before the record that replaced it (same deliver-at, lower offs
 has come out of the index, to nobody or, wrongly, to the subscription.
 """
 
+import base64
+import json
 import time
 from collections import Counter
 from pathlib import Path
 from typing import NamedTuple
 
 import pytest
+from confluent_kafka import Producer as ConfluentProducer
 
 from sidecar.broker.ports import free_port
 from sidecar.control.cancels import COMMAND_BY
+from sidecar.control.key_partitions import java_partition, librdkafka_partition
 from tests.kafka_helpers import (
     KafkaHelper,
     PolicyFile,
@@ -243,3 +247,100 @@ def test_at_the_boundary_a_timestamp_at_the_due_time_keeps_the_old_record(
         assert sidecar.stop() == 0
     finally:
         sidecar.close()
+
+
+def keys_placed(crc_lower: bool, count: int) -> list[bytes]:
+    """Keys whose two default partitions (librdkafka's CRC-32, Java's murmur2) differ on 4
+    partitions, with librdkafka's the lower or the higher one. A command by key asks the lower one
+    first: a record in the higher one is found only once the request is passed on."""
+    found: list[bytes] = []
+    i = 0
+    while len(found) < count:
+        key = f"key-{i}".encode()
+        crc, java = librdkafka_partition(key, 4), java_partition(key, 4)
+        if crc != java and (crc < java) == crc_lower:
+            found.append(key)
+        i += 1
+    return found
+
+
+@pytest.mark.parametrize("guarantee", GUARANTEES)
+def test_commands_by_key_find_the_record_whichever_partitioner_placed_it(
+    guarantee: str, kafka: str, kafka_helper: KafkaHelper, topic_factory: TopicFactory, policy_file: PolicyFile,
+    tmp_path: Path,
+) -> None:  # fmt: skip
+    topic, plain = topic_factory("keyedcmd", partitions=4), topic_factory("plain")
+    control = f"ctl-{topic}"
+    policies = policy_file(keyed_policy(topic) + f"    control_topic: {control}\n  {plain}:\n"
+                           f"    control_topic: {control}\n    subscriptions: {{billing: {{}}}}\n")  # fmt: skip
+    port = free_port()
+    args = run_args(kafka, policies, tmp_path / "state", port, f"k-{topic}", "--processing-guarantee", guarantee,
+                    "--control-topic", control)  # fmt: skip
+    sidecar = SidecarProcess(args, tmp_path / "sidecar.log")
+    java = ConfluentProducer({"bootstrap.servers": kafka, "partitioner": "murmur2_random"})
+    commands = ConfluentProducer({"bootstrap.servers": kafka})
+    try:
+        start_serving(sidecar, port)
+        now = int(time.time() * 1000)
+        due, sooner = now + 10_000, now + 4_000
+        # Found in the first partition asked (librdkafka's, the lower); in the second, passed on to:
+        # librdkafka's the higher, and Java's the higher.
+        [low, keep, java_key], [high] = keys_placed(True, 3), keys_placed(False, 1)
+        binary, moved = b"\xff\x00key", b"moved"
+        headers = [("deliver-at", str(due))]
+        for key in (low, keep, high, binary, moved):
+            kafka_helper.producer.produce(topic, b"v-" + key, key, headers=headers)  # librdkafka's partitioner
+        java.produce(topic, b"v-" + java_key, java_key, headers=headers)  # Java's (murmur2)
+        kafka_helper.flush()
+        java.flush(10)
+
+        def send(body: dict[str, object]) -> None:
+            commands.produce(control, json.dumps({"v": 1, **body}).encode(), key=str(body["id"]).encode())
+
+        send({"type": "cancel", "topic": topic, "key": low.decode(), "id": "low"})
+        send({"type": "cancel", "topic": topic, "key": high.decode(), "id": "high"})
+        send({"type": "cancel", "topic": topic, "key": java_key.decode(), "id": "java"})
+        send({"type": "cancel", "topic": topic, "key_base64": base64.b64encode(binary).decode(), "id": "binary"})
+        send({"type": "reschedule", "topic": topic, "key": "moved", "deliver_at": sooner, "id": "moved"})
+        send({"type": "cancel", "topic": topic, "key": "nobody", "id": "nobody"})
+        send({"type": "cancel", "topic": plain, "key": "x", "id": "plain"})
+        commands.flush(10)
+        answered = lambda: sum(map(len, answers(kafka_helper, control).values())) >= 7  # noqa: E731
+        wait_for(answered, 60, "seven answers")
+        got = answers(kafka_helper, control)
+        assert {k: len(v) for k, v in got.items()} == dict.fromkeys(
+            ["low", "high", "java", "binary", "moved", "nobody", "plain"], 1
+        )
+        log = [r for r in kafka_helper.read_to_end(topic) if not (r.wire and r.wire[0][0] == COMMAND_BY)]
+        where = {r.key: (r.partition, r.offset) for r in log}
+        # Where the producers put them: the second partition asked, for `high` and `java_key`.
+        assert where[high][0] == librdkafka_partition(high, 4) > java_partition(high, 4)
+        assert where[java_key][0] == java_partition(java_key, 4) > librdkafka_partition(java_key, 4)
+        for name, key in (("low", low), ("high", high), ("java", java_key), ("binary", binary)):
+            [answer] = got[name]
+            assert (answer["outcome"], answer["partition"], answer["offset"]) == ("cancelled", *where[key]), answer
+        assert got["binary"][0]["key_base64"] == base64.b64encode(binary).decode()
+        assert got["low"][0]["key"] == low.decode()
+        [answer] = got["moved"]
+        assert (answer["outcome"], answer["partition"], answer["offset"]) == ("rescheduled", *where[moved])
+        [answer] = got["nobody"]
+        assert answer["outcome"] == "unknown-message" and answer.get("partition") is None, answer
+        [answer] = got["plain"]
+        assert (answer["outcome"], answer["code"]) == ("rejected", "NOT_KEYED"), answer
+        wait_for(lambda: values(delivered(kafka_helper, f"{topic}.billing"))[b"v-" + keep] == 1, 60, "the kept one")
+        billing = delivered(kafka_helper, f"{topic}.billing")
+        assert values(billing) == Counter([b"v-moved", b"v-" + keep]), sidecar.tail()
+        [moved_out] = [r for r in billing if r.value == b"v-moved"]
+        assert sooner <= moved_out.timestamp < due, "delivered at its new time"
+        assert sidecar.stop() == 0
+    finally:
+        sidecar.close()
+
+
+def answers(kafka_helper: KafkaHelper, control: str) -> dict[str, list[dict[str, object]]]:
+    """Outcome records by command id, every one kept (a second answer fails the count)."""
+    found: dict[str, list[dict[str, object]]] = {}
+    for record in kafka_helper.read_to_end(f"{control}.outcomes"):
+        data = json.loads(record.value or b"")
+        found.setdefault(str(data.get("id")), []).append(data)
+    return found

@@ -19,6 +19,8 @@ Every record the sidecar writes to an inbound partition starts with the header `
 naming its consumer group, so other groups, the audit and the intake skip it.
 """
 
+import base64
+import binascii
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -68,11 +70,15 @@ DELAYS_DISABLED = "DELAYS_DISABLED"
 NOT_DELAYED = "NOT_DELAYED"
 DEAD_LETTERED = "DEAD_LETTERED"
 ALREADY_CANCELLED = "ALREADY_CANCELLED"
+NOT_KEYED = "NOT_KEYED"
+"""A command by key for a topic whose records are not kept by key (`by_key: replace`)."""
 WRONG_CONTROL_TOPIC = "WRONG_CONTROL_TOPIC"
 """Nacks too: the topic has a control topic of its own and the command came on another (topics.py)."""
 
 _MAX_TOPIC_LENGTH = 249
 _MAX_ID_LENGTH = 256
+MAX_KEY_BYTES = 4096
+"""Longest key a command may name a message by: its request carries it to the inbound partition."""
 
 
 @dataclass(frozen=True)
@@ -84,11 +90,14 @@ class CommandRef:
     partition: int | None
     offset: int | None
     id: str | None
+    key: bytes | None = None
 
 
 @dataclass(frozen=True)
 class MessageCommand:
-    """A cancel or reschedule of one message (topic, partition, offset)."""
+    """A cancel or reschedule of one message: (topic, partition, offset), or, on a keyed topic, the
+    key's pending record (`key`; partition and offset are then -1 until its partition's owner
+    finds it)."""
 
     kind: Kind
     topic: str
@@ -100,9 +109,12 @@ class MessageCommand:
     """Chosen by the sender and copied into the outcome, to match the two."""
     deliver_at: int | None = None
     delay_ms: int | None = None
+    key: bytes | None = None
 
     @property
     def ref(self) -> CommandRef:
+        if self.key is not None:
+            return CommandRef(self.kind, self.topic, None, None, self.id, self.key)
         return CommandRef(self.kind, self.topic, self.partition, self.offset, self.id)
 
     def named(self, subscriptions: Iterable[str]) -> list[str]:
@@ -122,7 +134,13 @@ def parse_message_command(data: dict[str, Any]) -> MessageCommand:
     topic = text(data, "topic")
     if len(topic) > _MAX_TOPIC_LENGTH:
         raise invalid("'topic' is longer than any Kafka topic name")
-    partition, offset = count(data, "partition"), count(data, "offset")
+    key = message_key(data)
+    if key is None:
+        partition, offset = count(data, "partition"), count(data, "offset")
+    elif "partition" in data or "offset" in data:
+        raise invalid("name the message by 'key' or by 'partition' and 'offset', not both")
+    else:
+        partition = offset = -1
     subscription = text(data, "subscription") if "subscription" in data else None
     command_id = text(data, "id") if "id" in data else None
     if command_id is not None and len(command_id) > _MAX_ID_LENGTH:
@@ -132,7 +150,35 @@ def parse_message_command(data: dict[str, Any]) -> MessageCommand:
         delay_ms, deliver_at = when(data)
     elif "delay_ms" in data or "deliver_at" in data:
         raise invalid("a cancel takes no 'delay_ms' or 'deliver_at'; send a reschedule to move a message")
-    return MessageCommand(kind, topic, partition, offset, subscription, command_id, deliver_at, delay_ms)
+    return MessageCommand(kind, topic, partition, offset, subscription, command_id, deliver_at, delay_ms, key)
+
+
+def message_key(data: dict[str, Any]) -> bytes | None:
+    """The key a command names its message by: `key` (UTF-8 text) or `key_base64`; None for neither."""
+    if "key" in data and "key_base64" in data:
+        raise invalid("give 'key' or 'key_base64', not both")
+    if "key" in data:
+        key = text(data, "key").encode()
+    elif "key_base64" in data:
+        try:
+            key = base64.b64decode(text(data, "key_base64"), validate=True)
+        except binascii.Error:
+            raise invalid("'key_base64' is not base64 (RFC 4648, with padding)") from None
+        if not key:
+            raise invalid("'key_base64' must name a non-empty key")
+    else:
+        return None
+    if len(key) > MAX_KEY_BYTES:
+        raise invalid(f"the key is longer than {MAX_KEY_BYTES} bytes")
+    return key
+
+
+def key_fields(key: bytes) -> dict[str, str]:
+    """A key as the JSON of outcomes and requests carries it: `key` when it is UTF-8, else `key_base64`."""
+    try:
+        return {"key": key.decode()}
+    except UnicodeDecodeError:
+        return {"key_base64": base64.b64encode(key).decode()}
 
 
 def message_kind(raw: bytes | None) -> Kind | None:
@@ -174,6 +220,12 @@ class Request:
     nacks: tuple[str, ...] = ()
     """The subscriptions whose pending nack redelivery the control partition's owner cancelled or
     moved (they count as cancelled or rescheduled in the outcome, whatever the first delivery did)."""
+    by_key: bytes | None = None
+    """A command by key: the message is the key's pending record in this partition (`offset` is -1
+    until its owner finds it)."""
+    relay: int | None = None
+    """A command by key: the partition to ask next when this one holds no pending record of the key
+    (librdkafka's and Java's default partitioners place a key differently: key_partitions.py)."""
 
     def encode(self) -> bytes:
         data: dict[str, Any] = {
@@ -187,6 +239,9 @@ class Request:
         }
         if self.nacks:  # rare: only a cancel or reschedule of a nacked message
             data["nacks"] = list(self.nacks)
+        if self.by_key is not None:
+            data["by_key"] = base64.b64encode(self.by_key).decode()
+            data["relay"] = self.relay
         return _dump(data)
 
     @classmethod
@@ -207,8 +262,10 @@ class Request:
                 (control, int(source[-2]), int(source[-1])),
                 key.encode("latin-1") if isinstance(key, str) else None,
                 tuple(str(s) for s in data.get("nacks") or ()),
+                base64.b64decode(data["by_key"]) if "by_key" in data else None,
+                None if data.get("relay") is None else int(data["relay"]),
             )
-        except (KeyError, TypeError, ValueError, IndexError):
+        except (KeyError, TypeError, ValueError, IndexError, binascii.Error):
             return None
         return request if kind in KINDS else None
 
@@ -294,6 +351,8 @@ class OutcomeRecord:
     nacks: tuple[str, ...] = ()
     """cancelled / rescheduled: the subscriptions whose pending nack redelivery it took back or
     moved (their first delivery had gone out already)."""
+    message_key: bytes | None = None
+    """A command by key: the key it named (partition and offset say the record it found, if any)."""
 
     def encode(self) -> bytes:
         data: dict[str, Any] = {
@@ -306,6 +365,8 @@ class OutcomeRecord:
             "id": self.id,
             "command": {"topic": self.source[0], "partition": self.source[1], "offset": self.source[2]},
         }
+        if self.message_key is not None:
+            data.update(key_fields(self.message_key))
         optional: dict[str, Any] = {
             "subscriptions": list(self.subscriptions) or None,
             "too_late": list(self.too_late) or None,

@@ -3,11 +3,13 @@
 This owner checks what it can check alone (the topic, the subscription, the topic's policies, that
 the offset exists) and answers a refusal itself. The rest goes on as a request to the message's
 own inbound partition, whose owner decides in time or too late (cancels.py explains why there).
+A command by key goes to the first partition the key may be on; that partition's owner finds the
+key's pending record, or passes the request on to the other one (inbound/commands.py).
 Requests carry no payload: a reschedule's copy is read from the original when it falls due.
 """
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from confluent_kafka import Message
 
@@ -18,6 +20,7 @@ from sidecar.control.cancels import (
     EXCEEDS_MAX_DELAY,
     FIXED_DELAY_TOPIC,
     NOT_DELAYED,
+    NOT_KEYED,
     REJECTED,
     REQUEST,
     UNKNOWN_MESSAGE_OUTCOME,
@@ -28,6 +31,7 @@ from sidecar.control.cancels import (
     OutcomeRecord,
     Request,
 )
+from sidecar.control.key_partitions import key_partitions
 from sidecar.control.outcomes import Outcomes
 from sidecar.control.topics import ControlTopics
 from sidecar.dispatch.reader import LogReader, NoSuchPartition
@@ -55,7 +59,10 @@ class Forwarding:
         outcomes: Outcomes,
         clock: Clock,
         controls: ControlTopics,
+        partitions: Callable[[], Mapping[str, int]],
     ) -> None:
+        """`partitions`: the partition count of each topic (where a command by key may go)."""
+        self._partitions = partitions
         self._controls = controls
         self._group = group_id.encode()
         self._writer = writer
@@ -80,16 +87,27 @@ class Forwarding:
         except Refused as rejected:
             self.refuse(record, command.ref, REJECTED, rejected.code, rejected.message)
             return
+        source = (record.topic(), record.partition(), record.offset())
+        if command.key is not None:
+            first, *rest = key_partitions(command.key, self._partitions().get(command.topic, 1))
+            relay = rest[0] if rest else None
+            request = Request(command.kind, -1, command.subscription, command.id, deliver_at, source, record.key(),
+                              by_key=command.key, relay=relay)  # fmt: skip
+            self.send(command.topic, first, request)
+            return
         if not self._exists(command.topic, command.partition, command.offset):
             self.refuse(record, command.ref, UNKNOWN_MESSAGE_OUTCOME, None, "the partition has no such offset")
             return
-        source = (record.topic(), record.partition(), record.offset())
         nacks = take_nacks(record, command, deliver_at)
         request = Request(
             command.kind, command.offset, command.subscription, command.id, deliver_at, source, record.key(), nacks
         )
+        self.send(command.topic, command.partition, request)
+
+    def send(self, topic: str, partition: int, request: Request) -> None:
+        """A request to the inbound partition whose owner decides it."""
         headers: OutHeaders = [(COMMAND_BY, self._group), (REQUEST, request.encode())]
-        self._writer.send(command.topic, record.key(), None, headers, partition=command.partition)
+        self._writer.send(topic, request.key, None, headers, partition=partition)
 
     def refuse(self, record: Message, command: CommandRef, outcome: str, code: str | None, message: str) -> None:
         """Answer a command that goes no further (a malformed one: what could be read of it, `loose_command`)."""
@@ -105,6 +123,7 @@ class Forwarding:
                 (record.topic(), record.partition(), record.offset()),
                 code=code,
                 message=message,
+                message_key=command.key,
             ),
         )
         logger.info(
@@ -121,6 +140,12 @@ class Forwarding:
         routes = self._routes().get(command.topic)
         if routes is None:
             raise Refused(UNKNOWN_TOPIC, f"the sidecar serves no topic {command.topic!r}")
+        if command.key is not None and not routes.route.delay.keyed:
+            raise Refused(
+                NOT_KEYED,
+                f"{command.topic!r} is not keyed (by_key: replace), so no record is pending by key; "
+                "name the message by 'partition' and 'offset'",
+            )
         if command.subscription is not None:
             sub = routes.route.subscription(command.subscription)
             if sub is None:

@@ -13,11 +13,15 @@ requests it decided, and further on the facts it wrote for them. While the parti
 record reaches), those that no earlier fact names are decided, in log order, before anything is
 delivered, and before any request read past that end. Deciding them as they came had answered a
 cancel twice after a handoff (the churn bench, at least once).
+
+A request by key (a command that named its message by key, on a keyed topic) is for the key's
+newest record read before the request, found in the partition's key index; a partition that read
+no record of the key passes the request on to the other partition the key may be on.
 """
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from confluent_kafka import Message
 
@@ -136,6 +140,11 @@ class CommandStep:
         if request is None:
             logger.error("unreadable cancel or reschedule request skipped partition=%s offset=%d", state.name, offset)
             return
+        if request.by_key is not None and request.offset < 0:
+            found = self._by_key(state, offset, request)
+            if found is None:
+                return
+            request = found
         rule = state.rules.at(request.offset) or rule_of()
         tracker = state.tracker
         decision = with_taken_nacks(
@@ -157,17 +166,39 @@ class CommandStep:
             return
         self._answer(state, request, decision)
 
+    def _by_key(self, state: PartitionState, offset: int, request: Request) -> Request | None:
+        """A command by key, read at `offset`: the request for the key's newest record read before
+        it, when that record was delayed. Else the request goes on to the other partition the key
+        may be on, or, from the last one, is answered."""
+        assert request.by_key is not None
+        newest = state.keyed.newest(request.by_key) if state.keyed is not None else None
+        if newest is not None and newest[0] < offset and newest[1]:
+            return replace(request, offset=newest[0])
+        if newest is None and request.relay is not None and request.relay != state.partition:
+            headers: OutHeaders = [(COMMAND_BY, self._group), (REQUEST, replace(request, relay=None).encode())]
+            self._writer.send(state.topic, request.key, None, headers, partition=request.relay)
+            return None
+        if newest is None:
+            why = "no record of this key was read in the partitions it may be in"
+        elif newest[0] > offset:
+            why = f"a newer record of this key (offset {newest[0]}) replaced it before this command was decided"
+        else:
+            why = f"the newest record of this key (offset {newest[0]}) is not delayed"
+        self._answer(state, request, Decision(UNKNOWN_MESSAGE_OUTCOME, message=why))
+        return None
+
     def _answer(
         self, state: PartitionState, request: Request, decision: Decision, delivered_at: int | None = None
     ) -> None:
+        found = request.offset >= 0  # a command by key whose record was not found names none
         self._outcomes.send(
             request.key,
             OutcomeRecord(
                 decision.outcome,  # type: ignore[arg-type]
                 request.kind,
                 state.topic,
-                state.partition,
-                request.offset,
+                state.partition if found else None,
+                request.offset if found else None,
                 request.id,
                 request.source,
                 decision.subscriptions,
@@ -177,6 +208,7 @@ class CommandStep:
                 decision.code,
                 decision.message,
                 request.nacks if decision.outcome in (CANCELLED, RESCHEDULED) else (),
+                request.by_key,
             ),
         )
 

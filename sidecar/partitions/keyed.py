@@ -34,6 +34,14 @@ class KeyedPartition:
         self._read(timestamp)
         return verdict
 
+    def newest(self, key: bytes) -> tuple[int, bool] | None:
+        """(offset, delayed) of the key's newest record this state has read; None when it read none."""
+        entry = self.step.index.get(key)
+        start = self.step.start
+        if entry is None or start is None or entry.offset < start:
+            return None  # an entry left by an earlier reading of the log (by_key.KeyStep.start)
+        return entry.offset, entry.deliver_at is not None
+
     def note(self, offset: int, timestamp: int) -> None:
         """A record that is not a keyed message (the sidecar's own, or judged by another rule): it
         moves the clock all the same."""
