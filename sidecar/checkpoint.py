@@ -173,7 +173,7 @@ class Checkpoints:
             # A draining partition's index was cleared and stays so: a local index "complete and
             # empty" would hide from a restart the records its commit still says are pending.
             if state.drain_from is None:
-                tracker.checkpoint(state.next_offset, state.lineage)
+                tracker.checkpoint(state.next_offset, state.lineage, state.point_rules)
                 if not exact and tracker.durable and tracker.index_cursor() != state.next_offset:
                     point = None  # the index is not durable up to here: the commit must not pass it
             if state_topic is not None:

@@ -233,7 +233,14 @@ class Sidecar:
         )
         outcomes = Outcomes(writer, metrics)
         forwarding = Forwarding(
-            group_id, writer, self._reader, self._current_routes, outcomes, clock, controls, lambda: self._admin.partitions
+            group_id,
+            writer,
+            self._reader,
+            self._current_routes,
+            outcomes,
+            clock,
+            controls,
+            lambda: self._admin.partitions,
         )
         self._acceptance = Acceptance(
             controls, group_id, writer, self._reader, states, self._current_routes, self._nacks, metrics, clock,

@@ -344,3 +344,49 @@ def answers(kafka_helper: KafkaHelper, control: str) -> dict[str, list[dict[str,
         data = json.loads(record.value or b"")
         found.setdefault(str(data.get("id")), []).append(data)
     return found
+
+
+@pytest.mark.parametrize("guarantee", GUARANTEES)
+def test_a_reschedule_moves_the_time_the_rule_compares_with(
+    guarantee: str, kafka: str, kafka_helper: KafkaHelper, topic_factory: TopicFactory, policy_file: PolicyFile,
+    tmp_path: Path,
+) -> None:  # fmt: skip
+    """a1, moved later, is still pending when a2 comes: a2 replaces it and its copy goes to nobody.
+    b1, moved earlier, went out at its new time: b2 replaces nothing (with b1's first time the rule
+    would count b1 replaced, delivered already)."""
+    topic = topic_factory("keyedmove")
+    control = f"ctl-{topic}"
+    port = free_port()
+    args = run_args(kafka, policy_file(keyed_policy(topic)), tmp_path / "state", port, f"k-{topic}",
+                    "--processing-guarantee", guarantee, "--control-topic", control)  # fmt: skip
+    sidecar = SidecarProcess(args, tmp_path / "sidecar.log")
+    commands = ConfluentProducer({"bootstrap.servers": kafka})
+
+    def reschedule(key: str, deliver_at: int) -> None:
+        body = {"v": 1, "type": "reschedule", "topic": topic, "key": key, "deliver_at": deliver_at, "id": key}
+        commands.produce(control, json.dumps(body).encode(), key=key.encode())
+        commands.flush(10)
+        wait_for(lambda: key in answers(kafka_helper, control), 60, f"{key} answered")
+        assert answers(kafka_helper, control)[key][0]["outcome"] == "rescheduled"
+
+    try:
+        start_serving(sidecar, port)
+        now = int(time.time() * 1000)
+        Producer(kafka_helper, topic, now + 8_000).send(b"a", b"a1")
+        Producer(kafka_helper, topic, now + 60_000).send(b"b", b"b1")
+        kafka_helper.flush()
+        reschedule("a", now + 16_000)
+        reschedule("b", now + 3_000)
+        wait_for(lambda: b"b1" in values(delivered(kafka_helper, f"{topic}.billing")), 60, "b1 at its new time")
+        later = int(time.time() * 1000)
+        Producer(kafka_helper, topic, later + 2_000).send(b"a", b"a2")
+        Producer(kafka_helper, topic, later + 2_000).send(b"b", b"b2")
+        kafka_helper.flush()
+        wait_for(lambda: {b"a2", b"b2"} <= set(values(delivered(kafka_helper, f"{topic}.billing"))), 60, "a2, b2")
+        # a1's copy was due at now + 16 s: past it, it would have come.
+        wait_for(lambda: int(time.time() * 1000) > now + 17_000, 30, "a1's new time passed")
+        assert values(delivered(kafka_helper, f"{topic}.billing")) == Counter([b"b1", b"a2", b"b2"]), sidecar.tail()
+        assert scrape(port, "delay_sidecar_messages_replaced_total", topic=topic) == 1, "a1 alone"
+        assert sidecar.stop() == 0
+    finally:
+        sidecar.close()

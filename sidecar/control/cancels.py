@@ -162,7 +162,7 @@ def message_key(data: dict[str, Any]) -> bytes | None:
     elif "key_base64" in data:
         try:
             key = base64.b64decode(text(data, "key_base64"), validate=True)
-        except binascii.Error:
+        except ValueError:  # binascii.Error, or a character outside ASCII
             raise invalid("'key_base64' is not base64 (RFC 4648, with padding)") from None
         if not key:
             raise invalid("'key_base64' must name a non-empty key")
@@ -288,6 +288,9 @@ class Fact:
     suppress: tuple[tuple[int, str], ...]
     deliver_at: int | None = None
     subs: tuple[str, ...] = ()
+    key: bytes | None = None
+    """A reschedule on a keyed topic: the message's key, whose pending record it moved (the key
+    index takes the new time when the fact is read, live and in a rebuild alike)."""
 
     @property
     def copy(self) -> int | None:
@@ -302,6 +305,7 @@ class Fact:
                 "suppress": [list(p) for p in self.suppress],
                 "deliver_at": self.deliver_at,
                 "subs": list(self.subs),
+                **({"key_base64": base64.b64encode(self.key).decode()} if self.key is not None else {}),
             }
         )
 
@@ -315,8 +319,9 @@ class Fact:
                 tuple((int(c), str(s)) for c, s in data["suppress"]),
                 None if data["deliver_at"] is None else int(data["deliver_at"]),
                 tuple(str(s) for s in data["subs"]),
+                base64.b64decode(data["key_base64"]) if "key_base64" in data else None,
             )
-        except (KeyError, TypeError, ValueError):
+        except (KeyError, TypeError, ValueError, binascii.Error):
             return None
 
 

@@ -148,6 +148,12 @@ class Overrides:
         elif fact.deliver_at is not None:
             self._done[fact.copy] = fact.deliver_at
 
+    def take_copies(self, origin: int) -> list[int]:
+        """The pending copies of a message that a newer record of its key replaced: no longer
+        pending here (the caller sets them aside like the message itself)."""
+        taken = [copy for copy in self._carrier.get(origin, {}).values() if self.copies.pop(copy, None) is not None]
+        return taken
+
     def delivered_at(self, carrier: int) -> int | None:
         """A delivered copy's deliver-at (None: not a copy this table knows)."""
         return self._done.get(carrier)

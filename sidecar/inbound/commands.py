@@ -148,15 +148,18 @@ class CommandStep:
         rule = state.rules.at(request.offset) or rule_of()
         tracker = state.tracker
         decision = with_taken_nacks(
-            state.overrides.decide(offset, request, rule.delayed, tracker.contains), request.kind, request.nacks
+            state.overrides.decide(offset, request, rule.delayed, state.indexed), request.kind, request.nacks
         )
         fact = decision.fact
         if fact is not None:
+            if fact.copy is not None and state.keyed is not None:
+                fact = replace(fact, key=self._key_of(state, request))
             headers: OutHeaders = [(COMMAND_BY, self._group), (FACT, fact.encode())]
             self._writer.send(state.topic, request.key, None, headers, partition=state.partition)
             state.unread_facts.add(offset)
-            due = fact.copy is not None and not tracker.add(offset, fact.deliver_at or 0)
-            state.overrides.apply(fact, tracker.contains)
+            # On a keyed partition the copy waits for the clock like any entry (dispatch/gates.py).
+            due = fact.copy is not None and not tracker.add(offset, fact.deliver_at or 0, deliver_now=not state.keyed)
+            state.overrides.apply(fact, state.indexed)
             if due:  # rescheduled to now or the past: the copy goes out at once, read from the original
                 assert fact.deliver_at is not None
                 original = self._reader.read_one(state.topic, state.partition, request.offset)
@@ -165,6 +168,14 @@ class CommandStep:
             self._late.append(_Late(state, request, decision, rule))
             return
         self._answer(state, request, decision)
+
+    def _key_of(self, state: PartitionState, request: Request) -> bytes | None:
+        """The key of a rescheduled message on a keyed partition (a command by offset: read from the log)."""
+        if request.by_key is not None:
+            return request.by_key
+        message = self._reader.read_one(state.topic, state.partition, request.offset)
+        key: bytes | None = message.key() if message is not None else None
+        return key or None
 
     def _by_key(self, state: PartitionState, offset: int, request: Request) -> Request | None:
         """A command by key, read at `offset`: the request for the key's newest record read before
@@ -256,6 +267,9 @@ class CommandStep:
         if fact is None:
             logger.error("unreadable cancel or reschedule fact skipped partition=%s offset=%d", state.name, offset)
             return
+        keyed = state.keyed
+        if keyed is not None and fact.key is not None and fact.deliver_at is not None:
+            keyed.moved(fact.key, fact.origin, fact.deliver_at)  # where the fact is, live and rebuilt alike
         if live and fact.request in state.unread_facts:
             state.unread_facts.discard(fact.request)
             return  # ours: taken into the overrides when it was decided
@@ -263,7 +277,8 @@ class CommandStep:
             state.decided_earlier.add(fact.request)  # an earlier owner's: its request is not decided again
         pending = False
         copy, at = fact.copy, fact.deliver_at
-        if copy is not None and at is not None and (through is None or pack(at, copy) > through):
+        replaced = keyed is not None and fact.origin in keyed.replaced  # then its copy is not pending either
+        if copy is not None and at is not None and (through is None or pack(at, copy) > through) and not replaced:
             # Nothing goes out before every fact is read (state.hold_until, or a rebuild).
             pending = state.tracker.add(copy, at, deliver_now=False)
-        state.overrides.apply(fact, state.tracker.contains, copy_pending=pending)
+        state.overrides.apply(fact, state.indexed, copy_pending=pending)

@@ -54,7 +54,7 @@ class KeyedIntake:
         """For each record, whether it is delivered at all (False: a tombstone that cancels, under
         a keyed rule). Offsets it replaces are set aside in the partition's keyed state."""
         keyed = keyed_of(state)
-        before = len(keyed.replaced)
+        replaced = 0
         delivered: list[bool] = []
         for record, fate in zip(records, fates, strict=True):
             offset = record.offset()
@@ -63,8 +63,11 @@ class KeyedIntake:
                 delivered.append(True)
                 continue
             verdict = keyed.take(offset, stamp(record), record.key(), record.value() is None, fate.deliver_at)
+            if verdict.replaced is not None:
+                replaced += 1
+                if state.overrides:  # a reschedule's copy of the replaced record goes to nobody either
+                    keyed.replaced.update(state.overrides.take_copies(verdict.replaced))
             delivered.append(verdict.deliver)
-        replaced = len(keyed.replaced) - before
         if replaced:
             self._metrics.child(self._metrics.replaced, state.topic).inc(replaced)
         return delivered

@@ -133,7 +133,7 @@ class Delivery:
                 rest.append(item)
                 continue
             owed = (state.rules.at(offset) or current).delayed
-            subs, copy = overrides.popped(offset, owed, state.tracker.contains)
+            subs, copy = overrides.popped(offset, owed, state.indexed)
             targets = [(sub, routes.outbound[sub]) for sub in subs if sub in routes.outbound]
             if record is None:
                 if targets:

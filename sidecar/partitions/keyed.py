@@ -13,7 +13,7 @@ back, decided the same way, from the log alone.
 
 from pyroaring import BitMap64
 
-from sidecar.policy.by_key import KeyIndex, KeyStep, Verdict
+from sidecar.policy.by_key import KeyIndex, KeyStep, Pending, Verdict
 
 CLOCK_RETRY_MS = 1_000
 """A clock record not read back within this long is written again (lost with an aborted
@@ -41,6 +41,13 @@ class KeyedPartition:
         if entry is None or start is None or entry.offset < start:
             return None  # an entry left by an earlier reading of the log (by_key.KeyStep.start)
         return entry.offset, entry.deliver_at is not None
+
+    def moved(self, key: bytes, origin: int, deliver_at: int) -> None:
+        """A reschedule's fact was read: the key's pending record, if it is still `origin`, is
+        due at the new time, which the rule compares with from now on."""
+        entry = self.step.index.get(key)
+        if entry is not None and entry.offset == origin:
+            self.step.index.put(key, Pending(origin, deliver_at))
 
     def note(self, offset: int, timestamp: int) -> None:
         """A record that is not a keyed message (the sidecar's own, or judged by another rule): it

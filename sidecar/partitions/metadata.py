@@ -22,7 +22,9 @@ The group's commit must be the first, or, at least once, the second with the loc
 past it: local state one checkpoint ahead, whose deliveries were all acknowledged. Any other commit
 was made by another member since (a delivery, a drain of a removed topic, a cancel, a new rule),
 and the state is discarded, never merged. In exactly-once mode local state ahead of the commit is
-discarded too: its pops may be deliveries of a transaction that was aborted.
+discarded too: its pops may be deliveries of a transaction that was aborted. Local state one
+checkpoint ahead also records the rules of the point it was made for (PartitionMeta.rules): the
+records between the commit and it were judged by them, and the next commit must name them.
 
 In exactly-once mode a partition whose index is being rebuilt (or, on the control topic, whose
 accepted nacks are being read again) delivers nothing until it is done: the log is read in offset
@@ -92,6 +94,10 @@ class CommitMetadata:
         data = self._fields(self._encoded_rules())
         data.pop("producer", None)
         return _digest([offset, data])
+
+    def rules_text(self) -> str:
+        """The whole rule history, as `decode_rules` reads it back."""
+        return json.dumps(self._encoded_rules(), separators=(",", ":"))
 
     def spill(self) -> tuple[str, bytes] | None:
         """(ref, record value) of the whole rule history when `encode` cannot hold it, else None."""

@@ -74,6 +74,9 @@ class PartitionState:
     lineage: tuple[str, ...] = ()
     """What the tracker's next checkpoint records as the commits it agrees with (PartitionMeta): the
     fingerprint of what `commit_point` returned last, then that of the last commit."""
+    point_rules: str = ""
+    """What the tracker's next checkpoint records as the rules it was judged by: those of the
+    point `commit_point` returned last."""
     rules: RuleHistory = field(default_factory=RuleHistory)
     rebuild: Rebuild | None = None
     """Set while the index of this partition is rebuilt from the log (no usable local index)."""
@@ -114,6 +117,12 @@ class PartitionState:
     def name(self) -> str:
         return f"{self.topic}/{self.partition}"
 
+    def indexed(self, offset: int) -> bool:
+        """Still to be delivered: in the index, and not replaced by a newer record of its key (a
+        replaced one stays in the index until its time, when it goes to nobody)."""
+        keyed = self.keyed
+        return self.tracker.contains(offset) and (keyed is None or offset not in keyed.replaced)
+
     def start(self, committed: int | None, metadata: CommitMetadata, restore: "Restore | None" = None) -> int | None:
         """Where reading starts, after checking the local index against the commit.
 
@@ -145,6 +154,14 @@ class PartitionState:
         if cursor is not None:
             lineage = tracker.lineage()
             if self._usable(cursor, committed, fingerprint, lineage):
+                local = tracker.checkpointed_rules()
+                if committed is not None and cursor > committed and local:
+                    # At least once, one checkpoint ahead of the commit: the records between were
+                    # judged by rules the commit does not name (a policy change among them).
+                    try:
+                        self.rules = RuleHistory(CommitMetadata.decode_rules(local.encode()))
+                    except ValueError:
+                        logger.warning("local index rules unreadable, using the commit's partition=%s", self.name)
                 self.next_offset = cursor
                 return cursor
             logger.warning(
@@ -228,8 +245,11 @@ class PartitionState:
         if self.next_offset is None or self.rebuild is not None or (exact and self.replaying):
             return None  # nothing read yet, or a rebuild that a crash would simply start again
         tracker = self.tracker
+        # On a keyed partition a rescheduled message's key is decided from its own offset on, which
+        # may be below its copy's: a rebuild starts there.
+        origins = [c.origin for c in self.overrides.copies.values()] if self.keyed is not None else []
         earliest = min(
-            (o for o in (earliest_pending, self.drain_from) if o is not None),
+            (o for o in (earliest_pending, self.drain_from, *origins) if o is not None),
             default=self.next_offset,
         )
         self.rules.prune(earliest)
@@ -245,6 +265,7 @@ class PartitionState:
             control=self.control,
         )
         point = (self.next_offset, metadata.encode())
+        self.point_rules = metadata.rules_text()
         fingerprint = metadata.fingerprint(self.next_offset)
         last = self.committed_fingerprint
         self.lineage = (fingerprint,) if last in (None, fingerprint) else (fingerprint, last)

@@ -146,9 +146,10 @@ class DelayedDeliveryTracker(ABC):
         """The inbound offset up to which a durable index is complete, or None if unknown."""
         return None
 
-    def checkpoint(self, index_cursor: int, lineage: tuple[str, ...] = ()) -> None:  # noqa: B027 - optional
-        """Make adds and pops durable, and record that the index is complete below index_cursor and
-        which group commits it agrees with (`lineage`, see PartitionMeta).
+    def checkpoint(self, index_cursor: int, lineage: tuple[str, ...] = (), rules: str = "") -> None:  # noqa: B027
+        """Make adds and pops durable, and record that the index is complete below index_cursor,
+        which group commits it agrees with (`lineage`) and the intake rules it was judged by
+        (`rules`): see PartitionMeta.
 
         Called after the producer is flushed and before inbound offsets are committed; in-memory
         trackers have nothing to do.
@@ -157,6 +158,10 @@ class DelayedDeliveryTracker(ABC):
     def lineage(self) -> tuple[str, ...]:
         """The group commits the durable index agrees with, newest first (empty: none known)."""
         return ()
+
+    def checkpointed_rules(self) -> str:
+        """The intake rules the durable index was judged by ("" : not known)."""
+        return ""
 
     def due_counts(self, limits: list[int]) -> list[int]:
         """For each limit (epoch ms), about how many pending entries fall due at or before it: the

@@ -7,13 +7,14 @@ import shutil
 import time
 import uuid
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
-from confluent_kafka import Consumer, Producer, TopicPartition
+from confluent_kafka import Consumer, Message, Producer, TopicPartition
 
 from sidecar.broker.ports import free_port
 from sidecar.client import MessageId
@@ -625,8 +626,8 @@ def watch_holds(monkeypatch: pytest.MonkeyPatch, topic: str) -> list[tuple[int, 
     turns: list[tuple[int, bool]] = []
     release = Holds.release
 
-    def judged(holds: Holds) -> None:
-        release(holds)
+    def judged(holds: Holds, untaken: Sequence[Message] = ()) -> None:
+        release(holds, untaken)
         state = holds._states.get((topic, 0))
         if state is not None:
             [position] = holds._position([TopicPartition(topic, 0)])

@@ -115,7 +115,7 @@ def checkpoint(s: PartitionState, committed: bool = True) -> tuple[int, CommitMe
     (`committed=False`: the process dies between the last two)."""
     point = s.commit_point(s.tracker.earliest_pending_offset())
     assert point is not None and s.next_offset is not None
-    s.tracker.checkpoint(s.next_offset, s.lineage)
+    s.tracker.checkpoint(s.next_offset, s.lineage, s.point_rules)
     if committed:
         s.committed, s.committed_fingerprint = point, s.lineage[0]
     return point[0], CommitMetadata.decode(point[1])
@@ -151,6 +151,29 @@ def test_at_least_once_local_state_one_checkpoint_ahead_of_the_commit_is_used() 
     assert started(storage, *commit).next_offset == 15
     exact = started(storage, *commit, exact=True)  # its pops may be deliveries of an aborted transaction
     assert exact.rebuild is not None and exact.rebuild.start == 5 and exact.tracker.index_cursor() is None
+
+
+def test_at_least_once_local_state_ahead_of_the_commit_brings_the_rules_it_was_judged_by() -> None:
+    """A policy change between the commit and the local checkpoint: the records read after it were
+    judged by the new rule, which only the local state names. Taken from the commit, a later
+    rebuild by another member judged them by the old one: a chaos run at 9a6cf95 dead-lettered
+    records under a tightened max delay, then, after a kill -9 and a handoff, delivered them."""
+    storage = FakeSnapshotStorage()
+    s = started(storage, None, CommitMetadata())
+    s.rules.note(0, rule())
+    s.tracker.add(5, FAR)
+    s.next_offset = 10
+    commit = checkpoint(s)
+    s.rules.note(10, rule(max_ms=5_000))
+    s.next_offset = 15
+    checkpoint(s, committed=False)
+    again = started(storage, *commit)
+    assert again.next_offset == 15
+    assert [(o, r.key) for o, r in again.rules.items()] == [(0, rule().key), (10, rule(max_ms=5_000).key)]
+    again.tracker.add(16, FAR)
+    again.next_offset = 20
+    point = again.commit_point(again.tracker.earliest_pending_offset())
+    assert point is not None and CommitMetadata.decode(point[1]).rules[-1][0] == 10  # the next commit names it
 
 
 def test_local_state_overtaken_by_another_member_is_rebuilt_from_the_commit() -> None:

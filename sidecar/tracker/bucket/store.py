@@ -82,6 +82,8 @@ class PartitionStore:
         """The packed key through which pops are durable (see PartitionMeta)."""
         self.lineage: tuple[str, ...] = ()
         """The group commits the durable state agrees with (see PartitionMeta)."""
+        self.rules = ""
+        """The intake rules of the commit point of the durable state (see PartitionMeta)."""
         self.next_bucket_id = 1
         self.wal_seq = 0
         self.ops: Counter[tuple[str, str]] = Counter()
@@ -105,6 +107,7 @@ class PartitionStore:
             next_bucket_id=self.next_bucket_id,
             wal_seq=self.wal_seq,
             lineage=self.lineage,
+            rules=self.rules,
         )
         return dataclasses.replace(meta, **changes)  # type: ignore[arg-type]
 
@@ -119,6 +122,7 @@ class PartitionStore:
             self.next_bucket_id = meta.next_bucket_id
             self.wal_seq = meta.wal_seq
             self.lineage = meta.lineage
+            self.rules = meta.rules
         return meta
 
     def load_bucket(self, bucket_id: int) -> tuple[BucketMeta, BitMap64, int]:
@@ -183,7 +187,7 @@ class PartitionStore:
 
     def clear(self) -> None:
         """Delete the partition's state; if that fails, it is retried before any other write."""
-        self.durable_cursor, self.lineage = None, ()
+        self.durable_cursor, self.lineage, self.rules = None, (), ""
         self.failing.clear()
         self.clear_pending = True
         self.ensure_cleared()

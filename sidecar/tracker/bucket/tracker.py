@@ -380,6 +380,9 @@ class BucketTracker(DelayedDeliveryTracker):
     def lineage(self) -> tuple[str, ...]:
         return self._store.lineage
 
+    def checkpointed_rules(self) -> str:
+        return self._store.rules
+
     def delivered_through(self) -> int:
         return self._popped
 
@@ -429,7 +432,7 @@ class BucketTracker(DelayedDeliveryTracker):
         Raises StorageError when the local store cannot take it.
         """
         store = self._store
-        store.durable_cursor, store.wal_seq, store.lineage = None, 0, ()
+        store.durable_cursor, store.wal_seq, store.lineage, store.rules = None, 0, (), ""
         store.delivered_through = max(delivered_through, 0)
         store.next_bucket_id = next_bucket_id
         root = store.root([b.meta.bucket_id for b in buckets])
@@ -438,7 +441,7 @@ class BucketTracker(DelayedDeliveryTracker):
         self._reset_memory()
         self._recover()
 
-    def checkpoint(self, index_cursor: int, lineage: tuple[str, ...] = ()) -> None:
+    def checkpoint(self, index_cursor: int, lineage: tuple[str, ...] = (), rules: str = "") -> None:
         """Make adds and pops durable and record index_cursor and lineage, in one atomic batch.
 
         On a storage failure the tracker degrades instead of raising: `index_cursor()` keeps
@@ -456,7 +459,7 @@ class BucketTracker(DelayedDeliveryTracker):
         batch = SnapshotBatch(
             "checkpoint",
             partition_meta=store.root(
-                self._sealed.ids(), index_cursor=index_cursor, delivered_through=popped, lineage=lineage
+                self._sealed.ids(), index_cursor=index_cursor, delivered_through=popped, lineage=lineage, rules=rules
             ),
         )
         chunk, replaces_log, wal_stored = self._mutable.wal_chunk()
@@ -480,6 +483,7 @@ class BucketTracker(DelayedDeliveryTracker):
                 self._stored_keys.unwritten_back(batch.keys)
             return
         store.durable_cursor, store.delivered_through, store.lineage = index_cursor, popped, lineage
+        store.rules = rules
         if chunk is not None:
             store.wal_seq += 1
         self._mutable.checkpointed(chunk is not None, wal_stored)

@@ -52,6 +52,10 @@ class PartitionMeta:
     next_bucket_id: int = 1
     wal_seq: int = 0
     lineage: tuple[str, ...] = ()
+    rules: str = ""
+    """The intake rules (CommitMetadata's encoding) of the commit point this state was checkpointed
+    for: at least once, a restart on state one checkpoint ahead of the group's commit judged the
+    records between the two by these, which that commit does not name."""
 
 
 @dataclass(slots=True)

@@ -173,6 +173,8 @@ def encode_partition_meta(meta: PartitionMeta) -> bytes:
         "wal_seq": meta.wal_seq,
         "lineage": list(meta.lineage),
     }
+    if meta.rules:
+        doc["rules"] = meta.rules
     return json.dumps(doc, separators=(",", ":")).encode()
 
 
@@ -195,6 +197,7 @@ def decode_partition_meta(data: bytes) -> PartitionMeta:
         wal_seq=int(doc["wal_seq"]),
         # Written before lineages were kept: agrees with no commit, so the index is rebuilt once.
         lineage=tuple(str(f) for f in doc.get("lineage") or ()),
+        rules=str(doc.get("rules") or ""),
     )
 
 
