@@ -11,6 +11,7 @@ send the commands with a `Canceller`, flush, then `wait` for their answers by co
     print(reader.wait([command_id])[command_id].outcome)  # cancelled, too-late, ...
 """
 
+import base64
 import json
 import time
 import uuid
@@ -32,9 +33,36 @@ from sidecar.client import (
     origin,
 )
 
-__all__ = ["Canceller", "Outcome", "OutcomeReader"]
+__all__ = ["ByKey", "Canceller", "Outcome", "OutcomeReader"]
 
 OUTCOMES_SUFFIX = ".outcomes"
+
+
+@dataclass(frozen=True)
+class ByKey:
+    """A keyed topic's pending record for a key (`by_key: replace`, contract section 2): what a
+    command names when the producer kept no offset. A str key is sent as UTF-8."""
+
+    topic: str
+    key: bytes | str
+
+    def fields(self) -> dict[str, str]:
+        """The command's fields naming the message: `key` for UTF-8, else `key_base64`."""
+        raw = self.key.encode() if isinstance(self.key, str) else self.key
+        if not raw:
+            raise ValueError("an empty key names no record: producers place it as no key")
+        try:
+            return {"topic": self.topic, "key": raw.decode()}
+        except UnicodeDecodeError:
+            return {"topic": self.topic, "key_base64": base64.b64encode(raw).decode()}
+
+    def __str__(self) -> str:
+        raw = self.key.encode() if isinstance(self.key, str) else self.key
+        return f"{self.topic}/key/{base64.b64encode(raw).decode()}"
+
+
+Message = MessageId | Record | ByKey | str
+"""What a command names: a message id (or its text, or an outbound record's origin), or a key."""
 
 
 def _message_id(message: MessageId | Record | str) -> MessageId:
@@ -52,19 +80,18 @@ class Canceller(CommandWriter):
     """Sends cancel and reschedule commands. Each call returns the command's id, which its outcome carries.
 
     A message is named by its id: a MessageId, an outbound record (its origin), or the text
-    `topic/partition/offset` that a producer learns from its delivery report. Like nacks, commands are
-    keyed by the message id, so the commands about one message are read in the order they were sent.
+    `topic/partition/offset` that a producer learns from its delivery report; or, on a keyed topic,
+    by its key (`ByKey`). Like nacks, commands are keyed by the message id (by key: `topic/key/<the
+    key in base64>`), so the commands about one message are read in the order they were sent.
     """
 
-    def cancel(
-        self, message: MessageId | Record | str, *, subscription: str | None = None, command_id: str | None = None
-    ) -> str:
+    def cancel(self, message: Message, *, subscription: str | None = None, command_id: str | None = None) -> str:
         """Take the message back from `subscription`, or from every subscription it is owed to."""
         return self._send(message, "cancel", {}, subscription, command_id)
 
     def reschedule(
         self,
-        message: MessageId | Record | str,
+        message: Message,
         delay: int | timedelta,
         *,
         subscription: str | None = None,
@@ -75,7 +102,7 @@ class Canceller(CommandWriter):
 
     def reschedule_at(
         self,
-        message: MessageId | Record | str,
+        message: Message,
         deliver_at_ms: int | datetime,
         *,
         subscription: str | None = None,
@@ -87,25 +114,23 @@ class Canceller(CommandWriter):
 
     def _send(
         self,
-        message: MessageId | Record | str,
+        message: Message,
         kind: str,
         when: dict[str, int],
         subscription: str | None,
         command_id: str | None,
     ) -> str:
-        message_id = _message_id(message)
+        message_id: MessageId | ByKey
+        names: dict[str, object]
+        if isinstance(message, ByKey):
+            message_id, names = message, dict(message.fields())
+        else:
+            message_id = _message_id(message)
+            names = {"topic": message_id.topic, "partition": message_id.partition, "offset": message_id.offset}
         if subscription is not None and not subscription:
             raise ValueError("subscription must not be empty; pass None for every subscription")
         command_id = command_id or uuid.uuid4().hex
-        command: dict[str, object] = {
-            "v": COMMAND_VERSION,
-            "type": kind,
-            "topic": message_id.topic,
-            "partition": message_id.partition,
-            "offset": message_id.offset,
-            "id": command_id,
-            **when,
-        }
+        command: dict[str, object] = {"v": COMMAND_VERSION, "type": kind, **names, "id": command_id, **when}
         if subscription is not None:
             command["subscription"] = subscription
 

@@ -10,6 +10,7 @@ has come out of the index, to nobody or, wrongly, to the subscription.
 
 import base64
 import json
+import subprocess
 import time
 from collections import Counter
 from pathlib import Path
@@ -18,7 +19,9 @@ from typing import NamedTuple
 import pytest
 from confluent_kafka import Producer as ConfluentProducer
 
+from sidecar.broker.jars import kafka_libs
 from sidecar.broker.ports import free_port
+from sidecar.client_cancel import ByKey, Canceller, OutcomeReader
 from sidecar.control.cancels import COMMAND_BY
 from sidecar.control.key_partitions import java_partition, librdkafka_partition
 from tests.kafka_helpers import (
@@ -300,7 +303,7 @@ def test_commands_by_key_find_the_record_whichever_partitioner_placed_it(
         send({"type": "cancel", "topic": topic, "key": low.decode(), "id": "low"})
         send({"type": "cancel", "topic": topic, "key": high.decode(), "id": "high"})
         send({"type": "cancel", "topic": topic, "key": java_key.decode(), "id": "java"})
-        send({"type": "cancel", "topic": topic, "key_base64": base64.b64encode(binary).decode(), "id": "binary"})
+        Canceller(commands, control).cancel(ByKey(topic, binary), command_id="binary")  # the client: key_base64
         send({"type": "reschedule", "topic": topic, "key": "moved", "deliver_at": sooner, "id": "moved"})
         send({"type": "cancel", "topic": topic, "key": "nobody", "id": "nobody"})
         send({"type": "cancel", "topic": plain, "key": "x", "id": "plain"})
@@ -387,6 +390,46 @@ def test_a_reschedule_moves_the_time_the_rule_compares_with(
         wait_for(lambda: int(time.time() * 1000) > now + 17_000, 30, "a1's new time passed")
         assert values(delivered(kafka_helper, f"{topic}.billing")) == Counter([b"b1", b"a2", b"b2"]), sidecar.tail()
         assert scrape(port, "delay_sidecar_messages_replaced_total", topic=topic) == 1, "a1 alone"
+        assert sidecar.stop() == 0
+    finally:
+        sidecar.close()
+
+
+def guide_java(name: str) -> str:
+    """The Java program of the keyed schedules guide, as the page shows it."""
+    page = (Path(__file__).parent.parent / "docs" / "guides" / "keyed-schedules.md").read_text()
+    [program] = [block for block in page.split("```java\n")[1:] if f"public class {name}" in block]
+    return program.split("```")[0]
+
+
+def test_a_cancel_by_key_finds_what_the_java_client_scheduled(
+    kafka: str, kafka_helper: KafkaHelper, topic_factory: TopicFactory, policy_file: PolicyFile, tmp_path: Path
+) -> None:
+    """The guide's Java producer (Java's default partitioner, murmur2) schedules a reminder; a cancel by
+    key from the Python client finds it, on whichever of the key's two partitions it is."""
+    topic = topic_factory("keyedjava", partitions=4)
+    control = f"ctl-{topic}"
+    port = free_port()
+    args = run_args(kafka, policy_file(keyed_policy(topic)), tmp_path / "state", port, f"k-{topic}",
+                    "--control-topic", control)  # fmt: skip
+    sidecar = SidecarProcess(args, tmp_path / "sidecar.log")
+    source = tmp_path / "Debounce.java"
+    source.write_text(guide_java("Debounce"))
+    try:
+        start_serving(sidecar, port)
+        # A key Java's partitioner puts in the higher of its two partitions: asked second.
+        [user] = keys_placed(True, 1)
+        java = subprocess.run(["java", "-cp", f"{kafka_libs()}/*", str(source), kafka, topic, user.decode(), "60s"],
+                              capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
+        assert java.returncode == 0, java.stderr[-2000:]
+        printed = java.stdout.strip().splitlines()[-1]
+        assert printed == f"{topic}/{java_partition(user, 4)}/0", printed
+        with OutcomeReader({"bootstrap.servers": kafka}, control) as reader:
+            canceller = Canceller(ConfluentProducer({"bootstrap.servers": kafka}), control)
+            command_id = canceller.cancel(ByKey(topic, user.decode()))
+            canceller.flush(10)
+            answer = reader.wait([command_id], timeout_s=60)[command_id]
+        assert (answer.outcome, f"{topic}/{answer.partition}/{answer.offset}") == ("cancelled", printed)
         assert sidecar.stop() == 0
     finally:
         sidecar.close()

@@ -352,6 +352,9 @@ REMEDIES: dict[str, str] = {
     "WRONG_CONTROL_TOPIC": "The topic has a control topic of its own (`control_topic` in the policies) and the "
     "command came on another. Send it there: `Nacker`, `Canceller` and `OutcomeReader` take `control_topic=`. "
     "`delay-sidecar policies show TOPIC` prints the one in force.",
+    "NOT_KEYED": "A command named its message by key, but the topic's records are not kept by key. Name the "
+    "message by `partition` and `offset` (the producer's delivery report), or set `by_key: replace` for the "
+    "topic if the newest record per key should replace the pending one.",
 }
 
 

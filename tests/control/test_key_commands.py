@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from sidecar.client_cancel import ByKey
 from sidecar.control.cancels import (
     MAX_KEY_BYTES,
     OutcomeRecord,
@@ -67,3 +68,9 @@ def test_the_outcome_carries_the_key_as_text_or_base64() -> None:
 
     assert encoded(b"user-7")["key"] == "user-7"
     assert encoded(b"\xff")["key_base64"] == "/w==" and "key" not in encoded(b"\xff")
+
+
+@given(st.binary(min_size=1, max_size=64) | st.text(min_size=1, max_size=32))
+def test_what_the_client_sends_by_key_the_sidecar_reads_as_that_key(key: bytes | str) -> None:
+    command = parse_message_command({"type": "cancel", **ByKey("orders", key).fields()})
+    assert command.key == (key.encode() if isinstance(key, str) else key) and command.topic == "orders"
