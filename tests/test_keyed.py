@@ -12,9 +12,10 @@ import base64
 import json
 import subprocess
 import time
+import urllib.request
 from collections import Counter
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import pytest
 from confluent_kafka import Producer as ConfluentProducer
@@ -57,6 +58,12 @@ topics:
 def delivered(kafka_helper: KafkaHelper, outbound: str) -> list[Received]:
     """What a read_committed consumer of `outbound` reads, to its end."""
     return kafka_helper.read_to_end(outbound, committed_only=True)
+
+
+def lookup(port: int, message_id: str) -> dict[str, Any]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/messages/{message_id}", timeout=20) as response:
+        body: dict[str, Any] = json.loads(response.read())
+        return body
 
 
 def values(records: list[Received]) -> Counter[bytes | None]:
@@ -160,6 +167,11 @@ def test_the_newest_record_per_key_is_delivered_once(
         audit = delivered(kafka_helper, f"{topic}.audit")
         assert [r.value for r in audit] == [b"a1", b"a2", b"b1", None, b"c1", b"c2", b"d1", b"n1", b"n2", b"e1", b"e2"]
         assert scrape(port, "delay_sidecar_messages_replaced_total", topic=topic) == rule.replaced
+        # The lookup: a1 (offset 0) was replaced, the key's newest record is a2 (offset 1).
+        a1 = lookup(port, f"{topic}/0/0")
+        assert a1["subscriptions"]["billing"] == {"state": "replaced", "newest_offset": 1}, a1
+        assert a1["subscriptions"]["audit"]["state"] == "delivered" and a1["state"] == "mixed"
+        assert lookup(port, f"{topic}/0/1")["subscriptions"]["billing"]["state"] == "delivered"
         assert sidecar.stop() == 0
     finally:
         sidecar.close()

@@ -11,8 +11,11 @@ earliest pending record when its next owner starts (PartitionState.start), which
 back, decided the same way, from the log alone.
 """
 
+from collections import OrderedDict
+
 from pyroaring import BitMap64
 
+from sidecar.control.overrides import REMEMBERED
 from sidecar.policy.by_key import KeyIndex, KeyStep, Pending, Verdict
 
 CLOCK_RETRY_MS = 1_000
@@ -24,6 +27,8 @@ class KeyedPartition:
     def __init__(self, index: KeyIndex) -> None:
         self.step = KeyStep(index)
         self.replaced = BitMap64()
+        self._gone: OrderedDict[int, None] = OrderedDict()
+        """Replaced offsets that came out of the index to nobody, the latest REMEMBERED."""
         self.clock_sent_ms: int | None = None
         """When the last clock record was written, until a record at least that new is read."""
 
@@ -67,8 +72,15 @@ class KeyedPartition:
         """An entry came out of the index: True when it was replaced (it goes to nobody)."""
         if offset in self.replaced:
             self.replaced.discard(offset)
+            self._gone[offset] = None
+            if len(self._gone) > REMEMBERED:
+                self._gone.popitem(last=False)
             return True
         return False
+
+    def was_replaced(self, offset: int) -> bool:
+        """Replaced: still in the index, or among the last REMEMBERED that came out (for the lookup)."""
+        return offset in self.replaced or offset in self._gone
 
     def wants_clock(self, next_due: int | None, now_ms: int) -> bool:
         """A clock record is needed: an entry is due by the wall clock but not by the log's, and

@@ -93,7 +93,8 @@ def locate(
     read: ReadOne,
     nacks: Nacks | None = None,
 ) -> dict[str, Any]:
-    """The message's fate per subscription: pending, delivered, cancelled or dead-lettered.
+    """The message's fate per subscription: pending, delivered, cancelled, replaced (a keyed topic's
+    record that a newer one of its key replaced) or dead-lettered.
 
     `nacks`: the message's nacks pending at this member (`with_nacks`)."""
     answer: dict[str, Any] = {"topic": state.topic, "partition": state.partition, "offset": offset}
@@ -115,7 +116,12 @@ def locate(
     subscriptions: dict[str, dict[str, Any]] = {}
     for name, _ in routes.ordered:
         subscriptions[name] = {"state": "delivered", "deliver_at": publish_ms}
-    if fate.deliver_at is None:
+    keyed = state.keyed
+    if keyed is not None and fate.deliver_at is not None and keyed.was_replaced(offset):
+        newest = keyed.newest(message.key() or b"")
+        replaced = {"state": "replaced", **({"newest_offset": newest[0]} if newest is not None else {})}
+        subscriptions.update({name: dict(replaced) for name in rule.delayed})
+    elif fate.deliver_at is None:
         for name in rule.delayed:
             subscriptions[name] = {"state": "delivered", "deliver_at": publish_ms}
     else:
