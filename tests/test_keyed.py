@@ -39,8 +39,6 @@ from tests.kafka_helpers import (
     wait_for,
 )
 
-pytestmark = pytest.mark.fallback
-
 GUARANTEES = ["at-least-once", "exactly-once"]
 
 
@@ -144,6 +142,7 @@ def first_words(p: Producer) -> None:
     p.flush()
 
 
+@pytest.mark.fallback  # the fallback broker runs this one too (scripts/test.sh)
 @pytest.mark.parametrize("guarantee", GUARANTEES)
 def test_the_newest_record_per_key_is_delivered_once(
     guarantee: str, kafka: str, kafka_helper: KafkaHelper, topic_factory: TopicFactory, policy_file: PolicyFile,
@@ -177,6 +176,7 @@ def test_the_newest_record_per_key_is_delivered_once(
         sidecar.close()
 
 
+@pytest.mark.fallback
 @pytest.mark.parametrize("guarantee", GUARANTEES)
 @pytest.mark.parametrize("state", ["kept", "lost"])
 def test_replacements_are_decided_the_same_after_kill_9(

@@ -52,22 +52,28 @@ class KeyedIntake:
         self, state: PartitionState, rule: IntakeRule, records: Sequence[Message], fates: list[Fate]
     ) -> list[bool]:
         """For each record, whether it is delivered at all (False: a tombstone that cancels, under
-        a keyed rule). Offsets it replaces are set aside in the partition's keyed state."""
+        a keyed rule). Offsets it replaces are set aside in the partition's keyed state. A record
+        judged by a rule without keys, or dead-lettered, is given without its key: it only moves
+        the clock, and replaces nothing."""
         keyed = keyed_of(state)
-        replaced = 0
-        delivered: list[bool] = []
-        for record, fate in zip(records, fates, strict=True):
-            offset = record.offset()
-            if not rule.keyed or fate.rejected is not None:
-                keyed.note(offset, stamp(record))  # a dead-lettered record replaces nothing
-                delivered.append(True)
-                continue
-            verdict = keyed.take(offset, stamp(record), record.key(), record.value() is None, fate.deliver_at)
-            if verdict.replaced is not None:
-                replaced += 1
+        keys = [
+            record.key() if rule.keyed and fate.rejected is None else None
+            for record, fate in zip(records, fates, strict=True)
+        ]
+        tombstones = [key is not None and record.value() is None for record, key in zip(records, keys, strict=True)]
+        replaced = keyed.take_many(
+            [record.offset() for record in records],
+            [stamp(record) for record in records],
+            keys,
+            tombstones,
+            [fate.deliver_at for fate in fates],
+        )
+        count = 0
+        for offset in replaced:
+            if offset is not None:
+                count += 1
                 if state.overrides:  # a reschedule's copy of the replaced record goes to nobody either
-                    keyed.replaced.update(state.overrides.take_copies(verdict.replaced))
-            delivered.append(verdict.deliver)
-        if replaced:
-            self._metrics.child(self._metrics.replaced, state.topic).inc(replaced)
-        return delivered
+                    keyed.replaced.update(state.overrides.take_copies(offset))
+        if count:
+            self._metrics.child(self._metrics.replaced, state.topic).inc(count)
+        return [not (tombstone and key) for tombstone, key in zip(tombstones, keys, strict=True)]

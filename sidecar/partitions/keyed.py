@@ -12,6 +12,7 @@ back, decided the same way, from the log alone.
 """
 
 from collections import OrderedDict
+from collections.abc import Sequence
 
 from pyroaring import BitMap64
 
@@ -53,6 +54,21 @@ class KeyedPartition:
         entry = self.step.index.get(key)
         if entry is not None and entry.offset == origin:
             self.step.index.put(key, Pending(origin, deliver_at))
+
+    def take_many(
+        self,
+        offsets: Sequence[int],
+        stamps: Sequence[int],
+        keys: Sequence[bytes | None],
+        tombstones: Sequence[bool],
+        deliver_ats: Sequence[int | None],
+    ) -> list[int | None]:
+        """`take` of a slice of records at once (by_key.KeyStep.take_many): the offset each replaces."""
+        replaced = self.step.take_many(offsets, stamps, keys, tombstones, deliver_ats)
+        self.replaced.update(o for o in replaced if o is not None)
+        if stamps:
+            self._read(max(stamps))
+        return replaced
 
     def note(self, offset: int, timestamp: int) -> None:
         """A record that is not a keyed message (the sidecar's own, or judged by another rule): it

@@ -22,6 +22,7 @@ tests), and so is the order of the records, which is the log's.
 """
 
 from bisect import bisect_left
+from collections.abc import Sequence
 from typing import NamedTuple, Protocol
 
 
@@ -138,6 +139,45 @@ class KeyStep:
         replaced = replaces(previous, self.clock)
         self.index.put(key, Pending(offset, None if tombstone else deliver_at))
         return Verdict(replaced, not tombstone)
+
+    def take_many(
+        self,
+        offsets: Sequence[int],
+        stamps: Sequence[int],
+        keys: Sequence[bytes | None],
+        tombstones: Sequence[bool],
+        deliver_ats: Sequence[int | None],
+    ) -> list[int | None]:
+        """`take` of each record in turn, for a slice of intake: the offset each one replaces. The
+        same steps with the calls inlined: per record, a call costs as much as the rule."""
+        if not offsets:
+            return []
+        if self.start is None:
+            self.start = offsets[0]
+        start = self.start
+        clock_offsets, clock_stamps = self.clock._offsets, self.clock._stamps
+        get, put = self.index.get, self.index.put
+        replaced: list[int | None] = []
+        for offset, stamp, key, tombstone, deliver_at in zip(
+            offsets, stamps, keys, tombstones, deliver_ats, strict=True
+        ):
+            while clock_stamps and clock_stamps[-1] <= stamp:  # WindowClock.note
+                clock_stamps.pop()
+                clock_offsets.pop()
+            clock_offsets.append(offset)
+            clock_stamps.append(stamp)
+            if not key:
+                replaced.append(None)
+                continue
+            previous = get(key)
+            found = None
+            if previous is not None and previous.deliver_at is not None and start <= previous.offset < offset:
+                i = bisect_left(clock_offsets, previous.offset)  # WindowClock.since, never empty here
+                if clock_stamps[i] < previous.deliver_at:
+                    found = previous.offset
+            replaced.append(found)
+            put(key, Pending(offset, None if tombstone else deliver_at))
+        return replaced
 
     def due_through(self, now_ms: int) -> int:
         """Entries due at this time or earlier may go (the clock gate): the newest record's

@@ -146,3 +146,16 @@ def test_the_clock_answers_the_greatest_timestamp_from_any_offset(stamps: list[i
     for o in range(forget, len(stamps) + 1):
         assert clock.since(o) == (max(stamps[o:]) if stamps[o:] else None)
     assert len(clock) <= len(stamps)
+
+
+@given(logs(), st.data())
+def test_a_slice_at_once_decides_as_one_record_at_a_time(log: list[Rec], data: st.DataObject) -> None:
+    """take_many, the intake's path, against take: cut into slices, the same offsets replaced."""
+    step = KeyStep(DictIndex())
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(log)), max_size=4)))
+    got: list[int | None] = []
+    for lo, hi in zip([0, *cuts], [*cuts, len(log)], strict=True):
+        part = list(enumerate(log))[lo:hi]
+        got += step.take_many([o for o, _ in part], [r.timestamp for _, r in part], [r.key for _, r in part],
+                              [r.tombstone for _, r in part], [r.deliver_at for _, r in part])  # fmt: skip
+    assert got == [v.replaced for v in by_brute_force(log)]
