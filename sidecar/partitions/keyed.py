@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from pyroaring import BitMap64
 
 from sidecar.control.overrides import REMEMBERED
-from sidecar.policy.by_key import KeyIndex, KeyStep, Pending, Verdict
+from sidecar.policy.by_key import KeyIndex, KeyStep, Pending
 
 CLOCK_RETRY_MS = 1_000
 """A clock record not read back within this long is written again (lost with an aborted
@@ -32,13 +32,6 @@ class KeyedPartition:
         """Replaced offsets that came out of the index to nobody, the latest REMEMBERED."""
         self.clock_sent_ms: int | None = None
         """When the last clock record was written, until a record at least that new is read."""
-
-    def take(self, offset: int, timestamp: int, key: bytes | None, tombstone: bool, deliver_at: int | None) -> Verdict:
-        verdict = self.step.take(offset, timestamp, key, tombstone, deliver_at)
-        if verdict.replaced is not None:
-            self.replaced.add(verdict.replaced)
-        self._read(timestamp)
-        return verdict
 
     def newest(self, key: bytes) -> tuple[int, bool] | None:
         """(offset, delayed) of the key's newest record this state has read; None when it read none."""
