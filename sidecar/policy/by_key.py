@@ -39,6 +39,9 @@ class KeyIndex(Protocol):
 
     def put(self, key: bytes, pending: Pending) -> None: ...
 
+    def prefetch(self, keys: Sequence[bytes | None]) -> None:
+        """The keys of a slice about to be taken: an index on disk may read them at once."""
+
 
 class Verdict(NamedTuple):
     replaced: int | None
@@ -156,6 +159,7 @@ class KeyStep:
             self.start = offsets[0]
         start = self.start
         clock_offsets, clock_stamps = self.clock._offsets, self.clock._stamps
+        self.index.prefetch(keys)
         get, put = self.index.get, self.index.put
         replaced: list[int | None] = []
         for offset, stamp, key, tombstone, deliver_at in zip(

@@ -1,6 +1,7 @@
 """The keyed replacement rule (policy/by_key.py) against the rule written out by brute force, live
 and from any place a rebuild may start. Pure."""
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 from hypothesis import given
@@ -25,6 +26,9 @@ class DictIndex:
 
     def put(self, key: bytes, pending: Pending) -> None:
         self.keys[key] = pending
+
+    def prefetch(self, keys: Sequence[bytes | None]) -> None:
+        pass
 
 
 def by_brute_force(log: list[Rec]) -> list[Verdict]:

@@ -49,3 +49,23 @@ def test_a_key_entry_of_the_wrong_size_says_the_store_is_corrupt(tmp_path: Path)
     storage._commit([("put", stored, b"short")])
     with pytest.raises(StorageError, match="key of partition 't/0'"):
         storage.load_key("t/0", b"k")
+
+
+@pytest.mark.parametrize("kind", ["fake", "rocksdb"])
+def test_a_slice_prefetched_in_one_read_answers_as_single_reads_do(tmp_path: Path, kind: str) -> None:
+    storage = open_store(kind, tmp_path)
+    keys = StoredKeys(storage, "orders/0")
+    for i in range(5):
+        keys.put(b"k%d" % i, Pending(i, 1_000 + i))
+    storage.write("orders/0", SnapshotBatch("checkpoint", keys=keys.take_unwritten()))
+    keys.put(b"k1", Pending(9, None))  # newer than what is on disk
+    keys.prefetch([b"k0", b"k1", None, b"k0", b"missing", b""])
+    assert [keys.get(k) for k in (b"k0", b"k1", b"missing", b"k3")] == [
+        Pending(0, 1_000),
+        Pending(9, None),
+        None,
+        Pending(3, 1_003),  # k3: not prefetched, read alone
+    ]
+    keys.put(b"k0", Pending(20, 2_000))  # a put after the prefetch is what a get answers
+    assert keys.get(b"k0") == Pending(20, 2_000)
+    storage.close()

@@ -170,6 +170,10 @@ class SnapshotStorage(ABC):
     def load_key(self, partition: str, key: bytes) -> KeyEntry | None:
         """A key's newest record as the last batch with it wrote it, or None."""
 
+    def load_keys(self, partition: str, keys: list[bytes]) -> list[KeyEntry | None]:
+        """`load_key` of each key, in one read where the store can."""
+        return [self.load_key(partition, key) for key in keys]
+
     @abstractmethod
     def write(self, partition: str, batch: SnapshotBatch) -> int:
         """Apply a batch atomically; return the number of bytes written."""

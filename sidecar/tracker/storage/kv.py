@@ -211,6 +211,10 @@ class KeyValueSnapshotStorage(SnapshotStorage):
     @abstractmethod
     def _get(self, key: bytes) -> bytes | None: ...
 
+    def _get_many(self, keys: list[bytes]) -> list[bytes | None]:
+        """`_get` of each key; a store with a multi-get reads them in one call."""
+        return [self._get(key) for key in keys]
+
     @abstractmethod
     def _scan(self, start: bytes, end: bytes) -> Iterator[tuple[bytes, bytes]]:
         """Items with start <= key < end, in key order."""
@@ -331,14 +335,21 @@ class KeyValueSnapshotStorage(SnapshotStorage):
         return chunks
 
     def load_key(self, partition: str, key: bytes) -> KeyEntry | None:
-        value = self._get(partition_prefix(partition) + KEY_TAG + key)
-        if value is None:
-            return None
-        try:
-            offset, deliver_at = _KEY_ENTRY.unpack(value)
-        except struct.error as exc:
-            raise self._corrupt(f"the entry of a key of partition {partition!r}", exc) from exc
-        return offset, None if deliver_at < 0 else deliver_at
+        return self.load_keys(partition, [key])[0]
+
+    def load_keys(self, partition: str, keys: list[bytes]) -> list[KeyEntry | None]:
+        prefix = partition_prefix(partition) + KEY_TAG
+        found: list[KeyEntry | None] = []
+        for value in self._get_many([prefix + key for key in keys]):
+            if value is None:
+                found.append(None)
+                continue
+            try:
+                offset, deliver_at = _KEY_ENTRY.unpack(value)
+            except struct.error as exc:
+                raise self._corrupt(f"the entry of a key of partition {partition!r}", exc) from exc
+            found.append((offset, None if deliver_at < 0 else deliver_at))
+        return found
 
     def write(self, partition: str, batch: SnapshotBatch) -> int:
         self._commit(ops := self._encode(partition_prefix(partition), batch), sync=batch.kind in SYNCED_KINDS)

@@ -17,6 +17,7 @@ import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import cast
 
 import rocksdict
 
@@ -112,6 +113,14 @@ class RocksDbSnapshotStorage(KeyValueSnapshotStorage):
         except Exception as exc:
             raise self._io_error("read", exc) from exc
         return value
+
+    def _get_many(self, keys: list[bytes]) -> list[bytes | None]:
+        try:
+            found = self._db.get(cast(list[str | int | float | bytes | bool], keys))  # one multi-get
+            values: list[bytes | None] = list(found) if found is not None else [None] * len(keys)
+        except Exception as exc:
+            raise self._io_error("read", exc) from exc
+        return values
 
     def _scan(self, start: bytes, end: bytes) -> Iterator[tuple[bytes, bytes]]:
         try:
