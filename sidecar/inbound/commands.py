@@ -158,7 +158,8 @@ class CommandStep:
             self._writer.send(state.topic, request.key, None, headers, partition=state.partition)
             state.unread_facts.add(offset)
             # On a keyed partition the copy waits for the clock like any entry (dispatch/gates.py).
-            due = fact.copy is not None and not tracker.add(offset, fact.deliver_at or 0, deliver_now=not state.keyed)
+            ungated = state.keyed is None
+            due = fact.copy is not None and not tracker.add(offset, fact.deliver_at or 0, deliver_now=ungated)
             state.overrides.apply(fact, state.indexed)
             if due:  # rescheduled to now or the past: the copy goes out at once, read from the original
                 assert fact.deliver_at is not None
