@@ -72,7 +72,7 @@ from bench.chaos import (
     to_stderr,
 )
 from bench.chaos import zombie as zombie_swap
-from bench.churn_fates import PARTITIONS, SETTLE_S, TOPICS, ChurnPlan, Event, Fates, count, disagreements
+from bench.churn_fates import KEYED, PARTITIONS, SETTLE_S, TOPICS, ChurnPlan, Event, Fates, count, disagreements
 from bench.probe import create_topic
 from bench.procs import bench_broker
 from bench.report import command_line, dated_lines
@@ -131,6 +131,8 @@ def policy_text(removable: bool, late: bool, capped_max: str) -> str:
         lines.append(f"  {topic}:")
         if topic == "capped":
             lines.append(f"    delayed_delivery: {{max_delivery_delay: {capped_max}}}")
+        if topic == KEYED:
+            lines.append("    delayed_delivery: {by_key: replace}")
         lines.append("    subscriptions: {" + ", ".join(f"{s}: {{}}" for s in subs) + "}")
     return "\n".join(lines) + "\n"
 
@@ -162,6 +164,8 @@ class Production(Background):
 
     def _loop(self) -> None:
         plan, rng = self._plan, random.Random(self._plan.seed)
+        key_rng = random.Random(plan.seed + 11)
+        keys = max(plan.records // (len(TOPICS) * 3), 1)  # about three records per key
         producer = Producer(producer_config(self._bootstrap))
         names = list(TOPICS)
         started, tail_end = time.monotonic(), None
@@ -179,7 +183,12 @@ class Production(Background):
                 delay_ms += int((max(started + plan.window_s, now) + plan.hold_s - now) * 1000)
                 self.held.append(time.monotonic() + delay_ms / 1000)
             self._pending[(topic, j)] = (delay_ms, int(time.time() * 1000))
-            producer.produce(topic, f"{topic}-{j}".encode(), partition=j % PARTITIONS,
+            key, value, partition = None, f"{topic}-{j}".encode(), j % PARTITIONS
+            if topic == KEYED:  # a key keeps to one partition, as a partitioner places it
+                k = key_rng.randrange(keys)
+                key, partition = f"key-{k}".encode(), k % PARTITIONS
+                value = None if key_rng.random() < 0.05 else value
+            producer.produce(topic, value, key=key, partition=partition,
                              headers=[("deliver-after", str(delay_ms))],
                              on_delivery=lambda err, m, t=topic, j=j: self._placed(err, m, t, j))  # fmt: skip
             self.produced[topic].append(time.monotonic())
@@ -471,6 +480,10 @@ def table(outcome: Outcome, command: str) -> str:
         (
             "records that could have had either fate",
             ", ".join(f"{k} {v:,}" for k, v in sorted(f.either.items()) if v) or "none",
+        ),
+        (
+            "replaced by a newer record of their key, or tombstones (keyed) / of them delivered",
+            f"{sum(f.replaced.values()):,} / {f.replaced_delivered}",
         ),
         ("lost", str(sum(f.lost.values()))),
         (

@@ -15,9 +15,18 @@ from dataclasses import dataclass, field
 from bench.chaos import CONTROL, Plan, SparkAudit, read_all
 from sidecar.control.cancels import COMMAND_BY
 from sidecar.outbound.records import read_delivery
+from sidecar.policy.by_key import KeyStep, Pending
 
-TOPICS: dict[str, tuple[str, ...]] = {"steady": ("a", "b"), "removable": ("a",), "late": ("a",), "capped": ("a",)}
+TOPICS: dict[str, tuple[str, ...]] = {
+    "steady": ("a", "b"),
+    "removable": ("a",),
+    "late": ("a",),
+    "capped": ("a",),
+    "keyed": ("a",),
+}
 """Inbound topic -> its subscriptions (all shared: every one honours delays)."""
+KEYED = "keyed"
+"""The topic with `by_key: replace`: records with keys, a few of them tombstones."""
 PARTITIONS = 2
 MEMBERS = 3
 REPEAT_WINDOW_S = 20.0
@@ -84,6 +93,10 @@ class Fates:
     dead-lettered on the topic's removal (or dead-lettered, then delivered once the topic came
     back): contract section 4."""
     cancelled_and_delivered: int = 0
+    replaced: dict[str, int] = field(default_factory=dict)
+    """Per keyed topic: records replaced by a newer record of their key, or tombstones: owed to nobody."""
+    replaced_delivered: int = 0
+    """Records of a keyed topic that the rule replaced (or tombstones), delivered all the same."""
     wrong_code: int = 0
     """Dead-lettered with a code its topic and delay do not allow."""
     wrong_fate: int = 0
@@ -110,6 +123,7 @@ class Fates:
             + self.wrong_code
             + self.wrong_fate
             + self.cancels_not_answered_once
+            + self.replaced_delivered
         )
 
 
@@ -169,6 +183,7 @@ def count(
             h = {k: v.decode() for k, v in (m.headers() or []) if v is not None}
             origin = (int(h["delay-origin-partition"]), int(h["delay-origin-offset"]))
             dead.setdefault(origin, []).append((h.get("delay-error-code", ""), m.timestamp()[1]))
+        not_owed = replaced_by_key(bootstrap, topic) if topic == KEYED else set()
         records = [(p, o) for (t, p, o) in asked if t == topic]
         fates.produced[topic] = len(records)
         for p, o in records:
@@ -203,6 +218,11 @@ def count(
                 elif not may_die:
                     fates.wrong_fate += 1  # e.g. a removable record read only after it came back
                     fates.examples.append("dead-lettered past the policy in force: " + example)
+            elif (p, o) in not_owed:
+                fates.replaced[topic] = fates.replaced.get(topic, 0) + 1
+                if delivered:
+                    fates.replaced_delivered += 1
+                    fates.examples.append("replaced (or a tombstone) and delivered: " + example)
             elif not gone:
                 if must_die and delivered:
                     fates.wrong_fate += 1
@@ -215,6 +235,38 @@ def count(
                         fates.lost[name] = fates.lost.get(name, 0) + 1
     del fates.examples[20:]
     return fates
+
+
+class _Index(dict[bytes, Pending]):
+    def put(self, key: bytes, pending: Pending) -> None:
+        self[key] = pending
+
+    def prefetch(self, keys: object) -> None:
+        pass
+
+
+def replaced_by_key(bootstrap: str, topic: str) -> set[tuple[int, int]]:
+    """(partition, offset) of the topic's records that no subscription is owed: replaced by a newer
+    record of their key, or tombstones. The contract's rule (sidecar.policy.by_key) over the log as a
+    read_committed consumer sees it, the sidecar's own records included (their timestamps count).
+    No record of this topic is dead-lettered in the run, so none is left out of the rule."""
+    steps: dict[int, KeyStep] = {}
+    not_owed: set[tuple[int, int]] = set()
+    for m in sorted(read_all(bootstrap, topic), key=lambda m: (m.partition(), m.offset())):
+        step = steps.setdefault(m.partition(), KeyStep(_Index()))
+        headers = m.headers() or []
+        stamp = max(m.timestamp()[1], 0)
+        if headers and headers[0][0] == COMMAND_BY:
+            step.note(m.offset(), stamp)
+            continue
+        delay = int(dict(headers).get("deliver-after") or 0)
+        tombstone = bool(m.key()) and m.value() is None
+        verdict = step.take(m.offset(), stamp, m.key(), tombstone, stamp + delay if delay > 0 else None)
+        if verdict.replaced is not None:
+            not_owed.add((m.partition(), verdict.replaced))
+        if tombstone:
+            not_owed.add((m.partition(), m.offset()))
+    return not_owed
 
 
 def _trail(bootstrap: str, origin: tuple[int, int]) -> str:
@@ -284,6 +336,7 @@ def disagreements(fates: Fates, spark: SparkAudit) -> list[str]:
                 ("duplicated", fates.duplicated.get(name, 0), s["duplicates"]),
                 ("early", fates.early.get(name, 0), s["early"]),
                 ("cancelled", fates.cancelled if topic == "steady" else 0, s.get("cancelled", 0)),
+                ("replaced", fates.replaced.get(topic, 0), s.get("replaced", 0) + s.get("tombstones", 0)),
             ]
             found += [f"{what} ({name}): bench {mine}, Spark audit {theirs}" for what, mine, theirs in pairs
                       if mine != theirs]  # fmt: skip
@@ -293,6 +346,7 @@ def disagreements(fates: Fates, spark: SparkAudit) -> list[str]:
         ("copies past the first, dead letters included", total_duplicates, counts.get("duplicate", 0)),
         ("dead-lettered and delivered", fates.dead_and_delivered, counts.get("rejected_and_delivered", 0)),
         ("delivered after a cancel", fates.cancelled_and_delivered, counts.get("delivered_after_cancel", 0)),
+        ("replaced and delivered", fates.replaced_delivered, counts.get("delivered_replaced", 0)),
     ):
         if mine != theirs:
             found.append(f"{what}: bench {mine}, Spark audit {theirs}")

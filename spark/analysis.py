@@ -15,6 +15,7 @@ from pyspark.sql import Column, DataFrame, SparkSession, Window
 from pyspark.sql import functions as F  # noqa: N812
 from pyspark.sql.types import IntegerType, LongType, StringType, StructField, StructType
 
+from spark.keys import key_fates
 from spark.model import (
     ANOMALY_SCHEMA,
     DEAD_LETTER_SUBSCRIPTION,
@@ -121,22 +122,25 @@ def _fates(prepared: Prepared, routes: DataFrame, params: AuditParams) -> DataFr
         "code",
         "dlt_offset",
     )
+    rows = inbound_rows.unionAll(outbound_rows).unionAll(dead_rows)
+    if prepared.keyed_log is not None:
+        rows = rows.unionAll(_key_rows(prepared, routes))
     src = F.col("src")
-    grouped = (
-        inbound_rows.unionAll(outbound_rows)
-        .unionAll(dead_rows)
-        .groupBy(*KEYS, "subscription")
-        .agg(
-            (F.count_if(src == 0) > 0).alias("has_inbound"),
-            F.max("publish_ms").alias("publish_ms"),
-            F.max("due_ms").alias("due_ms"),
-            F.count_if(src == 1).alias("copies"),
-            F.min("copy").alias("first"),
-            F.min_by("code", "dlt_offset").alias("code"),
-        )
+    grouped = rows.groupBy(*KEYS, "subscription").agg(
+        (F.count_if(src == 0) > 0).alias("has_inbound"),
+        F.max("publish_ms").alias("publish_ms"),
+        F.max("due_ms").alias("due_ms"),
+        F.count_if(src == 1).alias("copies"),
+        F.min("copy").alias("first"),
+        F.min_by("code", F.when(src == 2, F.col("dlt_offset"))).alias("code"),
+        F.max(F.when(src == 3, F.col("code"))).alias("key_fate"),
+        F.max(F.when(src == 3, F.col("dlt_offset"))).alias("newest_offset"),
     )
     grace = F.lit(params.grace_ms)
-    fates = grouped.select(*KEYS, "subscription", "has_inbound", "publish_ms", "due_ms", "copies", "code", "first.*")
+    fates = grouped.select(
+        *KEYS, "subscription", "has_inbound", "publish_ms", "due_ms", "copies", "code", "key_fate", "newest_offset",
+        "first.*",
+    )  # fmt: skip
     if prepared.overrides is not None:  # cancels and reschedules: a new expected fate (contract section 5)
         fates = fates.join(F.broadcast(prepared.overrides), [*KEYS, "subscription"], "left").withColumn(
             "due_ms", F.coalesce(F.col("new_due_ms"), F.col("due_ms"))
@@ -159,6 +163,8 @@ def _fates(prepared: Prepared, routes: DataFrame, params: AuditParams) -> DataFr
             .when(F.col("is_rejected"), "rejected")
             .when((override == "cancelled") & F.col("is_delivered"), "delivered_after_cancel")
             .when(override == "cancelled", "cancelled")
+            .when(F.col("key_fate").isNotNull() & F.col("is_delivered"), "delivered_replaced")
+            .when(F.col("key_fate").isNotNull(), F.col("key_fate"))
             .when(
                 (override == "rescheduled") & F.col("is_delivered") & (F.col("delivered_ms") < F.col("new_due_ms")),
                 "rescheduled_early",
@@ -167,6 +173,31 @@ def _fates(prepared: Prepared, routes: DataFrame, params: AuditParams) -> DataFr
             .when(F.col("due_ms") + grace > F.lit(params.as_of_ms), "pending")
             .otherwise("missing"),
         )
+    )
+
+
+def _key_rows(prepared: Prepared, routes: DataFrame) -> DataFrame:
+    """The records of keyed topics that the delay-honouring subscriptions are not owed (spark.keys),
+    one row per such subscription, shaped for _fates' union: the fate in `code`, the offset of the
+    record that replaced it in `dlt_offset`."""
+    assert prepared.keyed_log is not None
+    keyed = routes.where(F.col("keyed"))
+    policies = keyed.groupBy("topic").agg(
+        F.first("delays_enabled").alias("delays_enabled"),
+        F.first("fixed_delay_ms").alias("fixed_delay_ms"),
+        F.max(~F.col("ordered")).alias("honours_delays"),
+    )
+    fates = key_fates(prepared.keyed_log, prepared.dead_letter, policies)
+    null_long = F.lit(None).cast("long")
+    return fates.join(F.broadcast(keyed.where(~F.col("ordered")).select("topic", "subscription")), "topic").select(
+        *KEYS,
+        "subscription",
+        F.lit(3).alias("src"),
+        null_long.alias("publish_ms"),
+        null_long.alias("due_ms"),
+        F.lit(None).cast(_FIRST_TYPE).alias("copy"),
+        F.col("key_fate").alias("code"),
+        F.col("newest_offset").alias("dlt_offset"),
     )
 
 
@@ -345,6 +376,14 @@ def analyse(spark: SparkSession, prepared: Prepared, routes: Sequence[AuditRoute
             ),
         ),
         _anomaly(
+            audited.where(F.col("status") == "delivered_replaced"),
+            "delivered_replaced",
+            redelivery_count=F.lit(0),
+            detail=F.when(F.col("key_fate") == "tombstone", F.lit("a tombstone of a keyed topic, delivered")).otherwise(
+                F.concat(F.lit("replaced by offset "), F.col("newest_offset").cast("string"), F.lit(" of its key"))
+            ),
+        ),
+        _anomaly(
             audited.where(F.col("status") == "rejected_and_delivered"),
             "rejected_and_delivered",
             redelivery_count=F.lit(0),
@@ -409,6 +448,7 @@ def analyse(spark: SparkSession, prepared: Prepared, routes: Sequence[AuditRoute
         "wrong_partition": sum(s.wrong_partition for s in summaries),
         "delivered_after_cancel": sum(s.delivered_after_cancel for s in summaries),
         "rescheduled_early": sum(s.rescheduled_early for s in summaries),
+        "delivered_replaced": sum(s.delivered_replaced for s in summaries),
     }
     # The small tables of the report in one Spark job: (section, name, code, count).
     info = [
@@ -522,6 +562,8 @@ def _summaries(
             F.count_if(status == "rejected_and_delivered").alias("rejected_and_delivered"),
             F.count_if(F.col("override") == "cancelled").alias("cancelled"),
             F.count_if(F.col("override") == "rescheduled").alias("rescheduled"),
+            F.count_if(F.col("key_fate") == "replaced").alias("replaced"),
+            F.count_if(F.col("key_fate") == "tombstone").alias("tombstones"),
             *_percentiles("lateness_ms", "lateness"),
             F.min("publish_ms").alias("_first_publish_ms"),
             F.max("publish_ms").alias("_last_publish_ms"),
@@ -535,6 +577,7 @@ def _summaries(
         "wrong_partition",
         "delivered_after_cancel",
         "rescheduled_early",
+        "delivered_replaced",
     ]
     by_kind = (
         anomalies.where(F.col("kind").isin(*per_subscription))

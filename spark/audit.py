@@ -25,6 +25,10 @@ Rules (contract sections 1-5):
   followed by a redelivery to that subscription, at or after the latest command's timestamp, by
   its deliver-at + grace; otherwise `nack_missing` (or pending). Only `"type":"nack"` records of
   the control topic are commands: the sidecar's own `"type":"accepted"` records there are not.
+* keyed topics (`by_key: replace`, contract section 2): a record that a newer record of its key
+  replaced, or a tombstone, is not owed to the delay-honouring subscriptions (`replaced`,
+  `tombstone`); delivered there, it is `delivered_replaced`. The rule is applied to the inbound
+  log in spark.keys, independently of the sidecar's key index.
 * order (exclusive and failover subscriptions only): one inbound partition's records on the outbound
   partition of the same number (when the topics have as many partitions; otherwise the sidecar
   partitions by key), their at-once first deliveries in inbound offset order; `wrong_partition`
@@ -39,8 +43,9 @@ together per (record, subscription), and a hash aggregation judges them. Everyth
 order check sorts, and only the first deliveries of exclusive and failover subscriptions.
 
 Where the parts live: spark.model (inputs, results, schemas), spark.columns (header
-expressions), spark.prepare (the read), spark.analysis (the judgement) and spark.timeline (the
-chart's series). run_audit runs them in order, for callers that need no timings.
+expressions), spark.prepare (the read), spark.analysis (the judgement), spark.keys (the keyed
+topics' replacements) and spark.timeline (the chart's series). run_audit runs them in order, for
+callers that need no timings.
 """
 
 from __future__ import annotations

@@ -113,6 +113,7 @@ def audit_routes(settings: AuditSettings) -> list[AuditRoute]:
                 delays_enabled=policy.topics[t].delay.is_enabled,
                 fixed_delay_ms=policy.topics[t].delay.fixed_ms,
                 control_topic=policy.topics[t].control_topic,
+                keyed=policy.topics[t].delay.keyed,
             )
             for t in topics
             for sub in policy.topics[t].subscriptions

@@ -36,6 +36,7 @@ KINDS = (
     "wrong_partition",
     "delivered_after_cancel",
     "rescheduled_early",
+    "delivered_replaced",
 )
 """Every anomaly kind; `late` is reported but has no threshold by default. `out_of_order` and
 `wrong_partition` are the order check of exclusive and failover subscriptions (spark.analysis)."""
@@ -69,6 +70,7 @@ ROUTE_SCHEMA = StructType(
         StructField("delays_enabled", BooleanType(), False),
         StructField("fixed_delay_ms", LongType(), False),
         StructField("same_partitions", BooleanType(), False),
+        StructField("keyed", BooleanType(), False),
     ]
 )
 
@@ -121,6 +123,8 @@ class AuditRoute:
     """The outbound topic has as many partitions as the inbound topic, so the sidecar writes each record
     on its inbound partition's number; otherwise it partitions by key and only per-key order holds
     (contract section 4). The job reads the counts from the cluster; in-memory callers say so here."""
+    keyed: bool = False
+    """`by_key: replace`: the newest record per key replaces the pending one (contract section 2)."""
 
 
 @dataclass(frozen=True)
@@ -183,6 +187,11 @@ class SubscriptionSummary:
     """Records a reschedule moved (expected at the new time)."""
     delivered_after_cancel: int = 0
     rescheduled_early: int = 0
+    replaced: int = 0
+    """Records of a keyed topic that a newer record of their key replaced (not expected here)."""
+    tombstones: int = 0
+    """Tombstones of a keyed topic (not delivered to subscriptions that honour delays)."""
+    delivered_replaced: int = 0
 
 
 @dataclass
@@ -250,6 +259,9 @@ class Prepared:
     nack_cancels: DataFrame | None = None
     """Origin, subscription, control_offset: cancels that took back the pending nack redeliveries
     of an already delivered record (the outcome's `nacks`); the nacks before them are not owed."""
+    keyed_log: DataFrame | None = None
+    """Every record of the keyed topics, the sidecar's own included: topic, partition, offset,
+    publish_ms, requested_ms, key (null: none, empty, or the sidecar's own record), tombstone."""
 
     def frames(self) -> dict[str, DataFrame]:
         named = {"inbound": self.inbound, "outbound": self.outbound, "dead_letter": self.dead_letter}
@@ -259,6 +271,8 @@ class Prepared:
             named["control_dead_letter"] = self.control_rejections
         if self.overrides is not None:
             named["outcomes"] = self.overrides
+        if self.keyed_log is not None:
+            named["keyed_log"] = self.keyed_log
         return named
 
     def persist(self) -> Prepared:
@@ -295,6 +309,7 @@ def routes_frame(spark: SparkSession, routes: Sequence[AuditRoute]) -> DataFrame
             r.delays_enabled,
             int(r.fixed_delay_ms),
             r.same_partitions,
+            r.keyed,
         )
         for r in routes
     ]

@@ -46,10 +46,11 @@ def prepare(spark: SparkSession, inputs: AuditInputs, routes: Sequence[AuditRout
     """Each input reduced to the audit's columns (lazy: persist() and materialise() read them)."""
     routes_df = F.broadcast(routes_frame(spark, routes))
     topics = routes_df.select("topic").distinct()
-    inbound = inputs.inbound.join(topics, "topic", "left_semi")
-    # Cancel and reschedule requests and facts that sidecars write into inbound partitions (contract
-    # section 5): never messages, whatever group wrote them.
-    inbound = inbound.where(F.coalesce(F.get(F.col("headers.key"), 0) != F.lit(COMMAND_BY), F.lit(True)))
+    everything = inputs.inbound.join(topics, "topic", "left_semi")
+    # Cancel and reschedule requests and facts, and clock records, that sidecars write into inbound
+    # partitions (contract sections 2 and 5): never messages, whatever group wrote them.
+    own = F.coalesce(F.get(F.col("headers.key"), 0) == F.lit(COMMAND_BY), F.lit(False))
+    inbound = everything.where(~own)
     inb = with_requested_deliver_at(
         inbound.select("topic", "partition", "offset", F.unix_millis(F.col("timestamp")).alias("publish_ms"), "headers")
     ).drop("headers")
@@ -91,7 +92,21 @@ def prepare(spark: SparkSession, inputs: AuditInputs, routes: Sequence[AuditRout
     if inputs.outcomes is not None:
         outcomes = inputs.outcomes.select(F.from_json(F.col("value").cast("string"), OUTCOME_SCHEMA).alias("o"))
         overrides, nack_cancels = _overrides(outcomes), _nack_cancels(outcomes)
-    return Prepared(inb, out, dlt, commands, refused, overrides, nack_cancels)
+    keyed_topics = sorted({r.topic for r in routes if r.keyed})
+    keyed_log = None
+    if keyed_topics:  # the whole log of those topics: every record's timestamp counts in the rule
+        keyed_log = with_requested_deliver_at(
+            everything.where(F.col("topic").isin(keyed_topics)).select(
+                "topic",
+                "partition",
+                "offset",
+                F.unix_millis(F.col("timestamp")).alias("publish_ms"),
+                "headers",
+                F.when((F.length("key") > 0) & ~own, F.col("key")).alias("key"),
+                F.col("value").isNull().alias("tombstone"),
+            )
+        ).drop("headers")
+    return Prepared(inb, out, dlt, commands, refused, overrides, nack_cancels, keyed_log)
 
 
 def _nack_cancels(outcomes: DataFrame) -> DataFrame:

@@ -61,6 +61,8 @@ COLUMNS = [
     ("rescheduled", "resched"),
     ("delivered_after_cancel", "deliv+cancel"),
     ("rescheduled_early", "resched early"),
+    ("replaced", "replaced"),
+    ("delivered_replaced", "deliv+replaced"),
 ]
 
 
@@ -85,8 +87,12 @@ def thresholds_report(result: AuditResult, settings: AuditSettings) -> tuple[dic
     c = result.anomaly_counts
     actual = {
         "missing": c["missing"] + c["nack_missing"],
-        # Delivered where nothing was owed: dead-lettered, or cancelled (contract section 5).
-        "duplicates": c["duplicate"] + c["rejected_and_delivered"] + c["delivered_after_cancel"],
+        # Delivered where nothing was owed: dead-lettered, cancelled (contract section 5), or
+        # replaced by its key's newer record (section 2).
+        "duplicates": c["duplicate"]
+        + c["rejected_and_delivered"]
+        + c["delivered_after_cancel"]
+        + c["delivered_replaced"],
         "early": c["early"] + c["rescheduled_early"],
         "late": c["late"],
         # A record off its inbound partition's number is out of that partition's order too.

@@ -221,7 +221,9 @@ def test_members_and_policies_that_churn_give_every_record_one_fate(
     old state dirs (after the others served their partitions, across a topic's removal,
     with these seeds), die by kill -9, lose a state dir and turn zombie; the broker restarts; a topic
     leaves the policies and comes back, one is added across a restart, and a max delay is tightened.
-    Every record gets one fate, by the bench's count and by the Spark audit's, which must agree."""
+    A keyed topic (`by_key: replace`) goes through all of it: exactly its newest record per key
+    is delivered, once. Every record gets one fate, by the bench's count and by the Spark audit's,
+    which must agree."""
     plan = ChurnPlan(records=1_200, kills=2, window_s=30.0, seed=seed, cancel_fraction=0.03, nack_fraction=0.0,
                      spark_audit=True, hold_s=20.0, guarantee=guarantee, delay_s=10.0, tight_s=5.0)  # fmt: skip
     outcome = churn.run(plan, tmp_path, spark=spark, command="tests/test_chaos.py")
@@ -244,6 +246,7 @@ def test_members_and_policies_that_churn_give_every_record_one_fate(
     assert fates.dead_lettered.get("capped EXCEEDS_MAX_DELAY", 0) > 0, report
     assert fates.delivered["late.a"] == fates.produced["late"], report
     assert fates.cancelled > 0, report
+    assert fates.replaced.get("keyed", 0) > 0 and fates.replaced_delivered == 0, report
     # Held records (cancelled) fell due after the last event, before the count, which found none
     # delivered. Not all of them: an event that a loaded machine made late can outlast the hold.
     assert outcome.held_due > 0, report

@@ -172,6 +172,7 @@ def test_order_anomalies_count_and_fail_the_audit_like_the_others(
         "wrong_partition": 2,  # split
         "delivered_after_cancel": 0,
         "rescheduled_early": 0,
+        "delivered_replaced": 0,  # keyed topics: tests/spark/test_audit_keys.py
     }
     assert len(all_anomalies) == sum(result.anomaly_counts.values())
     thresholds, passed = thresholds_report(result, AuditSettings(max_duplicates=2))
