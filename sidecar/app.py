@@ -15,6 +15,7 @@ from confluent_kafka.admin import AdminClient
 
 from sidecar.broker import BrokerLauncher, ExternalBroker, local_broker
 from sidecar.clock import Clock, SystemClock
+from sidecar.control.cancels import key_fields
 from sidecar.dispatch.payload_cache import PayloadCache
 from sidecar.engine import Sidecar
 from sidecar.errors import BrokerError, ConfigError, SidecarError
@@ -23,6 +24,7 @@ from sidecar.http import StatusServer
 from sidecar.identity import InstanceLock, TransactionalIds
 from sidecar.kafka_io import LIBRDKAFKA
 from sidecar.metrics import BucketMetrics, Metrics
+from sidecar.partitions.lookup import Asked
 from sidecar.partitions.owner import client_id, find_owner, nacks_body, with_members_nacks
 from sidecar.policy import PolicySet
 from sidecar.policy.commands import effective_policy_json
@@ -241,25 +243,30 @@ class SidecarApp:
                 self._leave(bootstrap, instance_id)
 
     def _where_is(
-        self, client_config: dict[str, Any], topic: str, partition: int, offset: int, scope: str | None
+        self, client_config: dict[str, Any], topic: str, partition: int, asked: Asked, scope: str | None
     ) -> tuple[int, dict[str, Any]]:
-        """GET /messages/{topic}/{partition}/{offset}: the owner answers, with the nacks the other
-        members hold; another member names the owner. `scope=member`: this member's nacks only."""
+        """GET /messages/{topic}/{partition}/{offset} (or ?key= of a keyed topic): the owner answers,
+        with the nacks the other members hold; another member names the owner. `scope=member`: this
+        member's nacks only."""
         sidecar = self.sidecar
         if sidecar is None or not sidecar.running:
             return 503, {"error": "not serving yet; ask again shortly"}
         try:
-            found = sidecar.where_is(topic, partition, offset)
+            found = sidecar.where_is(topic, partition, asked)
         except TimeoutError:
             return 503, {"error": "the sidecar is busy; ask again shortly"}
         except SidecarError as e:
             return 503, {"error": str(e)}
-        about = {"topic": topic, "partition": partition, "offset": offset}
+        named = {"offset": asked} if isinstance(asked, int) else key_fields(asked)
+        about = {"topic": topic, "partition": partition, **named}
         if scope == "member":
             return 200, {**about, "nacks": nacks_body(found)}
         group = self.settings.group_id
-        if found.answer is not None:
-            return 200, with_members_nacks(client_config, group, found, topic, partition, offset)
+        answer = found.answer
+        if answer is not None and "offset" in answer:
+            return 200, with_members_nacks(client_config, group, found, topic, partition, answer["offset"])
+        if answer is not None:  # a key the partition has no record of
+            return 200, answer
         return 200, {**about, "state": "not-owner", "owner": find_owner(client_config, group, topic, partition)}
 
     def _leave(self, bootstrap: str, instance_id: str) -> None:

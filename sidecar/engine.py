@@ -56,7 +56,7 @@ from sidecar.partitions.assignment import Assignment
 from sidecar.partitions.coverage import Coverage
 from sidecar.partitions.gauges import publish_due_gauges, publish_index_gauges
 from sidecar.partitions.holds import Holds
-from sidecar.partitions.lookup import Questions, Whereabouts
+from sidecar.partitions.lookup import Asked, Questions, Whereabouts
 from sidecar.partitions.metadata import CommitMetadata
 from sidecar.partitions.state import PartitionState
 from sidecar.policy import PolicySet
@@ -274,9 +274,9 @@ class Sidecar:
     def stop(self) -> None:
         self._stop.set()
 
-    def where_is(self, topic: str, partition: int, offset: int, timeout_s: float = 10.0) -> Whereabouts:
+    def where_is(self, topic: str, partition: int, asked: Asked, timeout_s: float = 10.0) -> Whereabouts:
         """GET /messages/...: asked from the HTTP thread, answered by the loop between two turns."""
-        return self._questions.ask(topic, partition, offset, timeout_s)
+        return self._questions.ask(topic, partition, asked, timeout_s)
 
     def _paced(self, partition: tuple[str, int]) -> bool:
         """Served, and not paused by the engine itself (a removed topic's drain): IdleFetch may pause it."""

@@ -10,13 +10,17 @@ from urllib.parse import parse_qs, unquote
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from sidecar.control.cancels import message_key
+from sidecar.errors import RejectedRecord
+
 logger = logging.getLogger(__name__)
+
+_MESSAGE_PATHS = "ask /messages/{topic}/{partition}/{offset}, or /messages/{topic}/{partition}?key=KEY (or key_base64)"
 
 HealthProbe = Callable[[], tuple[bool, list[str], dict[str, Any]]]
 PolicyLookup = Callable[[str], dict[str, Any] | None]
-MessageLookup = Callable[[str, int, int, str | None], tuple[int, dict[str, Any]]]
-"""(topic, partition, offset, the `scope` asked for) -> (HTTP status, JSON body)."""
-"""(topic, partition, offset) -> (HTTP status, JSON body)."""
+MessageLookup = Callable[[str, int, int | bytes, str | None], tuple[int, dict[str, Any]]]
+"""(topic, partition, offset or key, the `scope` asked for) -> (HTTP status, JSON body)."""
 
 
 class StatusServer:
@@ -71,14 +75,22 @@ class StatusServer:
             else:
                 self._json(request, 200, found)
         elif path.startswith("/messages/") and self._message is not None:
-            parts = unquote(path[len("/messages/") :]).rsplit("/", 2)
-            if len(parts) != 3 or not parts[0] or not parts[1].isdigit() or not parts[2].isdigit():
-                self._json(request, 404, {"error": "ask /messages/{topic}/{partition}/{offset}"})
-            else:
-                query = parse_qs(request.path.split("?", 1)[1]) if "?" in request.path else {}
-                scope = query.get("scope", [None])[0]
-                status, body = self._message(parts[0], int(parts[1]), int(parts[2]), scope)
-                self._json(request, status, body)
+            query = parse_qs(request.path.split("?", 1)[1], keep_blank_values=True) if "?" in request.path else {}
+            scope = query.get("scope", [None])[0]
+            by_key = "key" in query or "key_base64" in query
+            parts = unquote(path[len("/messages/") :]).rsplit("/", 1 if by_key else 2)
+            topic_ok = bool(parts[0]) and "/" not in parts[0]  # Kafka topic names hold no "/"
+            if not (topic_ok and len(parts) == (2 if by_key else 3) and all(p.isdigit() for p in parts[1:])):
+                self._json(request, 404, {"error": _MESSAGE_PATHS})
+                return
+            try:
+                asked = message_key({k: v[0] for k, v in query.items()}) if by_key else int(parts[2])
+            except RejectedRecord as e:
+                self._json(request, 400, {"error": e.message})
+                return
+            assert asked is not None
+            status, body = self._message(parts[0], int(parts[1]), asked, scope)
+            self._json(request, status, body)
         else:
             self._json(request, 404, {"error": "try /metrics, /healthz, /policies/{topic} or /messages/{id}"})
 

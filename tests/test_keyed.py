@@ -11,6 +11,7 @@ has come out of the index, to nobody or, wrongly, to the subscription.
 import base64
 import json
 import subprocess
+import sys
 import time
 import urllib.request
 from collections import Counter
@@ -171,6 +172,12 @@ def test_the_newest_record_per_key_is_delivered_once(
         assert a1["subscriptions"]["billing"] == {"state": "replaced", "newest_offset": 1}, a1
         assert a1["subscriptions"]["audit"]["state"] == "delivered" and a1["state"] == "mixed"
         assert lookup(port, f"{topic}/0/1")["subscriptions"]["billing"]["state"] == "delivered"
+        # By key: the key's newest record; b's is its tombstone (offset 3), which billing never gets.
+        b = lookup(port, f"{topic}/0?key=b")
+        assert (b["offset"], b["key"], b["subscriptions"]["billing"]) == (3, "b", {"state": "tombstone"}), b
+        assert b["subscriptions"]["audit"]["state"] == "delivered"
+        nobody = lookup(port, f"{topic}/0?key_base64=" + base64.b64encode(b"zz").decode())
+        assert (nobody["state"], nobody["key"], "offset" in nobody) == ("unknown", "zz", False), nobody
         assert sidecar.stop() == 0
     finally:
         sidecar.close()
@@ -347,6 +354,16 @@ def test_commands_by_key_find_the_record_whichever_partitioner_placed_it(
         assert values(billing) == Counter([b"v-moved", b"v-" + keep]), sidecar.tail()
         [moved_out] = [r for r in billing if r.value == b"v-moved"]
         assert sooner <= moved_out.timestamp < due, "delivered at its new time"
+        # `messages show --key` asks the owners of both partitions a key may be in, and prints the one that knows it.
+        show = [sys.executable, "-m", "sidecar", "messages", "show", topic, "--bootstrap-servers", kafka,
+                "--group-id", f"k-{topic}"]  # fmt: skip
+        for flags, key in ((["--key", java_key.decode()], java_key), (["--key-base64", "/wBrZXk="], binary)):
+            shown = subprocess.run([*show, *flags], check=False, capture_output=True, text=True, timeout=60)
+            assert shown.returncode == 0, shown.stderr
+            assert shown.stdout.startswith(f"{topic}/{where[key][0]}/{where[key][1]}: mixed\n"), shown.stdout
+            assert "  billing: cancelled" in shown.stdout and "  audit: delivered" in shown.stdout, shown.stdout
+        shown = subprocess.run([*show, "--key", "nobody"], check=False, capture_output=True, text=True, timeout=60)
+        assert (shown.returncode, shown.stdout.splitlines()[0].split(": ")[1]) == (0, "unknown"), shown
         assert sidecar.stop() == 0
     finally:
         sidecar.close()

@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 
 from confluent_kafka import Message
 
-from sidecar.control.cancels import is_marked
+from sidecar.control.cancels import is_marked, key_fields
 from sidecar.partitions import TopicPartitionKey
 from sidecar.partitions.state import PartitionState
 from sidecar.policy.intake import judge
@@ -21,6 +21,8 @@ from sidecar.policy.routes import Routes
 from sidecar.tracker.base import pack
 
 ReadOne = Callable[[str, int, int], Message | None]
+Asked = int | bytes
+"""A message by its offset, or, on a keyed topic, by its key: the key's newest record in the partition."""
 Nacks = Mapping[str, tuple[int, int]]
 """A message's nacks pending at one member, by subscription: (deliver-at, redelivery count it will carry)."""
 
@@ -56,12 +58,12 @@ class Questions:
         self._read = read
         self._nacks = nacks
         self._member_id = member_id
-        self._asked: SimpleQueue[tuple[str, int, int, Future[Whereabouts]]] = SimpleQueue()
+        self._asked: SimpleQueue[tuple[str, int, Asked, Future[Whereabouts]]] = SimpleQueue()
 
-    def ask(self, topic: str, partition: int, offset: int, timeout_s: float) -> Whereabouts:
+    def ask(self, topic: str, partition: int, asked: Asked, timeout_s: float) -> Whereabouts:
         """From any thread: waits for the loop's answer (TimeoutError when it is stuck)."""
         question: Future[Whereabouts] = Future()
-        self._asked.put((topic, partition, offset, question))
+        self._asked.put((topic, partition, asked, question))
         return question.result(timeout_s)
 
     def answer(self) -> None:
@@ -73,15 +75,28 @@ class Questions:
             except Exception as e:  # the asker gets the error; the loop goes on
                 question.set_exception(e)
 
-    def _where(self, topic: str, partition: int, offset: int) -> Whereabouts:
+    def _where(self, topic: str, partition: int, asked: Asked) -> Whereabouts:
         state = self._states.get((topic, partition))
         routes = self._routes().get(topic)
+        owner = state is not None and not state.control and routes is not None
+        offset, key = (asked, None) if isinstance(asked, int) else (None, asked)
+        if key is not None:
+            newest = state.keyed.newest(key) if state is not None and state.keyed is not None else None
+            if newest is None:
+                about = {"topic": topic, "partition": partition, **key_fields(key), "state": "unknown"}
+                reason = "no record of this key read from the partition (a topic without by_key: replace, or not yet)"
+                return Whereabouts({**about, "reason": reason} if owner else None, {}, self._member_id())
+            offset = newest[0]
+        assert offset is not None
         # A nack lies with its control partition's owner, which need not own the message.
         subs = [s.name for s in routes.route.subscriptions] if routes is not None else []
         nacks = self._nacks(topic, partition, offset, subs)
         answer = None
-        if state is not None and not state.control and routes is not None:
+        if owner:
+            assert state is not None and routes is not None
             answer = locate(state, routes, self._retention_ms.get(topic), offset, self._read, nacks)
+            if key is not None:
+                answer = {**answer, **key_fields(key)}
         return Whereabouts(answer, nacks, self._member_id())
 
 
@@ -94,7 +109,8 @@ def locate(
     nacks: Nacks | None = None,
 ) -> dict[str, Any]:
     """The message's fate per subscription: pending, delivered, cancelled, replaced (a keyed topic's
-    record that a newer one of its key replaced) or dead-lettered.
+    record that a newer one of its key replaced), tombstone (a keyed topic's, delivered to none of
+    the subscriptions that honour delays) or dead-lettered.
 
     `nacks`: the message's nacks pending at this member (`with_nacks`)."""
     answer: dict[str, Any] = {"topic": state.topic, "partition": state.partition, "offset": offset}
@@ -117,7 +133,9 @@ def locate(
     for name, _ in routes.ordered:
         subscriptions[name] = {"state": "delivered", "deliver_at": publish_ms}
     keyed = state.keyed
-    if keyed is not None and fate.deliver_at is not None and keyed.was_replaced(offset):
+    if keyed is not None and rule.keyed and message.key() and message.value() is None:
+        subscriptions.update({name: {"state": "tombstone"} for name in rule.delayed})
+    elif keyed is not None and fate.deliver_at is not None and keyed.was_replaced(offset):
         newest = keyed.newest(message.key() or b"")
         replaced = {"state": "replaced", **({"newest_offset": newest[0]} if newest is not None else {})}
         subscriptions.update({name: dict(replaced) for name in rule.delayed})

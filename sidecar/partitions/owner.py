@@ -7,6 +7,7 @@ metrics port in their client.id (`delay-sidecar@PORT`), which the group descript
 the member's host.
 """
 
+import base64
 import json
 import logging
 import urllib.error
@@ -39,6 +40,18 @@ def find_owner(client_config: dict[str, Any], group_id: str, topic: str, partiti
     return None
 
 
+def partition_count(client_config: dict[str, Any], topic: str) -> int:
+    """How many partitions the topic has: where a key may be (control.key_partitions)."""
+    admin = AdminClient({k: v for k, v in client_config.items() if k != "error_cb"}, logger=LIBRDKAFKA)
+    try:
+        found = admin.list_topics(topic, timeout=10).topics.get(topic)
+    except KafkaException as e:
+        raise SidecarError(f"cannot read the metadata of topic {topic!r} ({e}); check --bootstrap-servers") from None
+    if found is None or found.error is not None or not found.partitions:
+        raise SidecarError(f"topic {topic!r} does not exist on this cluster; check its name")
+    return len(found.partitions)
+
+
 def group_members(client_config: dict[str, Any], group_id: str) -> list[dict[str, Any]]:
     """Every member, as `find_owner` gives one; empty when the group cannot be described."""
     return [member for member, _ in _members(client_config, group_id)]
@@ -67,11 +80,19 @@ def _members(client_config: dict[str, Any], group_id: str) -> list[tuple[dict[st
     return found
 
 
-def ask(host: str, port: int, topic: str, partition: int, offset: int, scope: str | None = None) -> dict[str, Any]:
-    """A member's GET /messages/...; `scope="member"`: only what that member holds (its nacks)."""
-    url = f"http://{host}:{port}/messages/{urllib.parse.quote(topic)}/{partition}/{offset}"
-    if scope is not None:
-        url += f"?scope={scope}"
+def ask(
+    host: str, port: int, topic: str, partition: int, asked: int | bytes, scope: str | None = None
+) -> dict[str, Any]:
+    """A member's GET /messages/... about an offset, or a key of a keyed topic; `scope="member"`:
+    only what that member holds (its nacks)."""
+    url = f"http://{host}:{port}/messages/{urllib.parse.quote(topic)}/{partition}"
+    query = {} if scope is None else {"scope": scope}
+    if isinstance(asked, int):
+        url += f"/{asked}"
+    else:
+        query["key_base64"] = base64.b64encode(asked).decode()
+    if query:
+        url += "?" + urllib.parse.urlencode(query)
     try:
         with urllib.request.urlopen(url, timeout=15) as response:
             body: dict[str, Any] = json.loads(response.read())
