@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from bench.chaos import CONTROL, Plan, SparkAudit, read_all
 from sidecar.control.cancels import COMMAND_BY
 from sidecar.outbound.records import read_delivery
-from sidecar.policy.by_key import KeyStep, Pending
+from sidecar.policy.by_key import KeyStep
+from sidecar.tracker.keys import MemoryKeys
 
 TOPICS: dict[str, tuple[str, ...]] = {
     "steady": ("a", "b"),
@@ -237,14 +238,6 @@ def count(
     return fates
 
 
-class _Index(dict[bytes, Pending]):
-    def put(self, key: bytes, pending: Pending) -> None:
-        self[key] = pending
-
-    def prefetch(self, keys: object) -> None:
-        pass
-
-
 def replaced_by_key(bootstrap: str, topic: str) -> set[tuple[int, int]]:
     """(partition, offset) of the topic's records that no subscription is owed: replaced by a newer
     record of their key, or tombstones. The contract's rule (sidecar.policy.by_key) over the log as a
@@ -253,7 +246,7 @@ def replaced_by_key(bootstrap: str, topic: str) -> set[tuple[int, int]]:
     steps: dict[int, KeyStep] = {}
     not_owed: set[tuple[int, int]] = set()
     for m in sorted(read_all(bootstrap, topic), key=lambda m: (m.partition(), m.offset())):
-        step = steps.setdefault(m.partition(), KeyStep(_Index()))
+        step = steps.setdefault(m.partition(), KeyStep(MemoryKeys()))
         headers = m.headers() or []
         stamp = max(m.timestamp()[1], 0)
         if headers and headers[0][0] == COMMAND_BY:

@@ -58,8 +58,11 @@ SCENARIOS = (
 # Run only when named, for comparisons in one run (issue 42): the delayed and burst scenarios without
 # the payload cache (payloads read back from the log, ahead of time), and without it and the read-ahead
 # (read back only when due). (Issue 42 compared the fixed-delay scenarios with monotone runs too,
-# fixed-40k-runs and fixed-runs; runs lost, and were removed.)
+# fixed-40k-runs and fixed-runs; runs lost, and were removed.) And the delayed and fixed scenarios
+# on a keyed topic (issue 50), against the same scenarios without keys.
 EXTRA_SCENARIOS = (
+    "delayed-keyed",
+    "fixed-40k-keyed",
     "delayed-nocache",
     "delayed-bare",
     "burst-nocache",
@@ -78,8 +81,11 @@ def data_bytes(records: int, value_bytes: int = VALUE_BYTES) -> int:
     return records * (value_bytes + RECORD_OVERHEAD_BYTES)
 
 
-def _policies(ctx: Context, name: str, topic: str, fixed_delay_ms: int = 0) -> Path:
-    delayed = f"    delayed_delivery:\n      fixed_delivery_delay: {fixed_delay_ms}ms\n" if fixed_delay_ms else ""
+def _policies(ctx: Context, name: str, topic: str, fixed_delay_ms: int = 0, keyed: bool = False) -> Path:
+    settings = [f"fixed_delivery_delay: {fixed_delay_ms}ms"] if fixed_delay_ms else []
+    settings += ["by_key: replace"] if keyed else []
+    delayed = "".join(f"    delayed_delivery:\n      {line}\n" for line in settings[:1])
+    delayed += "".join(f"      {line}\n" for line in settings[1:])
     subs = "".join(f"      {s}: {{}}\n" for s in SUBSCRIPTIONS)
     path = ctx.workdir / f"{name}-policies.yaml"
     path.write_text(f"topics:\n  {topic}:\n{delayed}    subscriptions:\n{subs}")
@@ -90,7 +96,13 @@ class _Sidecar:
     """The sidecar process with its memory sampler, metrics recorder and optional profiler."""
 
     def __init__(
-        self, ctx: Context, name: str, topic: str, fixed_delay_ms: int = 0, extra: tuple[str, ...] = ()
+        self,
+        ctx: Context,
+        name: str,
+        topic: str,
+        fixed_delay_ms: int = 0,
+        extra: tuple[str, ...] = (),
+        keyed: bool = False,
     ) -> None:
         self.port = free_port()
         self.started = time.monotonic()
@@ -98,7 +110,7 @@ class _Sidecar:
         self.cache_disk_peak = 0
         self.child = start_sidecar(
             ctx.bootstrap,
-            _policies(ctx, name, topic, fixed_delay_ms),
+            _policies(ctx, name, topic, fixed_delay_ms, keyed),
             self.state_dir,
             self.port,
             f"bench-{name}-{uuid.uuid4().hex[:6]}",
@@ -233,6 +245,7 @@ def _delayed_run(
     fixed_delay_ms: int = 0,
     extra: tuple[str, ...] = (),
     rate: float = 0.0,
+    keyed: bool = False,
 ) -> tuple[Result, Deliveries | None]:
     """Pre-produce (deliver-at headers) or produce live (fixed delay, at `rate`/s or 0: full speed),
     run the sidecar until all are out."""
@@ -241,7 +254,7 @@ def _delayed_run(
     if not fixed_delay_ms:
         load = run_load(load_argv(ctx.bootstrap, inbound, n, "deliver-at", base_ms, window_ms), ctx.log(load_log))
         result.figures["produce_rate"] = round(load["rate"])
-    sidecar = _Sidecar(ctx, name, inbound, fixed_delay_ms, extra)
+    sidecar = _Sidecar(ctx, name, inbound, fixed_delay_ms, extra, keyed)
     try:
         if fixed_delay_ms:
             # Live: the producer runs beside the sidecar; records fall due fixed_delay after publish.
@@ -278,11 +291,14 @@ def _delayed_run(
     return result, deliveries
 
 
-def delayed(ctx: Context, name: str = "delayed", extra: tuple[str, ...] = ()) -> Result:
+def delayed(ctx: Context, name: str = "delayed", extra: tuple[str, ...] = (), keyed: bool = False) -> Result:
+    """`keyed`: the topic has `by_key: replace`. The load's keys are all distinct, so nothing is
+    replaced and every record is delivered: the keyed step's whole cost, and its clock gate's
+    effect on lateness, against `delayed` in the same run."""
     sizes = ctx.sizes
     n = sizes.delayed
     base_ms = now_ms() + sizes.lead_ms(n)
-    result, _ = _delayed_run(ctx, name, n, base_ms, sizes.window_ms, f"{name}-load", extra=extra)
+    result, _ = _delayed_run(ctx, name, n, base_ms, sizes.window_ms, f"{name}-load", extra=extra, keyed=keyed)
     result.figures["window_s"] = sizes.window_ms / 1000
     return result
 
@@ -316,11 +332,22 @@ def burst(ctx: Context, name: str = "burst", extra: tuple[str, ...] = ()) -> Res
     return result
 
 
-def fixed(ctx: Context, name: str = "fixed", rate: float = 0.0, extra: tuple[str, ...] = ()) -> Result:
-    """A fixed-delay topic fed live, at full speed (rate 0) or at `rate` records/s."""
+def fixed(
+    ctx: Context, name: str = "fixed", rate: float = 0.0, extra: tuple[str, ...] = (), keyed: bool = False
+) -> Result:
+    """A fixed-delay topic fed live, at full speed (rate 0) or at `rate` records/s; `keyed` as in `delayed`."""
     sizes = ctx.sizes
     result, deliveries = _delayed_run(
-        ctx, name, sizes.fixed, 0, 0, f"{name}-load", fixed_delay_ms=sizes.fixed_delay_ms, extra=extra, rate=rate
+        ctx,
+        name,
+        sizes.fixed,
+        0,
+        0,
+        f"{name}-load",
+        fixed_delay_ms=sizes.fixed_delay_ms,
+        extra=extra,
+        rate=rate,
+        keyed=keyed,
     )
     result.figures["fixed_delay_s"] = sizes.fixed_delay_ms / 1000
     if rate:
@@ -346,6 +373,8 @@ RUNNERS: dict[str, Callable[[Context], Result]] = {
     "fixed-40k": fixed_paced,
     "fixed": fixed,
     "burst": burst,
+    "delayed-keyed": lambda ctx: delayed(ctx, "delayed-keyed", keyed=True),
+    "fixed-40k-keyed": lambda ctx: fixed(ctx, "fixed-40k-keyed", ctx.sizes.fixed_rate, keyed=True),
     "delayed-nocache": delayed_nocache,
     "delayed-bare": lambda ctx: delayed(ctx, "delayed-bare", BARE),
     "burst-nocache": lambda ctx: burst(ctx, "burst-nocache", NO_CACHE),

@@ -7,13 +7,13 @@ range check are taken, and the blocks of offsets are made small so that they cha
 """
 
 import random
-from collections.abc import Sequence
 
 import pytest
 from pyspark.sql import SparkSession
 
 from sidecar.control.cancels import COMMAND_BY
-from sidecar.policy.by_key import KeyStep, Pending
+from sidecar.policy.by_key import KeyStep
+from sidecar.tracker.keys import MemoryKeys
 from spark import keys as spark_keys
 from spark.audit import run_audit
 from spark.model import AuditInputs, AuditParams, AuditResult, AuditRoute
@@ -24,20 +24,6 @@ AS_OF = T0 + 3_600_000
 OWN = [(COMMAND_BY, b"the-group"), ("delay-clock", b"")]
 
 
-class DictIndex:
-    def __init__(self) -> None:
-        self.entries: dict[bytes, Pending] = {}
-
-    def get(self, key: bytes) -> Pending | None:
-        return self.entries.get(key)
-
-    def put(self, key: bytes, pending: Pending) -> None:
-        self.entries[key] = pending
-
-    def prefetch(self, keys: Sequence[bytes | None]) -> None:
-        pass
-
-
 class Log:
     """One keyed partition's records and what the sidecar's rule makes of them."""
 
@@ -46,7 +32,7 @@ class Log:
         self.rows: list[tuple[int, bytes | None, bytes | None, list[tuple[str, bytes]] | None]] = []
         self.dead: set[int] = set()
         self.own: set[int] = set()
-        step = KeyStep(DictIndex())
+        step = KeyStep(MemoryKeys())
         self.replaced: dict[int, int] = {}
         self.tombstones: set[int] = set()
         self.due: dict[int, int] = {}
