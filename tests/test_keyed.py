@@ -266,6 +266,25 @@ def test_at_the_boundary_a_timestamp_at_the_due_time_keeps_the_old_record(
         billing, rule = settled(kafka_helper, topic)
         assert rule.delivered[b"z1"] == rule.delivered[b"z2"] == 1
         assert values(billing) == rule.delivered, sidecar.tail()
+        # A producer whose clock runs ahead (w1, stamped 5 s on) lets the gate pass v1's time, and the
+        # delivered watermark passes the deliver-at of a1, read afterwards: a1 is sent as soon as it
+        # is read, as due. But a2, in the same slice, replaces it (nothing from a1 to a2 is stamped
+        # at a1's time), so a1 goes to nobody, as a rebuild decides. Found by the churn run at least
+        # once (seed 481), where the records a producer held through a broker outage came in after
+        # the sidecar's clock record of that time.
+        stamp = int(time.time() * 1000)
+        ahead = Producer(kafka_helper, topic, stamp + 3_000)
+        ahead.send(b"v", b"v1", timestamp=stamp)
+        ahead.send(None, b"w1", delayed=False, timestamp=stamp + 5_000)
+        kafka_helper.flush()
+        wait_for(lambda: b"v1" in values(delivered(kafka_helper, f"{topic}.billing")), 60, "v1 delivered")
+        behind = Producer(kafka_helper, topic, stamp + 2_000)
+        behind.send(b"a", b"a1", timestamp=stamp)
+        behind.send(b"a", b"a2", timestamp=stamp + 10)
+        kafka_helper.flush()
+        billing, rule = settled(kafka_helper, topic)
+        assert (rule.delivered[b"a1"], rule.delivered[b"a2"]) == (0, 1)
+        assert values(billing) == rule.delivered, sidecar.tail()
         assert sidecar.stop() == 0
     finally:
         sidecar.close()
