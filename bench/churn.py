@@ -552,8 +552,17 @@ def main(argv: list[str] | None = None) -> int:
     print(outcome.dated + "\n")
     print(table(outcome, command))
     if args.json:
-        args.json.write_text(json.dumps(dataclasses.asdict(outcome), indent=2, default=str))
+        args.json.write_text(json.dumps(_str_keys(dataclasses.asdict(outcome)), indent=2, default=str))
     return 0 if outcome.passed else 1
+
+
+def _str_keys(value: Any) -> Any:
+    """JSON takes only text keys: a dict keyed by (partition, offset) is written with "(0, 12)"."""
+    if isinstance(value, dict):
+        return {k if isinstance(k, str) else str(k): _str_keys(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_str_keys(v) for v in value]
+    return value
 
 
 if __name__ == "__main__":
