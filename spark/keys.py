@@ -3,19 +3,18 @@ subscription is owed, worked out again from the inbound log alone.
 
 The contract's rule, which the audit applies independently of the sidecar's key index:
 
-    R (offset o) replaces its key's previous record P (offset p, deliver-at T) when P was delayed
-    and no record of the partition from p to o, P and R included, has a timestamp at or after T.
+    R (offset o) replaces its key's previous record P (deliver-at T) when P was delayed and no
+    record of the partition up to o, R included, has a timestamp at or after T: the log's clock
+    (the greatest timestamp so far) is still before T when R is read.
 
 "Previous" counts the key's records that were not dead-lettered, tombstones included (a tombstone
 is never delayed, so it cannot be replaced), and the records of every key and the sidecar's own
-count for the timestamps. A tombstone with a key is not delivered to those subscriptions at all.
+count for the clock. A tombstone with a key is not delivered to those subscriptions at all.
 
-How it runs at scale, with no task sorting a whole Kafka partition: the greatest timestamp before
-each record and up to it come from blocks of offsets, each sorted on its own, chained by their
-maxima (as the order check chains its blocks). When nothing before P reached T, the range from p
-to o stays below T exactly when everything up to o does, so one comparison decides. Only when an
-earlier record was already stamped at or past T (a producer clock ahead of another's) is the range
-itself read: its blocks joined to the log, for those pairs alone.
+How it runs at scale, with no task sorting a whole Kafka partition: the running maximum of the
+timestamps comes from blocks of offsets, each sorted on its own, chained by their maxima (as the
+order check chains its blocks). The log is read from its first retained offset: records that
+retention deleted are not in the clock, which the sidecar, reading since before, did count.
 """
 
 from __future__ import annotations
@@ -42,16 +41,13 @@ def _delayed_until(policies: DataFrame) -> Column:
 
 
 def _with_running_maxima(log: DataFrame) -> DataFrame:
-    """`before_ms` (the greatest timestamp at lower offsets of the partition) and `upto_ms` (that
-    record's too), block by block."""
+    """`upto_ms`: the log's clock at each record, the greatest timestamp of the partition up to it,
+    block by block."""
     stamp = F.greatest(F.col("publish_ms"), F.lit(0))  # the sidecar reads a missing timestamp as 0
     blocks = log.withColumns({"stamp": stamp, "block": F.floor(F.col("offset") / F.lit(BLOCK))})
     in_block = Window.partitionBy("topic", "partition", "block").orderBy("offset")
-    blocks = blocks.withColumns(
-        {
-            "block_before": F.max("stamp").over(in_block.rowsBetween(Window.unboundedPreceding, -1)),
-            "block_upto": F.max("stamp").over(in_block.rowsBetween(Window.unboundedPreceding, Window.currentRow)),
-        }
+    blocks = blocks.withColumn(
+        "block_upto", F.max("stamp").over(in_block.rowsBetween(Window.unboundedPreceding, Window.currentRow))
     )
     across = Window.partitionBy("topic", "partition").orderBy("block").rowsBetween(Window.unboundedPreceding, -1)
     earlier = (
@@ -59,11 +55,9 @@ def _with_running_maxima(log: DataFrame) -> DataFrame:
         .agg(F.max("stamp").alias("block_max"))
         .select("topic", "partition", "block", F.max("block_max").over(across).alias("earlier"))
     )
-    return blocks.join(F.broadcast(earlier), ["topic", "partition", "block"]).withColumns(
-        {
-            "before_ms": F.greatest("block_before", "earlier"),  # greatest skips nulls
-            "upto_ms": F.greatest("block_upto", "earlier"),
-        }
+    return blocks.join(F.broadcast(earlier), ["topic", "partition", "block"]).withColumn(
+        "upto_ms",
+        F.greatest("block_upto", "earlier"),  # greatest skips nulls
     )
 
 
@@ -86,27 +80,8 @@ def key_fates(log: DataFrame, dead_letter: DataFrame, policies: DataFrame) -> Da
         "upto_ms",
         F.lag("offset").over(by_key).alias("p"),
         F.lag(F.when(~F.col("tombstone"), F.col("due_ms"))).over(by_key).alias("t"),
-        F.lag("before_ms").over(by_key).alias("p_before_ms"),
-    ).where(F.col("t").isNotNull())
-    clear_before = F.coalesce(F.col("p_before_ms") < F.col("t"), F.lit(True))
-    plain = pairs.where(clear_before & (F.col("upto_ms") < F.col("t")))
-    skewed = pairs.where(~clear_before)
-    ranges = skewed.select(
-        "topic",
-        "partition",
-        "p",
-        "o",
-        "t",
-        F.explode(F.sequence(F.floor(F.col("p") / F.lit(BLOCK)), F.floor(F.col("o") / F.lit(BLOCK)))).alias("block"),
     )
-    read = (
-        ranges.join(rows.select("topic", "partition", "block", "offset", "stamp"), ["topic", "partition", "block"])
-        .where(F.col("offset").between(F.col("p"), F.col("o")))
-        .groupBy("topic", "partition", "p", "o", "t")
-        .agg(F.max("stamp").alias("range_max"))
-        .where(F.col("range_max") < F.col("t"))
-    )
-    replaced = plain.select("topic", "partition", "p", "o").unionByName(read.select("topic", "partition", "p", "o"))
+    replaced = pairs.where(F.col("t").isNotNull() & (F.col("upto_ms") < F.col("t")))
     return replaced.select(
         "topic",
         "partition",

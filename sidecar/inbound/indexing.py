@@ -35,12 +35,8 @@ class Indexer:
             refused = tracker.add_many([r[0] for r in delayed], [r[1] for r in delayed])
         if refused:
             due: list[Due] = [(at, offset, record) for offset, at, record in map(delayed.__getitem__, refused)]
-            if state.keyed is not None:
-                # Below the delivered watermark: an earlier pop, let through by a timestamp read
-                # before these records, ran past their deliver-at. One that a newer record of its key
-                # replaced in this very slice goes to nobody, as a rebuild decides it (the slice
-                # was decided whole before it is indexed).
-                due = [d for d in due if not state.keyed.popped(d[1])]
+            # On a keyed partition too: the gate let a pop past their deliver-at, so the log's
+            # clock had reached it before they were read, and no record can replace them.
             self._delivery.send_many(partition, routes.delayed, due, sent)
             gone = set(refused)
             delayed = [r for i, r in enumerate(delayed) if i not in gone]

@@ -22,7 +22,7 @@ from sidecar.policy.routes import IntakeRule
 def keyed_of(state: PartitionState) -> KeyedPartition:
     """The partition's keyed state, started at the first record read under a keyed rule."""
     if state.keyed is None:
-        state.keyed = KeyedPartition(state.tracker.key_index())
+        state.keyed = KeyedPartition(state.tracker.key_index(), state.clock_at_start)
     return state.keyed
 
 

@@ -7,8 +7,8 @@
   entries are let through by a timestamp the log holds (the gate of by_key.py).
 
 None of it outlives the member: a partition that holds keyed records is read again from its
-earliest pending record when its next owner starts (PartitionState.start), which puts all of it
-back, decided the same way, from the log alone.
+earliest pending record when its next owner starts (PartitionState.start), with the log's clock
+as the commit recorded it there, which puts all of it back, decided the same way.
 """
 
 from collections import OrderedDict
@@ -25,8 +25,8 @@ transaction, or stamped by a broker whose LogAppendTime lags the due time)."""
 
 
 class KeyedPartition:
-    def __init__(self, index: KeyIndex) -> None:
-        self.step = KeyStep(index)
+    def __init__(self, index: KeyIndex, clock_before: int | None = None) -> None:
+        self.step = KeyStep(index, clock_before)
         self.replaced = BitMap64()
         self._gone: OrderedDict[int, None] = OrderedDict()
         """Replaced offsets that came out of the index to nobody, the latest REMEMBERED."""

@@ -14,6 +14,7 @@ Kafka's committed offset and its metadata are the durable truth of a partition. 
   metadata then keeps only the newest rules that fit, for when the state topic cannot be read.
 - `producer`: exactly-once mode, the transactional.id whose transaction committed it. A sidecar of
   the same identity that takes the partition over fences it (sidecar/identity.py).
+- `clock`: a keyed partition's log clock at `earliest` (policy/by_key.py), where its rebuild starts.
 
 Local state (the bucket tracker's RocksDB) is used only when it agrees with the commit in
 everything that decides a fate: each checkpoint records the fingerprint (`fingerprint`: the offset
@@ -63,6 +64,10 @@ class CommitMetadata:
     control: bool = False
     """A control partition's commit: a control topic the policies no longer name is still read while
     such a commit holds a pending nack (control/topics.py)."""
+    clock: int | None = None
+    """A keyed partition's: the log's clock just before `earliest` (policy/by_key.py), the greatest
+    timestamp of the records below it. A rebuild starts there with it, and decides as the live
+    reading did."""
 
     @property
     def keyed(self) -> bool:
@@ -116,6 +121,8 @@ class CommitMetadata:
             data["commands"] = 1
         if self.control:
             data["control"] = 1
+        if self.clock is not None:
+            data["clock"] = self.clock
         data["rules"] = rules
         return data
 
@@ -148,7 +155,7 @@ class CommitMetadata:
         watermark = NOTHING_DELIVERED
         if isinstance(through, list) and len(through) == 2 and all(isinstance(v, int) for v in through):
             watermark = pack(through[0], through[1])
-        producer, ref = data.get("producer"), data.get("rules_ref")
+        producer, ref, clock = data.get("producer"), data.get("rules_ref"), data.get("clock")
         return cls(
             earliest if isinstance(earliest, int) else None,
             watermark,
@@ -159,6 +166,7 @@ class CommitMetadata:
             # in no local index, so the partition is read again from `earliest` as with commands.
             data.get("commands") == 1 or bool(data.get("runs")),
             data.get("control") == 1,
+            clock if isinstance(clock, int) and not isinstance(clock, bool) else None,
         )
 
 

@@ -112,6 +112,9 @@ class PartitionState:
     keyed: KeyedPartition | None = None
     """Set once a record of a keyed topic (`by_key: replace`) is read: from then on every record of
     the partition moves its clock (partitions/keyed.py)."""
+    clock_at_start: int | None = None
+    """The log's clock where reading started, from the commit (CommitMetadata.clock): the keyed
+    state starts from it."""
 
     @property
     def name(self) -> str:
@@ -140,7 +143,7 @@ class PartitionState:
         cursor = tracker.index_cursor()
         self.overrides, self.unread_facts = Overrides(), set()
         self.held_requests, self.decided_earlier = [], set()
-        self.keyed = None
+        self.keyed, self.clock_at_start = None, metadata.clock
         read_again = metadata.commands or metadata.keyed
         if read_again and cursor is not None:
             # Cancels in force, and keys, are not in the local index: read again from the log.
@@ -253,8 +256,10 @@ class PartitionState:
             default=self.next_offset,
         )
         self.rules.prune(earliest)
+        clock = self.clock_at_start  # no keyed record read since the start: the clock has not moved
         if self.keyed is not None:
             self.keyed.forget_below(earliest)
+            clock = self.keyed.step.clock.before(earliest)
         metadata = CommitMetadata(
             earliest,
             tracker.delivered_through(),
@@ -263,6 +268,7 @@ class PartitionState:
             commands=not self.control
             and (bool(self.overrides) or bool(self.unread_facts) or self.hold_until is not None),
             control=self.control,
+            clock=clock,
         )
         point = (self.next_offset, metadata.encode())
         self.point_rules = metadata.rules_text()

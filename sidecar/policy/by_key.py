@@ -1,21 +1,26 @@
 """Keyed replacement (`delayed_delivery: {by_key: replace}`): the newest record for a key decides.
 
 The rule must be one that a rebuild from the log decides the same way as the live intake did,
-whichever member reads it and from where. So it looks only at the log:
+whichever member reads it and from where. So it looks only at the log, and at its clock, the
+greatest timestamp of the partition's records so far:
 
-    A record R at offset o for key K replaces K's previous record P (offset p, deliver-at T) when,
-    and only when, P was delayed and no record of the partition from p to o (any key, P and R
-    included) has a timestamp at or past T.
+    A record R at offset o for key K replaces K's previous record P (deliver-at T) when, and only
+    when, P was delayed and no record of the partition up to o (any key, R included) has a
+    timestamp at or past T: the log's clock at R is still before T.
 
-A timestamp at or past T in between means P's time had come before R was in the log, so P is
-delivered and R is a record of its own. The timestamps are those of the log (CreateTime or
-LogAppendTime), and the maximum over the range, not R's own timestamp, is what counts: a producer
-whose clock lags cannot put a record "before" one already past T.
+Once the log's clock reaches T, P's time has come: it is delivered, and a later record of K is a
+record of its own. The timestamps are those of the log (CreateTime or LogAppendTime), and the
+greatest so far, not R's own timestamp, is what counts: a producer whose clock lags cannot put a
+record "before" one already past T.
 
 The delivery side keeps the rule true: a keyed partition's entry due at T is delivered only once
-a record with a timestamp at or past T has been read after it (the clock gate), so that any record
-read later finds that timestamp in its range and replaces nothing. A partition with no such record
-gets one written by the sidecar.
+the log's clock has reached T (the clock gate), so that any record read later finds the clock past
+T and replaces nothing. A partition with no such record gets one written by the sidecar. As the
+clock only moves forward, so does the gate: an entry read after the gate passed its time is due at
+once, and no record can replace it any more.
+
+A rebuild starts at the partition's earliest pending offset with the clock as it stood there,
+which the commit records (partitions/metadata.py: `clock`): the records below were all decided.
 
 No I/O here: the key index is given (RocksDB beside the bucket index in the engine, a dict in the
 tests), and so is the order of the records, which is the log's.
@@ -53,68 +58,60 @@ class Verdict(NamedTuple):
 NOT_KEYED = Verdict(None, True)
 
 
-class WindowClock:
-    """The greatest timestamp over the records read from any offset on: the `no record from p to o`
-    of the rule, for every p at once.
+class LogClock:
+    """The log's clock: the greatest timestamp of the partition's records read so far, and what it
+    was before any offset read since `forget_below` (for the commit, which a rebuild starts from)."""
 
-    It keeps the records whose timestamp no later record reaches (a strictly decreasing run), so
-    with timestamps in order it holds one record, and the answer is a binary search.
-    """
-
-    def __init__(self) -> None:
+    def __init__(self, before: int | None = None) -> None:
+        self.now: int | None = before
+        """The greatest timestamp read so far; None before any."""
         self._offsets: list[int] = []
-        self._stamps: list[int] = []
+        self._raised: list[int] = []
+        """The offsets at which it rose, and the value it rose to there (ascending both)."""
+        self._floor = before
+        """What it was before the first of `_offsets`."""
 
     def note(self, offset: int, timestamp: int) -> None:
         """A record read, in offset order."""
-        offsets, stamps = self._offsets, self._stamps
-        while stamps and stamps[-1] <= timestamp:
-            stamps.pop()
-            offsets.pop()
-        offsets.append(offset)
-        stamps.append(timestamp)
+        if self.now is None or timestamp > self.now:
+            self.now = timestamp
+            self._offsets.append(offset)
+            self._raised.append(timestamp)
 
-    def since(self, offset: int) -> int | None:
-        """The greatest timestamp of the records read at `offset` or later; None if none was."""
+    def before(self, offset: int) -> int | None:
+        """What the clock read just before `offset`: the greatest timestamp of the records below it."""
         i = bisect_left(self._offsets, offset)
-        return self._stamps[i] if i < len(self._stamps) else None
-
-    @property
-    def latest(self) -> int | None:
-        """The newest record's timestamp (it is always the last one kept)."""
-        return self._stamps[-1] if self._stamps else None
+        return self._raised[i - 1] if i else self._floor
 
     def forget_below(self, offset: int) -> None:
-        """No pending record is below `offset` any more: nobody will ask from there."""
+        """Nobody will ask `before` of an offset below this one any more."""
         i = bisect_left(self._offsets, offset)
         if i:
-            del self._offsets[:i], self._stamps[:i]
-
-    def __len__(self) -> int:
-        return len(self._offsets)
+            self._floor = self._raised[i - 1]
+            del self._offsets[:i], self._raised[:i]
 
 
-def replaces(previous: Pending | None, clock: WindowClock) -> int | None:
+def replaces(previous: Pending | None, clock: LogClock) -> int | None:
     """The rule, once the new record has been noted on the clock: the offset it replaces, if any."""
     if previous is None or previous.deliver_at is None:
         return None
-    newest = clock.since(previous.offset)
-    return previous.offset if newest is None or newest < previous.deliver_at else None
+    now = clock.now
+    return previous.offset if now is None or now < previous.deliver_at else None
 
 
 class KeyStep:
     """The rule applied to one partition's records in offset order, live and in a rebuild alike.
 
-    A rebuild starts at the partition's earliest pending offset with an empty clock: every record
-    that could still be replaced is at or past it, and so is every record of the ranges the rule
-    looks at. A key whose newest record is below it was decided already (delivered, or replaced by
-    a record also below it), so the index may forget it; what it remembers of it is never pending
-    by the rule, since the clock gate let it go only once a later timestamp reached its time.
+    A rebuild starts at the partition's earliest pending offset with the log's clock as it stood
+    there (`clock_before`, which the commit records): every record that could still be replaced is
+    at or past it. A key whose newest record is below it was decided already (delivered, or
+    replaced by a record also below it), so the index may forget it; what it remembers of it is
+    never pending by the rule, since the clock gate let it go only once the clock reached its time.
     """
 
-    def __init__(self, index: KeyIndex) -> None:
+    def __init__(self, index: KeyIndex, clock_before: int | None = None) -> None:
         self.index = index
-        self.clock = WindowClock()
+        self.clock = LogClock(clock_before)
         self.start: int | None = None
         """The first offset this step read. An entry of the index outside [start, the record read)
         was left by an earlier reading of the log (a durable index is not emptied when its owner
@@ -158,35 +155,37 @@ class KeyStep:
         if self.start is None:
             self.start = offsets[0]
         start = self.start
-        clock_offsets, clock_stamps = self.clock._offsets, self.clock._stamps
+        clock = self.clock
+        now = clock.now
         self.index.prefetch(keys)
         get, put = self.index.get, self.index.put
         replaced: list[int | None] = []
         for offset, stamp, key, tombstone, deliver_at in zip(
             offsets, stamps, keys, tombstones, deliver_ats, strict=True
         ):
-            while clock_stamps and clock_stamps[-1] <= stamp:  # WindowClock.note
-                clock_stamps.pop()
-                clock_offsets.pop()
-            clock_offsets.append(offset)
-            clock_stamps.append(stamp)
+            if now is None or stamp > now:  # LogClock.note
+                now = clock.now = stamp
+                clock._offsets.append(offset)
+                clock._raised.append(stamp)
             if not key:
                 replaced.append(None)
                 continue
             previous = get(key)
             found = None
-            if previous is not None and previous.deliver_at is not None and start <= previous.offset < offset:
-                i = bisect_left(clock_offsets, previous.offset)  # WindowClock.since, never empty here
-                if clock_stamps[i] < previous.deliver_at:
-                    found = previous.offset
+            # replaces(), inlined (`now` is set: this record was noted)
+            if (
+                previous is not None
+                and previous.deliver_at is not None
+                and start <= previous.offset < offset
+                and now < previous.deliver_at
+            ):
+                found = previous.offset
             replaced.append(found)
             put(key, Pending(offset, None if tombstone else deliver_at))
         return replaced
 
     def due_through(self, now_ms: int) -> int:
-        """Entries due at this time or earlier may go (the clock gate): the newest record's
-        timestamp, never past now; -1 before any record. It is on the safe side: a greater
-        timestamp earlier in the partition may already have decided an entry, but only a timestamp
-        read after every pending entry decides them all."""
-        latest = self.clock.latest
-        return min(now_ms, latest) if latest is not None else -1
+        """Entries due at this time or earlier may go (the clock gate): the log's clock, never past
+        now; -1 before any record."""
+        now = self.clock.now
+        return min(now_ms, now) if now is not None else -1

@@ -7,6 +7,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from sidecar.clock import ManualClock
+from sidecar.inbound.keys import keyed_of
+from sidecar.partitions.keyed import KeyedPartition
 from sidecar.partitions.metadata import MAX_METADATA_BYTES, CommitMetadata, RuleHistory
 from sidecar.partitions.state import PartitionState
 from sidecar.policy.model import EffectiveDelay, Sourced
@@ -14,6 +16,7 @@ from sidecar.policy.routes import IntakeRule
 from sidecar.tracker import InMemoryTracker
 from sidecar.tracker.base import NOTHING_DELIVERED, pack
 from sidecar.tracker.bucket import BucketTracker
+from sidecar.tracker.keys import MemoryKeys
 from sidecar.tracker.storage.fake import FakeSnapshotStorage
 
 FAR = 10**13
@@ -28,11 +31,15 @@ def rule(max_ms: int = 0, delayed: tuple[str, ...] = ("a",)) -> IntakeRule:
     earliest=st.none() | st.integers(0, 2**62),
     through=st.just(NOTHING_DELIVERED) | st.builds(pack, st.integers(0, 2**45), st.integers(0, 2**62)),
     rules=st.lists(st.tuples(st.integers(0, 2**40), st.integers(0, 10**9)), max_size=5),
+    clock=st.none() | st.integers(0, 2**45),
 )
-def test_commit_metadata_round_trips(earliest: int | None, through: int, rules: list[tuple[int, int]]) -> None:
-    metadata = CommitMetadata(earliest, through, tuple((offset, rule(max_ms)) for offset, max_ms in rules))
+def test_commit_metadata_round_trips(
+    earliest: int | None, through: int, rules: list[tuple[int, int]], clock: int | None
+) -> None:
+    history = tuple((offset, rule(max_ms)) for offset, max_ms in rules)
+    metadata = CommitMetadata(earliest, through, history, clock=clock)
     decoded = CommitMetadata.decode(metadata.encode())
-    assert (decoded.earliest, decoded.through) == (earliest, through)
+    assert (decoded.earliest, decoded.through, decoded.clock) == (earliest, through, clock)
     assert [(o, r.key) for o, r in decoded.rules] == [(o, r.key) for o, r in metadata.rules]
 
 
@@ -310,3 +317,21 @@ def test_a_claim_renames_the_producer_of_the_last_commit_and_nothing_else() -> N
     assert state.claim_point("p-2") is None  # named already
     state.committed = (7, "written by another tool")
     assert state.claim_point("p-2") is None  # foreign metadata is left alone
+
+
+def test_a_keyed_partitions_commit_carries_the_logs_clock_at_its_earliest_and_a_new_owner_starts_with_it() -> None:
+    """policy/by_key.py: a rebuild from `earliest` must know the greatest timestamp below it, or a
+    record stamped ahead below it would be forgotten and a record due already could be replaced."""
+    s = state(InMemoryTracker(ManualClock(0)))
+    s.start(None, CommitMetadata())
+    keyed = KeyedPartition(MemoryKeys())
+    s.keyed, s.next_offset = keyed, 30
+    for offset, stamp in ((10, 1_000), (11, 5_000), (20, 2_000), (29, 6_000)):
+        keyed.note(offset, stamp)
+    point = s.commit_point(earliest_pending=20)
+    assert point is not None
+    metadata = CommitMetadata.decode(point[1])
+    assert (metadata.earliest, metadata.clock) == (20, 5_000)  # 6,000 is at 29, not below 20
+    successor = state(InMemoryTracker(ManualClock(0)))
+    successor.start(30, metadata)
+    assert keyed_of(successor).step.clock.now == 5_000

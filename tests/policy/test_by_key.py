@@ -7,7 +7,7 @@ from typing import NamedTuple
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sidecar.policy.by_key import NOT_KEYED, KeyStep, Pending, Verdict, WindowClock
+from sidecar.policy.by_key import NOT_KEYED, KeyStep, LogClock, Pending, Verdict
 
 
 class Rec(NamedTuple):
@@ -42,7 +42,7 @@ def by_brute_force(log: list[Rec]) -> list[Verdict]:
         if rec.key in newest:
             p = newest[rec.key]
             due = None if log[p].tombstone else log[p].deliver_at
-            if due is not None and max(r.timestamp for r in log[p : o + 1]) < due:
+            if due is not None and max(r.timestamp for r in log[: o + 1]) < due:
                 replaced = p
         newest[rec.key] = o
         verdicts.append(Verdict(replaced, not rec.tombstone))
@@ -50,7 +50,8 @@ def by_brute_force(log: list[Rec]) -> list[Verdict]:
 
 
 def run(log: list[Rec], start: int = 0) -> list[Verdict]:
-    step = KeyStep(DictIndex())
+    """The step from `start` on, with the log's clock there, as a commit records it."""
+    step = KeyStep(DictIndex(), max((r.timestamp for r in log[:start]), default=None))
     return [step.take(o, r.timestamp, r.key, r.tombstone, r.deliver_at) for o, r in enumerate(log) if o >= start]
 
 
@@ -86,13 +87,14 @@ def replaceable(log: list[Rec], cut: int) -> list[int]:
         for p in newest.values()
         if not log[p].tombstone
         and log[p].deliver_at is not None
-        and max(r.timestamp for r in log[p:cut]) < log[p].deliver_at  # type: ignore[operator]
+        and max(r.timestamp for r in log[:cut]) < log[p].deliver_at  # type: ignore[operator]
     ]
 
 
 AHEAD = [Rec(1_300, b"x", False, None), Rec(1_010, b"k", False, 1_100), Rec(1_020, b"k", False, 2_000)]
-"""A record stamped ahead (1,300) before the one a rebuild starts at: a rule that looked past the
-replaced record's offset would decide differently for a member that read it and one that did not."""
+"""A record stamped ahead (1,300) before the one a rebuild starts at: the log's clock is past 1,100
+before k's first record is read, so that record is due at once and nothing replaces it. A rebuild
+from offset 1 must start with the clock the commit recorded, or it would decide otherwise."""
 
 
 @given(logs(), st.data())
@@ -108,9 +110,12 @@ def test_a_rebuild_from_before_every_replaceable_record_decides_the_same(log: li
     assert rebuilt == live
 
 
-def test_a_timestamp_ahead_before_the_rebuilds_start_changes_nothing() -> None:
-    assert min(replaceable(AHEAD, 2)) == 1
-    assert run(AHEAD)[2] == run(AHEAD, 1)[1] == Verdict(1, True)
+def test_a_timestamp_ahead_before_the_rebuilds_start_is_in_the_clock_it_starts_with() -> None:
+    assert replaceable(AHEAD, 2) == []
+    assert run(AHEAD)[2] == run(AHEAD, 1)[1] == Verdict(None, True)
+    without_clock = KeyStep(DictIndex())
+    verdicts = [without_clock.take(o, r.timestamp, r.key, r.tombstone, r.deliver_at) for o, r in enumerate(AHEAD) if o]
+    assert verdicts[1] == Verdict(1, True)  # what a rebuild would say without the commit's clock
 
 
 def test_at_the_boundary_a_timestamp_at_the_due_time_keeps_the_old_record() -> None:
@@ -136,20 +141,23 @@ def test_the_gate_lets_an_entry_go_only_once_a_record_at_its_time_was_read() -> 
     assert step.due_through(5_000) == 1_000  # nothing read at 2,000 yet: the entry waits
     step.take(1, 2_000, None, False, None)
     assert step.due_through(1_990) == 1_990 and step.due_through(5_000) == 2_000
-    step.take(2, 1_200, b"j", False, None)  # a producer whose clock lags: the gate waits again
-    assert step.due_through(5_000) == 1_200
+    step.take(2, 1_200, b"j", False, None)  # a producer whose clock lags: the log's clock stays
+    assert step.due_through(5_000) == 2_000
 
 
 @given(st.lists(st.integers(0, 100), max_size=40), st.data())
-def test_the_clock_answers_the_greatest_timestamp_from_any_offset(stamps: list[int], data: st.DataObject) -> None:
-    clock = WindowClock()
-    for o, t in enumerate(stamps):
+def test_the_clock_says_what_it_read_before_any_offset_after_what_it_forgot(
+    stamps: list[int], data: st.DataObject
+) -> None:
+    start = data.draw(st.integers(0, len(stamps)))
+    clock = LogClock(max(stamps[:start], default=None))  # started where a rebuild would
+    for o, t in enumerate(stamps[start:], start):
         clock.note(o, t)
-    forget = data.draw(st.integers(0, len(stamps)))
+    assert clock.now == max(stamps, default=None)
+    forget = data.draw(st.integers(start, len(stamps)))
     clock.forget_below(forget)
     for o in range(forget, len(stamps) + 1):
-        assert clock.since(o) == (max(stamps[o:]) if stamps[o:] else None)
-    assert len(clock) <= len(stamps)
+        assert clock.before(o) == max(stamps[:o], default=None)
 
 
 @given(logs(), st.data())
