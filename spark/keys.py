@@ -55,7 +55,7 @@ def _with_running_maxima(log: DataFrame) -> DataFrame:
         .agg(F.max("stamp").alias("block_max"))
         .select("topic", "partition", "block", F.max("block_max").over(across).alias("earlier"))
     )
-    return blocks.join(F.broadcast(earlier), ["topic", "partition", "block"]).withColumn(
+    return blocks.join(earlier, ["topic", "partition", "block"]).withColumn(
         "upto_ms",
         F.greatest("block_upto", "earlier"),  # greatest skips nulls
     )

@@ -76,6 +76,10 @@ def build_session(
     if shuffle_partitions:
         builder = builder.config("spark.sql.shuffle.partitions", str(shuffle_partitions))
     builder = builder.config("spark.sql.session.timeZone", "UTC").config("spark.ui.showConsoleProgress", "false")
+    # Spark gives up on a broadcast join whose small side is not built within 300 s: a loaded machine
+    # made a suite's audit fail so (the keyed topics' block maxima, 2026-11-29). An audit that is
+    # slow is still right; an hour is a limit for a broadcast that hangs, not for a slow one.
+    builder = builder.config("spark.sql.broadcastTimeout", "3600")
     conf = dict(conf or {})
     if kafka_connector and not jvm_started():
         conf = with_connector(conf, connector_repository)

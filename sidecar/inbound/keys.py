@@ -28,8 +28,9 @@ def keyed_of(state: PartitionState) -> KeyedPartition:
 
 def is_keyed(state: PartitionState, rule: IntakeRule) -> bool:
     """Records under `rule` go through the keyed step: the rule is keyed, or an earlier one was
-    (its pending records wait on the clock, which every record moves)."""
-    return rule.keyed or state.keyed is not None
+    (its pending records wait on the clock, which every record moves), or the commit this reading
+    started from says the partition had keyed state there (its clock)."""
+    return rule.keyed or state.keyed is not None or state.clock_at_start is not None
 
 
 def stamp(record: Message) -> int:

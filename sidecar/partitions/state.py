@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from sidecar.control.overrides import Overrides
 from sidecar.partitions.keyed import KeyedPartition
 from sidecar.partitions.metadata import MAX_METADATA_BYTES, CommitMetadata, RuleHistory
+from sidecar.policy.by_key import BEFORE_ANY
 from sidecar.policy.routes import IntakeRule
 from sidecar.tracker.base import NOTHING_DELIVERED, DelayedDeliveryTracker
 
@@ -114,7 +115,7 @@ class PartitionState:
     the partition moves its clock (partitions/keyed.py)."""
     clock_at_start: int | None = None
     """The log's clock where reading started, from the commit (CommitMetadata.clock): the keyed
-    state starts from it."""
+    state starts from it, at the first record read (inbound/keys.py: is_keyed)."""
 
     @property
     def name(self) -> str:
@@ -144,7 +145,7 @@ class PartitionState:
         self.overrides, self.unread_facts = Overrides(), set()
         self.held_requests, self.decided_earlier = [], set()
         self.keyed, self.clock_at_start = None, metadata.clock
-        read_again = metadata.commands or metadata.keyed
+        read_again = metadata.commands or metadata.keyed or metadata.clock is not None
         if read_again and cursor is not None:
             # Cancels in force, and keys, are not in the local index: read again from the log.
             logger.info(
@@ -255,11 +256,21 @@ class PartitionState:
             (o for o in (earliest_pending, self.drain_from, *origins) if o is not None),
             default=self.next_offset,
         )
+        clock = self.clock_at_start  # no record read since the start: the clock has not moved
+        keyed = self.keyed
+        if keyed is not None:
+            log_clock = keyed.step.clock
+            sampled = log_clock.sample(earliest)
+            if earliest >= self.next_offset:  # nothing pending: every record below was read
+                clock = log_clock.now
+            elif self.drain_from is None and sampled is not None:
+                # A rebuild starts at the sample, up to SAMPLE_EVERY records early (a drain must
+                # not: it would dead-letter again what it did below its progress).
+                earliest, clock = sampled[0], BEFORE_ANY if sampled[1] is None else sampled[1]
+            else:  # the keyed state began past `earliest`: the next owner starts it where it began
+                clock = None
+            keyed.forget_below(earliest)
         self.rules.prune(earliest)
-        clock = self.clock_at_start  # no keyed record read since the start: the clock has not moved
-        if self.keyed is not None:
-            self.keyed.forget_below(earliest)
-            clock = self.keyed.step.clock.before(earliest)
         metadata = CommitMetadata(
             earliest,
             tracker.delivered_through(),

@@ -19,14 +19,15 @@ T and replaces nothing. A partition with no such record gets one written by the 
 clock only moves forward, so does the gate: an entry read after the gate passed its time is due at
 once, and no record can replace it any more.
 
-A rebuild starts at the partition's earliest pending offset with the clock as it stood there,
-which the commit records (partitions/metadata.py: `clock`): the records below were all decided.
+A rebuild starts at or below the partition's earliest pending offset with the clock as it stood
+there, which the commit records (partitions/metadata.py: `clock`): the records below were all
+decided.
 
 No I/O here: the key index is given (RocksDB beside the bucket index in the engine, a dict in the
 tests), and so is the order of the records, which is the log's.
 """
 
-from bisect import bisect_left
+from bisect import bisect_right
 from collections.abc import Sequence
 from typing import NamedTuple, Protocol
 
@@ -58,37 +59,58 @@ class Verdict(NamedTuple):
 NOT_KEYED = Verdict(None, True)
 
 
+BEFORE_ANY = -1
+"""The log's clock before any record, as a commit records it: below every timestamp (the sidecar
+reads a record without one as 0). A commit that records a clock says that the partition has keyed
+state, which the next owner starts at once, so that it moves the clock with every record from
+there, as the earlier owner's did."""
+
+SAMPLE_EVERY = 4_096
+"""Offsets between two of the clock's samples: what a commit may record of it (`LogClock.sample`)."""
+
+
 class LogClock:
-    """The log's clock: the greatest timestamp of the partition's records read so far, and what it
-    was before any offset read since `forget_below` (for the commit, which a rebuild starts from)."""
+    """The log's clock: the greatest timestamp of the partition's records read so far.
+
+    A commit records it at an offset where a rebuild can start (`sample`). Keeping its value at
+    every offset would cost memory per record between the earliest pending one and the newest,
+    hours of records on a topic with long delays; so it is sampled at the first record read in each
+    block of SAMPLE_EVERY offsets, and the commit names the latest sample at or below its earliest
+    pending offset, from which a rebuild reads at most that many records more.
+    """
 
     def __init__(self, before: int | None = None) -> None:
+        self.initial = before
+        """What it read before the first record read: where this reading of the log started."""
         self.now: int | None = before
         """The greatest timestamp read so far; None before any."""
         self._offsets: list[int] = []
-        self._raised: list[int] = []
-        """The offsets at which it rose, and the value it rose to there (ascending both)."""
-        self._floor = before
-        """What it was before the first of `_offsets`."""
+        self._before: list[int | None] = []
+        """Sampled offsets, ascending, and the clock just before each."""
+        self._block = -1
 
     def note(self, offset: int, timestamp: int) -> None:
         """A record read, in offset order."""
+        block = offset // SAMPLE_EVERY
+        if block != self._block:
+            self._block = block
+            self._offsets.append(offset)
+            self._before.append(self.now)
         if self.now is None or timestamp > self.now:
             self.now = timestamp
-            self._offsets.append(offset)
-            self._raised.append(timestamp)
 
-    def before(self, offset: int) -> int | None:
-        """What the clock read just before `offset`: the greatest timestamp of the records below it."""
-        i = bisect_left(self._offsets, offset)
-        return self._raised[i - 1] if i else self._floor
+    def sample(self, offset: int) -> tuple[int, int | None] | None:
+        """(s, the clock just before s) for the latest sampled offset s at or below `offset`; None
+        when none is (nothing read there since this clock started)."""
+        i = bisect_right(self._offsets, offset)
+        return (self._offsets[i - 1], self._before[i - 1]) if i else None
 
     def forget_below(self, offset: int) -> None:
-        """Nobody will ask `before` of an offset below this one any more."""
-        i = bisect_left(self._offsets, offset)
-        if i:
-            self._floor = self._raised[i - 1]
-            del self._offsets[:i], self._raised[:i]
+        """Nobody will ask `sample` of an offset below this one any more: the latest sample at or
+        below it is kept."""
+        i = bisect_right(self._offsets, offset) - 1
+        if i > 0:
+            del self._offsets[:i], self._before[:i]
 
 
 def replaces(previous: Pending | None, clock: LogClock) -> int | None:
@@ -163,10 +185,12 @@ class KeyStep:
         for offset, stamp, key, tombstone, deliver_at in zip(
             offsets, stamps, keys, tombstones, deliver_ats, strict=True
         ):
-            if now is None or stamp > now:  # LogClock.note
-                now = clock.now = stamp
+            if offset // SAMPLE_EVERY != clock._block:  # LogClock.note
+                clock._block = offset // SAMPLE_EVERY
                 clock._offsets.append(offset)
-                clock._raised.append(stamp)
+                clock._before.append(now)
+            if now is None or stamp > now:
+                now = clock.now = stamp
             if not key:
                 replaced.append(None)
                 continue

@@ -3,14 +3,17 @@
 import json
 from dataclasses import replace
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from sidecar.clock import ManualClock
-from sidecar.inbound.keys import keyed_of
+from sidecar.inbound.keys import is_keyed, keyed_of
 from sidecar.partitions.keyed import KeyedPartition
 from sidecar.partitions.metadata import MAX_METADATA_BYTES, CommitMetadata, RuleHistory
 from sidecar.partitions.state import PartitionState
+from sidecar.policy import by_key
+from sidecar.policy.by_key import BEFORE_ANY
 from sidecar.policy.model import EffectiveDelay, Sourced
 from sidecar.policy.routes import IntakeRule
 from sidecar.tracker import InMemoryTracker
@@ -325,13 +328,35 @@ def test_a_keyed_partitions_commit_carries_the_logs_clock_at_its_earliest_and_a_
     s = state(InMemoryTracker(ManualClock(0)))
     s.start(None, CommitMetadata())
     keyed = KeyedPartition(MemoryKeys())
-    s.keyed, s.next_offset = keyed, 30
-    for offset, stamp in ((10, 1_000), (11, 5_000), (20, 2_000), (29, 6_000)):
-        keyed.note(offset, stamp)
-    point = s.commit_point(earliest_pending=20)
+    s.keyed, s.next_offset = keyed, 40
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(by_key, "SAMPLE_EVERY", 10)  # sampled at 10, 20 and 30
+        for offset, stamp in ((10, 1_000), (11, 5_000), (20, 2_000), (29, 6_000), (30, 3_000)):
+            keyed.note(offset, stamp)
+    point = s.commit_point(earliest_pending=25)
     assert point is not None
     metadata = CommitMetadata.decode(point[1])
-    assert (metadata.earliest, metadata.clock) == (20, 5_000)  # 6,000 is at 29, not below 20
+    # Down to the sample at 20, with the clock before it (6,000 is at 29, not below 20).
+    assert (metadata.earliest, metadata.clock) == (20, 5_000)
+    nothing_pending = s.commit_point(earliest_pending=None)
+    assert nothing_pending is not None
+    # Nothing pending: no rebuild, and the clock has read every record below the commit.
+    assert (CommitMetadata.decode(nothing_pending[1]).earliest, CommitMetadata.decode(nothing_pending[1]).clock) == (
+        40,
+        6_000,
+    )
     successor = state(InMemoryTracker(ManualClock(0)))
-    successor.start(30, metadata)
+    assert successor.start(40, metadata) == 20  # the rebuild starts at the sample
     assert keyed_of(successor).step.clock.now == 5_000
+    # Keyed state that has read nothing below its earliest still says so: the next owner starts it
+    # at its first record, whatever rule that record was read by, and moves the clock from there.
+    fresh = state(InMemoryTracker(ManualClock(0)))
+    fresh.start(None, CommitMetadata())
+    fresh.keyed, fresh.next_offset = KeyedPartition(MemoryKeys()), 60
+    fresh.keyed.note(50, 7_000)
+    point = fresh.commit_point(earliest_pending=50)
+    assert point is not None and CommitMetadata.decode(point[1]).clock == BEFORE_ANY
+    plain = IntakeRule(EffectiveDelay(Sourced(True, "topic"), Sourced(0, "topic"), Sourced(0, "topic")), None, ("a",))
+    after = state(InMemoryTracker(ManualClock(0)))
+    after.start(60, CommitMetadata.decode(point[1]))
+    assert is_keyed(after, plain) and not plain.keyed

@@ -4,9 +4,11 @@ and from any place a rebuild may start. Pure."""
 from collections.abc import Sequence
 from typing import NamedTuple
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from sidecar.policy import by_key
 from sidecar.policy.by_key import NOT_KEYED, KeyStep, LogClock, Pending, Verdict
 
 
@@ -146,28 +148,43 @@ def test_the_gate_lets_an_entry_go_only_once_a_record_at_its_time_was_read() -> 
 
 
 @given(st.lists(st.integers(0, 100), max_size=40), st.data())
-def test_the_clock_says_what_it_read_before_any_offset_after_what_it_forgot(
+def test_the_clock_is_sampled_where_a_rebuild_can_start_a_block_at_most_below_any_offset(
     stamps: list[int], data: st.DataObject
 ) -> None:
     start = data.draw(st.integers(0, len(stamps)))
-    clock = LogClock(max(stamps[:start], default=None))  # started where a rebuild would
-    for o, t in enumerate(stamps[start:], start):
-        clock.note(o, t)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(by_key, "SAMPLE_EVERY", 4)
+        clock = LogClock(max(stamps[:start], default=None))  # started where a rebuild would
+        for o, t in enumerate(stamps[start:], start):
+            clock.note(o, t)
     assert clock.now == max(stamps, default=None)
     forget = data.draw(st.integers(start, len(stamps)))
     clock.forget_below(forget)
     for o in range(forget, len(stamps) + 1):
-        assert clock.before(o) == max(stamps[:o], default=None)
+        sampled = clock.sample(o)
+        if start == len(stamps):
+            assert sampled is None  # nothing read
+            continue
+        assert sampled is not None
+        at, before = sampled
+        assert start <= at <= o and (o - at < 4 or o == len(stamps))
+        assert before == max(stamps[:at], default=None)
 
 
 @given(logs(), st.data())
 def test_a_slice_at_once_decides_as_one_record_at_a_time(log: list[Rec], data: st.DataObject) -> None:
-    """take_many, the intake's path, against take: cut into slices, the same offsets replaced."""
-    step = KeyStep(DictIndex())
+    """take_many, the intake's path, against take: cut into slices, the same offsets replaced, and
+    the clock sampled at the same offsets."""
+    step, one_by_one = KeyStep(DictIndex()), KeyStep(DictIndex())
     cuts = sorted(data.draw(st.lists(st.integers(0, len(log)), max_size=4)))
     got: list[int | None] = []
-    for lo, hi in zip([0, *cuts], [*cuts, len(log)], strict=True):
-        part = list(enumerate(log))[lo:hi]
-        got += step.take_many([o for o, _ in part], [r.timestamp for _, r in part], [r.key for _, r in part],
-                              [r.tombstone for _, r in part], [r.deliver_at for _, r in part])  # fmt: skip
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(by_key, "SAMPLE_EVERY", 4)
+        for lo, hi in zip([0, *cuts], [*cuts, len(log)], strict=True):
+            part = list(enumerate(log))[lo:hi]
+            got += step.take_many([o for o, _ in part], [r.timestamp for _, r in part], [r.key for _, r in part],
+                                  [r.tombstone for _, r in part], [r.deliver_at for _, r in part])  # fmt: skip
+        for o, r in enumerate(log):
+            one_by_one.take(o, r.timestamp, r.key, r.tombstone, r.deliver_at)
     assert got == [v.replaced for v in by_brute_force(log)]
+    assert [step.clock.sample(o) for o in range(len(log))] == [one_by_one.clock.sample(o) for o in range(len(log))]

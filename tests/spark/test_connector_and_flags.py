@@ -64,6 +64,12 @@ def test_spark_version_is_read_from_the_running_jvm(spark: SparkSession) -> None
     assert scala == "2.13"
 
 
+def test_the_audits_session_waits_an_hour_for_a_broadcast_not_300_s(spark: SparkSession) -> None:
+    """A loaded machine took more than Spark's default 300 s to build a broadcast's small side, and
+    the audit failed instead of being slow (spark/session.py)."""
+    assert spark.conf.get("spark.sql.broadcastTimeout") == "3600"
+
+
 def test_a_connector_of_another_spark_version_is_found_on_a_classpath_and_named_in_the_error(
     spark: SparkSession, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
