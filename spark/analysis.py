@@ -15,6 +15,7 @@ from pyspark.sql import Column, DataFrame, SparkSession, Window
 from pyspark.sql import functions as F  # noqa: N812
 from pyspark.sql.types import IntegerType, LongType, StringType, StructField, StructType
 
+from spark.columns import expected_due
 from spark.keys import key_fates
 from spark.model import (
     ANOMALY_SCHEMA,
@@ -83,11 +84,6 @@ def _fates(prepared: Prepared, routes: DataFrame, params: AuditParams) -> DataFr
     every dead-letter row are unioned and grouped, rather than joined, so the records cross the
     cluster once and no side is sorted. Rows without an inbound record are orphans.
     """
-    expected_due = (
-        F.when(F.col("ordered") | ~F.col("delays_enabled"), F.col("publish_ms"))
-        .when(F.col("fixed_delay_ms") > 0, F.col("publish_ms") + F.col("fixed_delay_ms"))
-        .otherwise(F.greatest(F.coalesce(F.col("requested_ms"), F.col("publish_ms")), F.col("publish_ms")))
-    )
     null_long, null_str = F.lit(None).cast("long"), F.lit(None).cast("string")
     route_cols = routes.select("topic", "subscription", "ordered", "delays_enabled", "fixed_delay_ms")
     inbound_rows = prepared.inbound.join(route_cols, "topic").select(
@@ -95,7 +91,7 @@ def _fates(prepared: Prepared, routes: DataFrame, params: AuditParams) -> DataFr
         "subscription",
         F.lit(0).alias("src"),
         "publish_ms",
-        expected_due.alias("due_ms"),
+        expected_due(F.col("ordered")).alias("due_ms"),
         F.lit(None).cast(_FIRST_TYPE).alias("copy"),
         null_str.alias("code"),
         null_long.alias("dlt_offset"),

@@ -73,3 +73,16 @@ def with_requested_deliver_at(frame: DataFrame, publish_ms: str = "publish_ms") 
     return staged.withColumn("requested_ms", F.when(requested <= F.lit(MAX_EPOCH_MS), requested)).drop(
         "_n", "_at", "_after"
     )
+
+
+def expected_due(at_once: Column) -> Column:
+    """The deliver-at the policy gives a record (columns publish_ms, requested_ms, delays_enabled,
+    fixed_delay_ms): its publish time when `at_once` (exclusive and failover subscriptions) or
+    delays are disabled, publish + the fixed delay when there is one, else the requested time,
+    never before the publish time. Worked out here, apart from the sidecar's code."""
+    publish = F.col("publish_ms")
+    return (
+        F.when(at_once | ~F.col("delays_enabled"), publish)
+        .when(F.col("fixed_delay_ms") > 0, publish + F.col("fixed_delay_ms"))
+        .otherwise(F.greatest(F.coalesce(F.col("requested_ms"), publish), publish))
+    )

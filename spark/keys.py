@@ -19,25 +19,16 @@ retention deleted are not in the clock, which the sidecar, reading since before,
 
 from __future__ import annotations
 
-from pyspark.sql import Column, DataFrame, Window
+from pyspark.sql import DataFrame, Window
 from pyspark.sql import functions as F  # noqa: N812
 
+from spark.columns import expected_due
 from spark.model import KEYS
 
 BLOCK = 1_000_000
 """Offsets per sort of the running maxima."""
 
 REPLACED, TOMBSTONE = "replaced", "tombstone"
-
-
-def _delayed_until(policies: DataFrame) -> Column:
-    """T for the delay-honouring subscriptions, null when the record is not delayed (as intake decides)."""
-    publish, requested = F.col("publish_ms"), F.col("requested_ms")
-    return (
-        F.when(~F.col("delays_enabled") | ~F.col("honours_delays"), None)
-        .when(F.col("fixed_delay_ms") > 0, publish + F.col("fixed_delay_ms"))
-        .when(requested > publish, requested)
-    )
 
 
 def _with_running_maxima(log: DataFrame) -> DataFrame:
@@ -70,7 +61,9 @@ def key_fates(log: DataFrame, dead_letter: DataFrame, policies: DataFrame) -> Da
     topic, delays_enabled, fixed_delay_ms and honours_delays (some subscription is neither exclusive
     nor failover)."""
     rows = _with_running_maxima(log.join(F.broadcast(policies), "topic"))
-    rows = rows.withColumn("due_ms", _delayed_until(policies))
+    # T for the delay-honouring subscriptions; null when the record is not delayed (due at publish).
+    due = expected_due(~F.col("honours_delays"))
+    rows = rows.withColumn("due_ms", F.when(due > F.col("publish_ms"), due))
     keyed = rows.where(F.col("key").isNotNull()).join(dead_letter.select(*KEYS).distinct(), KEYS, "left_anti")
     by_key = Window.partitionBy("topic", "partition", "key").orderBy("offset")
     pairs = keyed.select(

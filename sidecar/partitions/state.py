@@ -260,10 +260,9 @@ class PartitionState:
         keyed = self.keyed
         if keyed is not None:
             log_clock = keyed.step.clock
-            sampled = log_clock.sample(earliest)
             if earliest >= self.next_offset:  # nothing pending: every record below was read
                 clock = log_clock.now
-            elif self.drain_from is None and sampled is not None:
+            elif self.drain_from is None and (sampled := log_clock.sample(earliest)) is not None:
                 # A rebuild starts at the sample, up to SAMPLE_EVERY records early (a drain must
                 # not: it would dead-letter again what it did below its progress).
                 earliest, clock = sampled[0], BEFORE_ANY if sampled[1] is None else sampled[1]

@@ -80,8 +80,6 @@ class LogClock:
     """
 
     def __init__(self, before: int | None = None) -> None:
-        self.initial = before
-        """What it read before the first record read: where this reading of the log started."""
         self.now: int | None = before
         """The greatest timestamp read so far; None before any."""
         self._offsets: list[int] = []
@@ -124,9 +122,9 @@ def replaces(previous: Pending | None, clock: LogClock) -> int | None:
 class KeyStep:
     """The rule applied to one partition's records in offset order, live and in a rebuild alike.
 
-    A rebuild starts at the partition's earliest pending offset with the log's clock as it stood
-    there (`clock_before`, which the commit records): every record that could still be replaced is
-    at or past it. A key whose newest record is below it was decided already (delivered, or
+    A rebuild starts at or below the partition's earliest pending offset with the log's clock as it
+    stood there (`clock_before`, which the commit records): every record that could still be
+    replaced is at or past it. A key whose newest record is below it was decided already (delivered, or
     replaced by a record also below it), so the index may forget it; what it remembers of it is
     never pending by the rule, since the clock gate let it go only once the clock reached its time.
     """
