@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from pyroaring import BitMap64
 
 from sidecar.control.overrides import REMEMBERED
-from sidecar.policy.by_key import KeyIndex, KeyStep, Pending
+from sidecar.policy.by_key import KeyIndex, KeyStep
 
 CLOCK_RETRY_MS = 1_000
 """A clock record not read back within this long is written again (lost with an aborted
@@ -35,18 +35,15 @@ class KeyedPartition:
 
     def newest(self, key: bytes) -> tuple[int, bool] | None:
         """(offset, delayed) of the key's newest record this state has read; None when it read none."""
-        entry = self.step.index.get(key)
-        start = self.step.start
-        if entry is None or start is None or entry.offset < start:
-            return None  # an entry left by an earlier reading of the log (by_key.KeyStep.start)
-        return entry.offset, entry.deliver_at is not None
+        entry = self.step.newest(key)
+        return None if entry is None else (entry.offset, entry.deliver_at is not None)
 
     def moved(self, key: bytes, origin: int, deliver_at: int) -> None:
         """A reschedule's fact was read: the key's pending record, if it is still `origin`, is
         due at the new time, which the rule compares with from now on."""
-        entry = self.step.index.get(key)
+        entry = self.step.newest(key)
         if entry is not None and entry.offset == origin:
-            self.step.index.put(key, Pending(origin, deliver_at))
+            self.step.index.write({key: (origin, deliver_at)})
 
     def take_many(
         self,

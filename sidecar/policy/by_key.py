@@ -28,8 +28,8 @@ tests), and so is the order of the records, which is the log's.
 """
 
 from bisect import bisect_right
-from collections.abc import Sequence
-from typing import NamedTuple, Protocol
+from collections.abc import Mapping, Sequence
+from typing import NamedTuple, Protocol, cast
 
 
 class Pending(NamedTuple):
@@ -40,13 +40,18 @@ class Pending(NamedTuple):
     """None: not delayed (delivered at once, or a tombstone); nothing of it can be replaced."""
 
 
+Entry = tuple[int, int | None]
+"""A Pending as a plain tuple: the slice's loop builds one per record, and a named tuple costs
+twice as much to make."""
+
+
 class KeyIndex(Protocol):
-    def get(self, key: bytes) -> Pending | None: ...
+    """Each key's newest record, read and written a slice of intake at a time: one read and one
+    write of the index per slice, not per record (a point read of RocksDB costs more than the rule)."""
 
-    def put(self, key: bytes, pending: Pending) -> None: ...
+    def read(self, keys: Sequence[bytes]) -> list[Entry | None]: ...
 
-    def prefetch(self, keys: Sequence[bytes | None]) -> None:
-        """The keys of a slice about to be taken: an index on disk may read them at once."""
+    def write(self, entries: Mapping[bytes, Entry]) -> None: ...
 
 
 class Verdict(NamedTuple):
@@ -111,14 +116,6 @@ class LogClock:
             del self._offsets[:i], self._before[:i]
 
 
-def replaces(previous: Pending | None, clock: LogClock) -> int | None:
-    """The rule, once the new record has been noted on the clock: the offset it replaces, if any."""
-    if previous is None or previous.deliver_at is None:
-        return None
-    now = clock.now
-    return previous.offset if now is None or now < previous.deliver_at else None
-
-
 class KeyStep:
     """The rule applied to one partition's records in offset order, live and in a rebuild alike.
 
@@ -149,16 +146,8 @@ class KeyStep:
         at once). A record without a key, or with an empty one, is not keyed: producers place it as
         no key. A dead-lettered record is given without its key: it replaces nothing, and the
         key's pending record stays pending. Every record is noted on the clock."""
-        self.note(offset, timestamp)
-        if not key:
-            return NOT_KEYED
-        previous = self.index.get(key)
-        start = offset if self.start is None else self.start  # set by note(): never None here
-        if previous is not None and not start <= previous.offset < offset:
-            previous = None
-        replaced = replaces(previous, self.clock)
-        self.index.put(key, Pending(offset, None if tombstone else deliver_at))
-        return Verdict(replaced, not tombstone)
+        (replaced,) = self.take_many([offset], [timestamp], [key], [tombstone], [deliver_at])
+        return Verdict(replaced, not (key and tombstone))
 
     def take_many(
         self,
@@ -168,8 +157,9 @@ class KeyStep:
         tombstones: Sequence[bool],
         deliver_ats: Sequence[int | None],
     ) -> list[int | None]:
-        """`take` of each record in turn, for a slice of intake: the offset each one replaces. The
-        same steps with the calls inlined: per record, a call costs as much as the rule."""
+        """`take` of a slice of records in offset order: the offset each one replaces. The index is
+        read once for the slice's keys and written once with their newest records; the loop is the
+        rule, with LogClock.note inlined (per record, a call costs as much as the rule)."""
         if not offsets:
             return []
         if self.start is None:
@@ -177,13 +167,13 @@ class KeyStep:
         start = self.start
         clock = self.clock
         now = clock.now
-        self.index.prefetch(keys)
-        get, put = self.index.get, self.index.put
+        wanted = list(dict.fromkeys(key for key in keys if key))
+        latest = dict(zip(wanted, self.index.read(wanted), strict=True))
         replaced: list[int | None] = []
         for offset, stamp, key, tombstone, deliver_at in zip(
             offsets, stamps, keys, tombstones, deliver_ats, strict=True
         ):
-            if offset // SAMPLE_EVERY != clock._block:  # LogClock.note
+            if offset // SAMPLE_EVERY != clock._block:
                 clock._block = offset // SAMPLE_EVERY
                 clock._offsets.append(offset)
                 clock._before.append(now)
@@ -192,19 +182,25 @@ class KeyStep:
             if not key:
                 replaced.append(None)
                 continue
-            previous = get(key)
-            found = None
-            # replaces(), inlined (`now` is set: this record was noted)
-            if (
-                previous is not None
-                and previous.deliver_at is not None
-                and start <= previous.offset < offset
-                and now < previous.deliver_at
-            ):
-                found = previous.offset
-            replaced.append(found)
-            put(key, Pending(offset, None if tombstone else deliver_at))
+            previous = latest[key]
+            # An entry outside [start, offset) was left by an earlier reading (see `start`).
+            if previous is not None and previous[1] is not None and start <= previous[0] < offset and now < previous[1]:
+                replaced.append(previous[0])
+            else:
+                replaced.append(None)
+            latest[key] = (offset, None if tombstone else deliver_at)
+        if latest:
+            self.index.write(cast(dict[bytes, Entry], latest))  # every key read was written in the loop
         return replaced
+
+    def newest(self, key: bytes) -> Pending | None:
+        """The key's newest record this step has read; None when it read none (an entry outside
+        [start, the next record) was left by an earlier reading of the log)."""
+        (entry,) = self.index.read([key])
+        start = self.start
+        if entry is None or start is None or entry[0] < start:
+            return None
+        return Pending(*entry)
 
     def due_through(self, now_ms: int) -> int:
         """Entries due at this time or earlier may go (the clock gate): the log's clock, never past

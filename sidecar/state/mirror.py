@@ -11,6 +11,8 @@ within one checkpoint) is simply dropped from the queue.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from sidecar.state.image import Record, bucket_records, bucket_tombstones
 from sidecar.tracker.storage.base import (
     BucketMeta,
@@ -60,6 +62,13 @@ class MirroredStorage(SnapshotStorage):
 
     def load_key(self, partition: str, key: bytes) -> KeyEntry | None:
         return self.local.load_key(partition, key)
+
+    def load_keys(self, partition: str, keys: list[bytes]) -> list[KeyEntry | None]:
+        return self.local.load_keys(partition, keys)
+
+    def write_keys(self, partition: str, entries: Mapping[bytes, KeyEntry]) -> None:
+        """Not mirrored: a keyed partition's next owner reads its log again (tracker/keys.py)."""
+        self.local.write_keys(partition, entries)
 
     def write(self, partition: str, batch: SnapshotBatch) -> int:
         outbox = self._outboxes.setdefault(partition, _Outbox())

@@ -2,31 +2,37 @@
 
 A million keys would cost a Python dict about 100 bytes each; the index lives in the state dir's
 RocksDB instead, beside the bucket index, under the partition's prefix, so that a clear of the
-partition clears it too. What memory holds is the keys written since the last checkpoint: they go
-to disk in the checkpoint's own batch, with the cursor past their records, so after a crash the
-index and the cursor agree, and the log from the cursor on puts the rest back.
+partition clears it too. Each slice of intake is written as it is read, without RocksDB's
+write-ahead log: nothing in memory grows with the keys.
+
+The index needs no durability of its own. A keyed partition is always read again from its
+earliest pending record when its next owner starts (partitions/state.py: `read_again`, which
+clears the index first), and the rule trusts no entry outside what the current reading read
+(policy/by_key.py: `KeyStep.start`). So the keys are not part of a checkpoint, and a crash that
+loses the last writes loses nothing the next reading would use.
 """
 
-from collections.abc import Sequence
+import logging
+from collections.abc import Mapping, Sequence
 
-from sidecar.policy.by_key import Pending
-from sidecar.tracker.storage.base import KeyEntry, SnapshotStorage
+from sidecar.errors import StorageError
+from sidecar.policy.by_key import Entry
+from sidecar.tracker.storage.base import SnapshotStorage
+
+logger = logging.getLogger(__name__)
 
 
 class MemoryKeys:
     """policy.by_key.KeyIndex in a dict: for the in-memory tracker, lost with it."""
 
     def __init__(self) -> None:
-        self._keys: dict[bytes, Pending] = {}
+        self._keys: dict[bytes, Entry] = {}
 
-    def get(self, key: bytes) -> Pending | None:
-        return self._keys.get(key)
+    def read(self, keys: Sequence[bytes]) -> list[Entry | None]:
+        return [self._keys.get(key) for key in keys]
 
-    def put(self, key: bytes, pending: Pending) -> None:
-        self._keys[key] = pending
-
-    def prefetch(self, keys: Sequence[bytes | None]) -> None:
-        """Nothing to read ahead: all of it is in memory."""
+    def write(self, entries: Mapping[bytes, Entry]) -> None:
+        self._keys.update(entries)
 
 
 class StoredKeys:
@@ -35,38 +41,33 @@ class StoredKeys:
     def __init__(self, storage: SnapshotStorage, partition: str) -> None:
         self._storage = storage
         self._partition = partition
-        self._unwritten: dict[bytes, KeyEntry] = {}
-        self._read: dict[bytes, KeyEntry | None] = {}
-        """What `prefetch` read for the slice being taken."""
+        self._unwritten: dict[bytes, Entry] = {}
+        """Entries a failed write left in memory: read from here, written with the next slice's."""
 
-    def prefetch(self, keys: Sequence[bytes | None]) -> None:
-        """Read the slice's keys that memory does not hold in one go (a multi-get): one point
-        lookup per record was half of the keyed step's time (docs/benchmarks.md)."""
-        wanted = list({key for key in keys if key and key not in self._unwritten})
-        self._read = dict(zip(wanted, self._storage.load_keys(self._partition, wanted), strict=True))
+    def read(self, keys: Sequence[bytes]) -> list[Entry | None]:
+        """One multi-get for the slice's keys: a point read per record was half of the keyed step's
+        time (docs/benchmarks.md)."""
+        found = self._storage.load_keys(self._partition, list(keys))
+        if self._unwritten:
+            unwritten = self._unwritten
+            found = [unwritten.get(key, entry) for key, entry in zip(keys, found, strict=True)]
+        return found
 
-    def get(self, key: bytes) -> Pending | None:
-        entry = self._unwritten.get(key)
-        if entry is None:
-            entry = self._read[key] if key in self._read else self._storage.load_key(self._partition, key)
-        return None if entry is None else Pending(*entry)
-
-    def put(self, key: bytes, pending: Pending) -> None:
-        self._unwritten[key] = (pending.offset, pending.deliver_at)
-
-    def take_unwritten(self) -> dict[bytes, KeyEntry]:
-        """The keys to write with the next checkpoint's batch; memory forgets them."""
-        unwritten, self._unwritten, self._read = self._unwritten, {}, {}
-        return unwritten
-
-    def unwritten_back(self, keys: dict[bytes, KeyEntry]) -> None:
-        """A checkpoint that took `keys` failed to write them: they wait for the next one."""
-        self._unwritten = {**keys, **self._unwritten}
-
-    def forget_unwritten(self) -> None:
-        """The partition's index is cleared (a rebuild starts): what was not written goes too."""
+    def write(self, entries: Mapping[bytes, Entry]) -> None:
+        """A failed write keeps the entries in memory, where reads find them, until a later write
+        takes them along: the rule goes on deciding from them (a key that lost its newest record
+        would let a replaced one be delivered), as the bucket tracker goes on from memory."""
+        if self._unwritten:
+            entries = {**self._unwritten, **entries}
+        try:
+            self._storage.write_keys(self._partition, entries)
+        except StorageError as exc:
+            self._unwritten = dict(entries)
+            logger.warning("key index write failed, kept in memory partition=%s keys=%d error=%s",
+                           self._partition, len(entries), exc)  # fmt: skip
+            return
         self._unwritten = {}
 
     def __len__(self) -> int:
-        """Keys held in memory: those written since the last checkpoint."""
+        """Entries held in memory: those a failed write left."""
         return len(self._unwritten)

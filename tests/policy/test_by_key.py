@@ -1,7 +1,6 @@
 """The keyed replacement rule (policy/by_key.py) against the rule written out by brute force, live
 and from any place a rebuild may start. Pure."""
 
-from collections.abc import Sequence
 from typing import NamedTuple
 
 import pytest
@@ -9,7 +8,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from sidecar.policy import by_key
-from sidecar.policy.by_key import NOT_KEYED, KeyStep, LogClock, Pending, Verdict
+from sidecar.policy.by_key import NOT_KEYED, KeyStep, LogClock, Verdict
+from sidecar.tracker.keys import MemoryKeys
 
 
 class Rec(NamedTuple):
@@ -17,20 +17,6 @@ class Rec(NamedTuple):
     key: bytes | None
     tombstone: bool
     deliver_at: int | None
-
-
-class DictIndex:
-    def __init__(self) -> None:
-        self.keys: dict[bytes, Pending] = {}
-
-    def get(self, key: bytes) -> Pending | None:
-        return self.keys.get(key)
-
-    def put(self, key: bytes, pending: Pending) -> None:
-        self.keys[key] = pending
-
-    def prefetch(self, keys: Sequence[bytes | None]) -> None:
-        pass
 
 
 def by_brute_force(log: list[Rec]) -> list[Verdict]:
@@ -53,7 +39,7 @@ def by_brute_force(log: list[Rec]) -> list[Verdict]:
 
 def run(log: list[Rec], start: int = 0) -> list[Verdict]:
     """The step from `start` on, with the log's clock there, as a commit records it."""
-    step = KeyStep(DictIndex(), max((r.timestamp for r in log[:start]), default=None))
+    step = KeyStep(MemoryKeys(), max((r.timestamp for r in log[:start]), default=None))
     return [step.take(o, r.timestamp, r.key, r.tombstone, r.deliver_at) for o, r in enumerate(log) if o >= start]
 
 
@@ -115,7 +101,7 @@ def test_a_rebuild_from_before_every_replaceable_record_decides_the_same(log: li
 def test_a_timestamp_ahead_before_the_rebuilds_start_is_in_the_clock_it_starts_with() -> None:
     assert replaceable(AHEAD, 2) == []
     assert run(AHEAD)[2] == run(AHEAD, 1)[1] == Verdict(None, True)
-    without_clock = KeyStep(DictIndex())
+    without_clock = KeyStep(MemoryKeys())
     verdicts = [without_clock.take(o, r.timestamp, r.key, r.tombstone, r.deliver_at) for o, r in enumerate(AHEAD) if o]
     assert verdicts[1] == Verdict(1, True)  # what a rebuild would say without the commit's clock
 
@@ -137,7 +123,7 @@ def test_a_tombstone_cancels_and_is_not_delivered_and_then_nothing_is_pending() 
 
 
 def test_the_gate_lets_an_entry_go_only_once_a_record_at_its_time_was_read() -> None:
-    step = KeyStep(DictIndex())
+    step = KeyStep(MemoryKeys())
     assert step.due_through(5_000) == -1
     step.take(0, 1_000, b"k", False, 2_000)
     assert step.due_through(5_000) == 1_000  # nothing read at 2,000 yet: the entry waits
@@ -175,7 +161,7 @@ def test_the_clock_is_sampled_where_a_rebuild_can_start_a_block_at_most_below_an
 def test_a_slice_at_once_decides_as_one_record_at_a_time(log: list[Rec], data: st.DataObject) -> None:
     """take_many, the intake's path, against take: cut into slices, the same offsets replaced, and
     the clock sampled at the same offsets."""
-    step, one_by_one = KeyStep(DictIndex()), KeyStep(DictIndex())
+    step, one_by_one = KeyStep(MemoryKeys()), KeyStep(MemoryKeys())
     cuts = sorted(data.draw(st.lists(st.integers(0, len(log)), max_size=4)))
     got: list[int | None] = []
     with pytest.MonkeyPatch.context() as patch:

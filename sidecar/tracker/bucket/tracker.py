@@ -474,13 +474,9 @@ class BucketTracker(DelayedDeliveryTracker):
         for bucket, write in rewrites:
             batch.buckets.append(write)
             batch.delete_segments.append((bucket.bucket_id, bucket.meta.first_segment, bucket.segment))
-        if self._stored_keys is not None:
-            batch.keys = self._stored_keys.take_unwritten()
         try:
             store.write(batch)
         except StorageError:
-            if self._stored_keys is not None:
-                self._stored_keys.unwritten_back(batch.keys)
             return
         store.durable_cursor, store.delivered_through, store.lineage = index_cursor, popped, lineage
         store.rules = rules

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from array import array
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
-OpKind = Literal["create", "merge", "delete", "checkpoint", "clear", "load", "restore", "sync"]
+OpKind = Literal["create", "merge", "delete", "checkpoint", "clear", "load", "restore", "sync", "keys"]
 """Operation types, after Pulsar's bucket snapshot metrics (create / load / delete / merge); `restore`
 writes an index taken from the state topic, and `sync` makes the writes so far durable."""
 
@@ -133,9 +134,6 @@ class SnapshotBatch:
     wal_append: tuple[int, Segment] | None = None
     """(chunk sequence number, entries) appended to the write-ahead log."""
     clear_partition: bool = False
-    keys: dict[bytes, KeyEntry] = field(default_factory=dict)
-    """Keyed topics (`by_key: replace`): each key's newest record since the last batch that had it,
-    written with the checkpoint whose cursor is past it."""
 
 
 class SnapshotStorage(ABC):
@@ -173,6 +171,11 @@ class SnapshotStorage(ABC):
     def load_keys(self, partition: str, keys: list[bytes]) -> list[KeyEntry | None]:
         """`load_key` of each key, in one read where the store can."""
         return [self.load_key(partition, key) for key in keys]
+
+    @abstractmethod
+    def write_keys(self, partition: str, entries: Mapping[bytes, KeyEntry]) -> None:
+        """Keys' newest records (keyed topics), in one write that need not survive a crash: the
+        key index is rebuilt from the log whenever a partition starts (tracker/keys.py)."""
 
     @abstractmethod
     def write(self, partition: str, batch: SnapshotBatch) -> int:

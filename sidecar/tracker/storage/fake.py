@@ -10,12 +10,12 @@ there.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 from sortedcontainers import SortedDict
 
 from sidecar.errors import StorageError
-from sidecar.tracker.storage.base import OpKind, Segment, SnapshotBatch
+from sidecar.tracker.storage.base import KeyEntry, OpKind, Segment, SnapshotBatch
 from sidecar.tracker.storage.kv import KeyValueSnapshotStorage, Op
 
 
@@ -73,7 +73,11 @@ class FakeSnapshotStorage(KeyValueSnapshotStorage):
         for key in list(self._data.irange(start, end, inclusive=(True, False))):
             yield key, self._data[key]
 
-    def _commit(self, ops: list[Op], sync: bool = True) -> None:
+    def write_keys(self, partition: str, entries: Mapping[bytes, KeyEntry]) -> None:
+        self._maybe_fail("keys")
+        super().write_keys(partition, entries)
+
+    def _commit(self, ops: list[Op], sync: bool = True, logged: bool = True) -> None:
         self.last_sync = sync
         for kind, key, value in ops:
             if kind == "put":

@@ -24,7 +24,7 @@ import struct
 import sys
 from abc import abstractmethod
 from array import array
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from sidecar.errors import StorageError
@@ -220,8 +220,9 @@ class KeyValueSnapshotStorage(SnapshotStorage):
         """Items with start <= key < end, in key order."""
 
     @abstractmethod
-    def _commit(self, ops: list[Op], sync: bool = True) -> None:
-        """Apply ops atomically, in order; with `sync`, durable before returning."""
+    def _commit(self, ops: list[Op], sync: bool = True, logged: bool = True) -> None:
+        """Apply ops atomically, in order; with `sync`, durable before returning. Without `logged`,
+        the write may be lost to a crash even after a later sync (RocksDB: no write-ahead log)."""
 
     def _corrupt(self, what: str, exc: Exception) -> StorageError:
         return StorageError(
@@ -351,6 +352,15 @@ class KeyValueSnapshotStorage(SnapshotStorage):
             found.append((offset, None if deliver_at < 0 else deliver_at))
         return found
 
+    def write_keys(self, partition: str, entries: Mapping[bytes, KeyEntry]) -> None:
+        prefix = partition_prefix(partition) + KEY_TAG
+        pack = _KEY_ENTRY.pack
+        self._commit(
+            [("put", prefix + key, pack(offset, -1 if at is None else at)) for key, (offset, at) in entries.items()],
+            sync=False,
+            logged=False,
+        )
+
     def write(self, partition: str, batch: SnapshotBatch) -> int:
         self._commit(ops := self._encode(partition_prefix(partition), batch), sync=batch.kind in SYNCED_KINDS)
         return sum(len(op[2]) for op in ops if op[0] == "put")
@@ -382,11 +392,6 @@ class KeyValueSnapshotStorage(SnapshotStorage):
         if batch.wal_append is not None:
             seq, chunk = batch.wal_append
             ops.append(("put", prefix + WAL_TAG + seq.to_bytes(8, "big"), encode_segment(chunk)))
-        key_prefix = prefix + KEY_TAG
-        ops.extend(
-            ("put", key_prefix + key, _KEY_ENTRY.pack(offset, -1 if at is None else at))
-            for key, (offset, at) in batch.keys.items()
-        )
         if batch.partition_meta is not None:
             ops.append(("put", prefix + META_TAG, encode_partition_meta(batch.partition_meta)))
         return ops

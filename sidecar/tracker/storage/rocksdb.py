@@ -60,12 +60,18 @@ class RocksDbSnapshotStorage(KeyValueSnapshotStorage):
         options.set_keep_log_file_num(5)
         table = rocksdict.BlockBasedOptions()
         table.set_block_cache(rocksdict.Cache(block_cache_bytes))
+        # A keyed topic's intake reads each record's key, most of them new: a filter answers a
+        # missing key without reading a block (0.2 against 0.5 us, and 2.2 against 6.6 us for one
+        # present: docs/benchmarks.md), for 10 bits a key.
+        table.set_bloom_filter(10, False)
         options.set_block_based_table_factory(table)
         self._syncs = sync
         self._write_options = rocksdict.WriteOptions()
         self._write_options.sync = sync
         self._unsynced_options = rocksdict.WriteOptions()
         self._unsynced_options.sync = False
+        self._unlogged_options = rocksdict.WriteOptions()
+        self._unlogged_options.disable_wal = True  # type: ignore[method-assign,assignment]  # a property; the stub says method
         self._db = self._open(options, lock_timeout_s)
         try:
             self._check_marker(owner)
@@ -141,7 +147,7 @@ class RocksDbSnapshotStorage(KeyValueSnapshotStorage):
         except Exception as exc:
             raise self._io_error("read", exc) from exc
 
-    def _commit(self, ops: list[Op], sync: bool = True) -> None:
+    def _commit(self, ops: list[Op], sync: bool = True, logged: bool = True) -> None:
         batch = rocksdict.WriteBatch(raw_mode=True)
         for kind, key, value in ops:
             if kind == "put":
@@ -151,7 +157,8 @@ class RocksDbSnapshotStorage(KeyValueSnapshotStorage):
             else:
                 batch.delete_range(key, value)
         try:
-            self._db.write(batch, self._write_options if sync else self._unsynced_options)
+            options = self._write_options if sync else self._unsynced_options if logged else self._unlogged_options
+            self._db.write(batch, options)
         except Exception as exc:
             raise self._io_error("write", exc) from exc
 
