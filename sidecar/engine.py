@@ -521,8 +521,8 @@ class Sidecar:
         times = [t for s in states if s.control and (t := s.tracker.next_delivery_time()) is not None]
         trackers = {(s.topic, s.partition): s.tracker for s in states if not s.control}
         wake = self._dispatcher.next_wake_ms(trackers, self._gates.of(states))
-        if wake is not None:
-            times.append(wake)
+        clock = self._gates.wake_ms(states)  # keyed partitions' clock records
+        times += [t for t in (wake, clock) if t is not None]
         wait = IDLE_WAIT_S if not times else max((min(times) - self.clock.now_ms()) / 1000, 0.0)
         if (self._roll is not None and self._roll.busy) or self._drains.busy:
             wait = 0.0  # the roll, and the drains of removed topics, take a slice per turn

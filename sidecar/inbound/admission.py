@@ -105,7 +105,7 @@ class Admission:
         published = [s if s > 0 else now for s in stamps]  # a record without a timestamp: read now
         fates = self.judge.many(rule, list(zip(headers, published, strict=True)))
         keyed = is_keyed(state, rule)
-        delivered = self._keys.decide(state, rule, records, fates) if keyed else None
+        delivered = self._keys.decide(state, rule, records, stamps, fates) if keyed else None
         delayed: list[Delayed] = []
         now_list: list[Due] = []
         ordered: list[Due] | None = [] if routes.ordered else None

@@ -29,10 +29,7 @@ class Indexer:
         partition = (state.topic, state.partition)
         sent = batch.sent[state.topic]
         tracker = state.tracker
-        if gated:
-            refused = [i for i, (offset, at, _) in enumerate(delayed) if not tracker.add(offset, at, deliver_now=False)]
-        else:
-            refused = tracker.add_many([r[0] for r in delayed], [r[1] for r in delayed])
+        refused = tracker.add_many([r[0] for r in delayed], [r[1] for r in delayed], deliver_now=not gated)
         if refused:
             due: list[Due] = [(at, offset, record) for offset, at, record in map(delayed.__getitem__, refused)]
             # On a keyed partition too: the gate let a pop past their deliver-at, so the log's

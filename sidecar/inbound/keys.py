@@ -50,31 +50,46 @@ class KeyedIntake:
             keyed.note(record.offset(), stamp(record))
 
     def decide(
-        self, state: PartitionState, rule: IntakeRule, records: Sequence[Message], fates: list[Fate]
-    ) -> list[bool]:
+        self,
+        state: PartitionState,
+        rule: IntakeRule,
+        records: Sequence[Message],
+        stamps: Sequence[int],
+        fates: list[Fate],
+    ) -> list[bool] | None:
         """For each record, whether it is delivered at all (False: a tombstone that cancels, under
-        a keyed rule). Offsets it replaces are set aside in the partition's keyed state. A record
-        judged by a rule without keys, or dead-lettered, is given without its key: it only moves
-        the clock, and replaces nothing."""
+        a keyed rule); None when all are. `stamps`: the records' timestamps as the client gives
+        them. Offsets it replaces are set aside in the partition's keyed state. A record judged by
+        a rule without keys, or dead-lettered, is given without its key: it only moves the clock,
+        and replaces nothing."""
         keyed = keyed_of(state)
-        keys = [
-            record.key() if rule.keyed and fate.rejected is None else None
-            for record, fate in zip(records, fates, strict=True)
-        ]
-        tombstones = [key is not None and record.value() is None for record, key in zip(records, keys, strict=True)]
+        count = len(records)
+        if rule.keyed:
+            keys = [
+                record.key() if fate.rejected is None else None for record, fate in zip(records, fates, strict=True)
+            ]
+            # len() is the value's length: only an empty value is read to tell it from a null one
+            tombstones = [
+                key is not None and not len(record) and record.value() is None
+                for record, key in zip(records, keys, strict=True)
+            ]
+        else:
+            keys, tombstones = [None] * count, [False] * count
         replaced = keyed.take_many(
             [record.offset() for record in records],
-            [stamp(record) for record in records],
+            [t if t > 0 else 0 for t in stamps],  # as stamp() reads them
             keys,
             tombstones,
             [fate.deliver_at for fate in fates],
         )
-        count = 0
+        found = 0
         for offset in replaced:
             if offset is not None:
-                count += 1
+                found += 1
                 if state.overrides:  # a reschedule's copy of the replaced record goes to nobody either
                     keyed.replaced.update(state.overrides.take_copies(offset))
-        if count:
-            self._metrics.child(self._metrics.replaced, state.topic).inc(count)
+        if found:
+            self._metrics.child(self._metrics.replaced, state.topic).inc(found)
+        if not any(tombstones):
+            return None
         return [not (tombstone and key) for tombstone, key in zip(tombstones, keys, strict=True)]

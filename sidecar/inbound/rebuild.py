@@ -53,7 +53,7 @@ class Rebuilder:
                 publish_ms = record.timestamp()[1]
                 fate = judge(rule, headers, publish_ms if publish_ms > 0 else batch.now)
                 deliver_at = fate.deliver_at
-                if keyed and not self._keys.decide(state, rule, [record], [fate])[0]:
+                if keyed and self._keys.decide(state, rule, [record], [publish_ms], [fate]) == [False]:
                     deliver_at = None  # a tombstone that cancels
             if deliver_at is not None and pack(deliver_at, offset) > rebuild.through:
                 # Nothing goes out while a cancel read later in the log may still take it back,

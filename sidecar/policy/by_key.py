@@ -167,7 +167,10 @@ class KeyStep:
         start = self.start
         clock = self.clock
         now = clock.now
-        wanted = list(dict.fromkeys(key for key in keys if key))
+        unique = dict.fromkeys(keys)
+        unique.pop(None, None)
+        unique.pop(b"", None)  # no key, as producers place it
+        wanted = cast(list[bytes], list(unique))
         latest = dict(zip(wanted, self.index.read(wanted), strict=True))
         replaced: list[int | None] = []
         for offset, stamp, key, tombstone, deliver_at in zip(

@@ -81,11 +81,11 @@ class DelayedDeliveryTracker(ABC):
         nothing (a replayed record is not delivered twice) and returns True.
         """
 
-    def add_many(self, offsets: list[int], deliver_ats: list[int]) -> list[int]:
+    def add_many(self, offsets: list[int], deliver_ats: list[int], *, deliver_now: bool = True) -> list[int]:
         """`add` of each (offsets[i], deliver_ats[i]), offsets strictly rising: the indexes of the
         positions the caller must deliver now. A tracker may index a whole slice of intake at once."""
         pairs = enumerate(zip(offsets, deliver_ats, strict=True))
-        return [i for i, (offset, at) in pairs if not self.add(offset, at)]
+        return [i for i, (offset, at) in pairs if not self.add(offset, at, deliver_now=deliver_now)]
 
     @abstractmethod
     def next_delivery_time(self) -> int | None:

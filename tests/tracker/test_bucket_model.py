@@ -38,13 +38,14 @@ class Model:
         self.popped = Due(-1, -1)
         """The delivered watermark: every entry leaves in (deliver-at, offset) order."""
 
-    def add(self, offset: int, deliver_at: int) -> bool:
+    def add(self, offset: int, deliver_at: int, deliver_now: bool = True) -> bool:
         if offset in self.pending:
             return True
         key = Due(deliver_at, offset)
         if key <= self.popped:
             return False  # due by an earlier pop: delivered now
-        if deliver_at <= self.clock.now_ms() and deliver_at < min(self.pending.values(), default=deliver_at + 1):
+        due_first = deliver_at < min(self.pending.values(), default=deliver_at + 1)
+        if deliver_now and deliver_at <= self.clock.now_ms() and due_first:
             self.popped = key  # due and first in line: delivered now, as if popped
             return False
         self.pending[offset] = deliver_at  # not due, or due behind indexed entries
@@ -107,19 +108,26 @@ class TrackerMachine(RuleBasedStateMachine):
             at = self.clock.now_ms() + delay
             assert self.tracker.add(offset, at) == self.model.add(offset, at)
 
-    @rule(delays=st.lists(st.integers(-5, 400), min_size=1, max_size=12), gaps=st.lists(st.integers(1, 3), max_size=12))
-    def add_slice(self, delays: list[int], gaps: list[int]) -> None:
+    @rule(
+        delays=st.lists(st.integers(-5, 400), min_size=1, max_size=12),
+        gaps=st.lists(st.integers(1, 3), max_size=12),
+        deliver_now=st.booleans(),
+    )
+    def add_slice(self, delays: list[int], gaps: list[int], deliver_now: bool) -> None:
         """A slice of intake in one call (the tracker's one-step path, or its fall-back): the same
-        answers as one add at a time, whether offsets follow each other or leave gaps."""
+        answers as one add at a time, whether offsets follow each other or leave gaps, and whether
+        due ones are delivered now or indexed (a keyed partition's gate)."""
         offsets, ats = [], []
         for i, delay in enumerate(delays):
             offsets.append(self.next_offset)
             ats.append(self.clock.now_ms() + delay)
             self.next_offset += gaps[i] if i < len(gaps) else 1
         expected = [
-            i for i, (offset, at) in enumerate(zip(offsets, ats, strict=True)) if not self.model.add(offset, at)
+            i
+            for i, (offset, at) in enumerate(zip(offsets, ats, strict=True))
+            if not self.model.add(offset, at, deliver_now)
         ]
-        assert self.tracker.add_many(offsets, ats) == expected
+        assert self.tracker.add_many(offsets, ats, deliver_now=deliver_now) == expected
 
     @precondition(lambda self: self.next_offset > 0)
     @rule(data=st.data(), delay=st.integers(-5, 400))

@@ -48,9 +48,10 @@ def test_a_slice_added_at_once_answers_as_one_add_at_a_time_at_each_edge(
     one, many = make_tracker(clock, storage, "orders/1"), make_tracker(clock, FakeSnapshotStorage(), "orders/2")
     now = clock.now_ms()
 
-    def both(offsets: list[int], ats: list[int]) -> list[int]:
-        expected = [i for i, (o, a) in enumerate(zip(offsets, ats, strict=True)) if not one.add(o, a)]
-        assert many.add_many(offsets, ats) == expected
+    def both(offsets: list[int], ats: list[int], deliver_now: bool = True) -> list[int]:
+        pairs = enumerate(zip(offsets, ats, strict=True))
+        expected = [i for i, (o, a) in pairs if not one.add(o, a, deliver_now=deliver_now)]
+        assert many.add_many(offsets, ats, deliver_now=deliver_now) == expected
         assert (len(many), many.next_delivery_time()) == (len(one), one.next_delivery_time())
         assert many.stats().buckets == one.stats().buckets
         return expected
@@ -68,6 +69,8 @@ def test_a_slice_added_at_once_answers_as_one_add_at_a_time_at_each_edge(
     assert many.pop_due(100) == one.pop_due(100)
     clock.set(now)  # the clock stepped back below the delivered watermark
     assert both([30, 31], [now + 1, now + 2]) == [0, 1]
+    clock.set(now + 5)
+    assert both([40, 41], [now + 4, now + 6], deliver_now=False) == []  # a keyed partition's: due, yet indexed
 
 
 def test_equal_deliver_at_keeps_fifo_across_buckets_and_segments(

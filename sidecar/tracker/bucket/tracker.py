@@ -187,13 +187,15 @@ class BucketTracker(DelayedDeliveryTracker):
         self._count += 1
         return True
 
-    def add_many(self, offsets: list[int], deliver_ats: list[int]) -> list[int]:
+    def add_many(self, offsets: list[int], deliver_ats: list[int], *, deliver_now: bool = True) -> list[int]:
         """A slice of intake in one step when it is the common case: every offset above every indexed
-        one, none due or at the watermark, and no seal on the way. Else one `add` at a time."""
+        one, none at the watermark (nor due, unless `deliver_now` is off), and no seal on the way.
+        Else one `add` at a time."""
         mutable, n = self._mutable, len(offsets)
         if n and offsets[0] > mutable.max_offset and offsets[0] > self._sealed_max_offset:
             low = min(deliver_ats)
-            if mutable.count + n <= self._min_index_count and low > self._popped_at and low > self.clock.now_ms():
+            due = deliver_now and low <= self.clock.now_ms()
+            if mutable.count + n <= self._min_index_count and low > self._popped_at and not due:
                 mutable.unsorted_at.extend(deliver_ats)
                 mutable.unsorted_offsets.extend(offsets)
                 mutable.unsorted_min_at = min(mutable.unsorted_min_at, low)
@@ -206,7 +208,7 @@ class BucketTracker(DelayedDeliveryTracker):
                 mutable.count += n
                 self._count += n
                 return []
-        return super().add_many(offsets, deliver_ats)
+        return super().add_many(offsets, deliver_ats, deliver_now=deliver_now)
 
     def next_delivery_time(self) -> int | None:
         heap, mutable = self._sealed.heap, self._mutable

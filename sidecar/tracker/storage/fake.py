@@ -77,7 +77,10 @@ class FakeSnapshotStorage(KeyValueSnapshotStorage):
         self._maybe_fail("keys")
         super().write_keys(partition, entries)
 
-    def _commit(self, ops: list[Op], sync: bool = True, logged: bool = True) -> None:
+    def _put_unlogged(self, items: list[tuple[bytes, bytes]]) -> None:
+        self._data.update(items)
+
+    def _commit(self, ops: list[Op], sync: bool = True) -> None:
         self.last_sync = sync
         for kind, key, value in ops:
             if kind == "put":

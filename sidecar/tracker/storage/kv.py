@@ -220,9 +220,13 @@ class KeyValueSnapshotStorage(SnapshotStorage):
         """Items with start <= key < end, in key order."""
 
     @abstractmethod
-    def _commit(self, ops: list[Op], sync: bool = True, logged: bool = True) -> None:
-        """Apply ops atomically, in order; with `sync`, durable before returning. Without `logged`,
-        the write may be lost to a crash even after a later sync (RocksDB: no write-ahead log)."""
+    def _commit(self, ops: list[Op], sync: bool = True) -> None:
+        """Apply ops atomically, in order; with `sync`, durable before returning."""
+
+    @abstractmethod
+    def _put_unlogged(self, items: list[tuple[bytes, bytes]]) -> None:
+        """Put the items at once; a crash may lose them even after a later sync (RocksDB: no
+        write-ahead log). The key index's entries: thousands a slice, and nothing to recover."""
 
     def _corrupt(self, what: str, exc: Exception) -> StorageError:
         return StorageError(
@@ -355,10 +359,8 @@ class KeyValueSnapshotStorage(SnapshotStorage):
     def write_keys(self, partition: str, entries: Mapping[bytes, KeyEntry]) -> None:
         prefix = partition_prefix(partition) + KEY_TAG
         pack = _KEY_ENTRY.pack
-        self._commit(
-            [("put", prefix + key, pack(offset, -1 if at is None else at)) for key, (offset, at) in entries.items()],
-            sync=False,
-            logged=False,
+        self._put_unlogged(
+            [(prefix + key, pack(offset, -1 if at is None else at)) for key, (offset, at) in entries.items()]
         )
 
     def write(self, partition: str, batch: SnapshotBatch) -> int:
