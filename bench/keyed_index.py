@@ -9,7 +9,9 @@ its key's pending record: at the end K are pending and N - K replaced. Each run 
 its own, so resident memory starts clean.
 
 Reported: adds per second, and their ratio (target: keyed at least 0.8x); resident memory grown
-per key and per record; the state dir on disk per key. In-process only: the lateness side of the
+per key and per record; the state dir on disk per key; and what RocksDB says it holds (memtables
+and block cache, bounded by the store's settings whatever the keys; filters and indexes of its
+files, which grow with them). In-process only: the lateness side of the
 target (p99 through a broker, keyed against unkeyed) is not measured here.
 
 Usage: .venv/bin/python bench/keyed_index.py [--count N] [--keys K] [--quick]
@@ -62,7 +64,9 @@ def fill(keyed: bool, count: int, keys: int, state: Path, seed: int) -> dict[str
         tracker.checkpoint(start + len(deliver_at))
         elapsed += time.perf_counter() - began
     grown = rss() - baseline
+    held = storage.memory()
     result: dict[str, Any] = {
+        "rocksdb_mb": {name: size / 2**20 for name, size in held.items()},
         "adds_per_s": count / elapsed,
         "rss_growth_mb": grown / 2**20,
         "bytes_per_record": grown / count,
@@ -114,6 +118,8 @@ def main() -> None:
     print(f"| state dir | {plain['state_dir_mb']:,.1f} MB | {keyed['state_dir_mb']:,.1f} MB "
           f"({(keyed['state_dir_mb'] - plain['state_dir_mb']) * 2**20 / keys:,.1f} B more per key) |")  # fmt: skip
     print(f"| replaced at the end | | {keyed['replaced']:,} |")
+    for name, size in plain["rocksdb_mb"].items():
+        print(f"| RocksDB {name.replace('_', ' ')} | {size:,.1f} MB | {keyed['rocksdb_mb'][name]:,.1f} MB |")
 
 
 if __name__ == "__main__":
