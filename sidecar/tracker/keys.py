@@ -35,6 +35,12 @@ class MemoryKeys:
         self._keys.update(entries)
 
 
+WRITE_AT = 2_000
+"""Entries held until they are written: a slice of intake writes its keys at once, and a rebuild,
+which takes one record at a time, writes them in batches of this many (one write a record cost it
+four times the time of the rest of the keyed step)."""
+
+
 class StoredKeys:
     """policy.by_key.KeyIndex over the snapshot storage, for one partition."""
 
@@ -42,32 +48,34 @@ class StoredKeys:
         self._storage = storage
         self._partition = partition
         self._unwritten: dict[bytes, Entry] = {}
-        """Entries a failed write left in memory: read from here, written with the next slice's."""
+        """Entries not written yet (fewer than WRITE_AT, or a write failed): reads find them here."""
 
     def read(self, keys: Sequence[bytes]) -> list[Entry | None]:
-        """One multi-get for the slice's keys: a point read per record was half of the keyed step's
-        time (docs/benchmarks.md)."""
-        found = self._storage.load_keys(self._partition, list(keys))
-        if self._unwritten:
-            unwritten = self._unwritten
-            found = [unwritten.get(key, entry) for key, entry in zip(keys, found, strict=True)]
-        return found
+        """One multi-get for the keys memory does not hold: a point read per record was half of
+        the keyed step's time (docs/benchmarks.md)."""
+        unwritten = self._unwritten
+        if not unwritten:
+            return self._storage.load_keys(self._partition, list(keys))
+        missing = [key for key in keys if key not in unwritten]
+        found = dict(zip(missing, self._storage.load_keys(self._partition, missing), strict=True))
+        return [unwritten[key] if key in unwritten else found[key] for key in keys]
 
     def write(self, entries: Mapping[bytes, Entry]) -> None:
         """A failed write keeps the entries in memory, where reads find them, until a later write
         takes them along: the rule goes on deciding from them (a key that lost its newest record
         would let a replaced one be delivered), as the bucket tracker goes on from memory."""
-        if self._unwritten:
-            entries = {**self._unwritten, **entries}
+        unwritten = self._unwritten
+        unwritten.update(entries)
+        if len(unwritten) < WRITE_AT:
+            return
         try:
-            self._storage.write_keys(self._partition, entries)
+            self._storage.write_keys(self._partition, unwritten)
         except StorageError as exc:
-            self._unwritten = dict(entries)
             logger.warning("key index write failed, kept in memory partition=%s keys=%d error=%s",
-                           self._partition, len(entries), exc)  # fmt: skip
+                           self._partition, len(unwritten), exc)  # fmt: skip
             return
         self._unwritten = {}
 
     def __len__(self) -> int:
-        """Entries held in memory: those a failed write left."""
+        """Entries held in memory, not written yet."""
         return len(self._unwritten)
