@@ -17,7 +17,8 @@ after the fault's end.
 The faults (FAULTS), each a function of `Stage` shared with the suite's short version
 (tests/failover/test_failover.py):
 - inbound-leader: kill -9 of the leader of inbound partition 0; it starts again once another leads.
-- outbound-leader: the same for partition 0 of the first outbound topic.
+- outbound-leader: the same for a partition of the first outbound topic whose leader is not the
+  group's coordinator (that node's loss past the session timeout is the pause's fault).
 - coordinator: kill -9 of the node leading the __transaction_state partition of the sidecar's
   transactional.id (at least once, which has none: of the group's offsets partition's leader).
 - pause: SIGSTOP of the group coordinator's node until the controller fences it (its
@@ -347,10 +348,17 @@ def inbound_leader(stage: Stage) -> Struck:
 
 
 def outbound_leader(stage: Stage) -> Struck:
+    """An outbound leader's loss alone. Its node may also coordinate the sidecar's group: away past
+    --session-timeout-ms (a loaded machine's failover took longer), the member rejoins, is fenced by
+    its own new member id and starts its engine again, /healthz 503 meanwhile, as in the pause."""
     topic = stage.outbound[0]
-    node = leader_of(stage.bootstrap, topic, 0)
-    struck = Struck("outbound-leader", [node], now_ms(), detail=f"node {node} led {topic}/0")
-    return _kill_until_led_elsewhere(stage, struck, topic, 0)
+    avoid = group_coordinator(stage.bootstrap, stage.group)
+    leaders = [leader_of(stage.bootstrap, topic, p) for p in range(partition_count(stage.bootstrap, topic))]
+    partition = next((p for p, node in enumerate(leaders) if node != avoid), 0)
+    node = leaders[partition]
+    struck = Struck("outbound-leader", [node], now_ms(), detail=f"node {node} led {topic}/{partition}")
+    struck.facts["group_coordinator"] = avoid
+    return _kill_until_led_elsewhere(stage, struck, topic, partition)
 
 
 def coordinator(stage: Stage) -> Struck:

@@ -28,6 +28,7 @@ from sidecar.control.cancels import COMMAND_BY
 from sidecar.control.key_partitions import java_partition, librdkafka_partition
 from tests.kafka_helpers import (
     KafkaHelper,
+    LiveReader,
     PolicyFile,
     Received,
     SidecarProcess,
@@ -201,7 +202,8 @@ def test_replacements_are_decided_the_same_after_kill_9(
 ) -> None:  # fmt: skip
     """Killed once everything is read and committed, nothing due yet; started again on its state
     dir or on an empty one (same instance id, as a pod that lost its volume). The keys read before
-    the kill still decide what comes after it."""
+    the kill still decide what comes after it. Counted twice: read afresh to the end, and by a
+    consumer that kept reading through the kill."""
     topic = topic_factory("keyedkill")
     port = free_port()
     group = f"k-{topic}"
@@ -214,6 +216,7 @@ def test_replacements_are_decided_the_same_after_kill_9(
 
     first = process("state")
     second = process("state" if state == "kept" else "other")
+    live = LiveReader(kafka, [f"{topic}.billing"], 1)
     try:
         start_serving(first, port)
         p = Producer(kafka_helper, topic, int(time.time() * 1000) + 20_000)
@@ -228,6 +231,7 @@ def test_replacements_are_decided_the_same_after_kill_9(
         # At least once too: c2, sent at once, went before the commit that covered it.
         assert values(billing) == rule.delivered, second.tail()
         assert not early([r for r in billing if r.headers.get("deliver-at")]), "delivered early"
+        assert values(live.finish()[f"{topic}.billing"]) == rule.delivered, "the consumer that read through the kill"
         assert second.stop() == 0
     finally:
         first.close()

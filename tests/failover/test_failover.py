@@ -251,6 +251,7 @@ def test_kill_of_an_outbound_leader_at_least_once(cluster: ApacheKafka, tmp_path
     trials.append(trial)
     struck = trial.strike("outbound-leader")
     assert struck.facts["new_leader"] != struck.nodes[0]
+    assert struck.nodes[0] != struck.facts["group_coordinator"], "an outbound leader that is not the coordinator"
     trial.ready_through(struck)
     assert_each_once(trial)
 
