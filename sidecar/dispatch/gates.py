@@ -52,4 +52,4 @@ class KeyedGates:
             stamp = keyed.clock_wanted(state.tracker.next_delivery_time(), now)
             if stamp is not None:
                 self._writer.send(state.topic, None, None, list(self._headers), state.partition, stamp)
-                keyed.clock_sent(now, stamp)
+                keyed.clock_sent_ms = now

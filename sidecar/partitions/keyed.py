@@ -39,9 +39,8 @@ class KeyedPartition:
         self._gone: OrderedDict[int, None] = OrderedDict()
         """Replaced offsets that came out of the index to nobody, the latest REMEMBERED."""
         self.clock_sent_ms: int | None = None
-        """When the last clock record was written, until a record stamped at least as late is read."""
-        self.clock_stamp = 0
-        """The timestamp of the last clock record written."""
+        """When the last clock record was written (stamped CLOCK_LEAD_MS later), until a record
+        stamped at least as late is read."""
 
     def newest(self, key: bytes) -> tuple[int, bool] | None:
         """(offset, delayed) of the key's newest record this state has read; None when it read none."""
@@ -77,7 +76,7 @@ class KeyedPartition:
         self._read(timestamp)
 
     def _read(self, timestamp: int) -> None:
-        if self.clock_sent_ms is not None and timestamp >= self.clock_stamp:
+        if self.clock_sent_ms is not None and timestamp >= self.clock_sent_ms + CLOCK_LEAD_MS:
             self.clock_sent_ms = None
 
     def gate(self, now_ms: int) -> int:
@@ -114,9 +113,6 @@ class KeyedPartition:
         """The timestamp of a clock record to write now, or None."""
         at = self.clock_due_at(next_due)
         return now_ms + CLOCK_LEAD_MS if at is not None and at <= now_ms else None
-
-    def clock_sent(self, now_ms: int, stamp: int) -> None:
-        self.clock_sent_ms, self.clock_stamp = now_ms, stamp
 
     def forget_below(self, offset: int) -> None:
         """Nothing below `offset` is pending any more: the clock need not answer from there, and a

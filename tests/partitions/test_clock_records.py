@@ -26,7 +26,7 @@ def test_entries_due_just_past_the_logs_clock_get_the_next_record_before_the_clo
     now = 50_000
     stamp = keyed.clock_wanted(now + 10, now)
     assert stamp is not None
-    keyed.clock_sent(now, stamp)
+    keyed.clock_sent_ms = now
     assert keyed.clock_due_at(now + 10) == now + CLOCK_RETRY_MS  # on its way: only a retry
     keyed.note(7, stamp)  # read back
     assert keyed.clock_sent_ms is None
@@ -38,7 +38,7 @@ def test_entries_due_just_past_the_logs_clock_get_the_next_record_before_the_clo
 
 def test_a_clock_record_not_read_back_is_written_again_once_overdue() -> None:
     keyed = KeyedPartition(MemoryKeys())
-    keyed.clock_sent(1_000, 1_000 + CLOCK_LEAD_MS)
+    keyed.clock_sent_ms = 1_000  # stamped 1_000 + CLOCK_LEAD_MS
     keyed.note(0, 1_000 + CLOCK_LEAD_MS - 1)  # an older stamp read: not ours
     assert keyed.clock_sent_ms == 1_000
     assert keyed.clock_wanted(1_010, 1_000 + CLOCK_RETRY_MS - 1) is None
