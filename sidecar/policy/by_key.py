@@ -61,9 +61,6 @@ class Verdict(NamedTuple):
     """False for a tombstone: it cancels, and is not delivered itself."""
 
 
-NOT_KEYED = Verdict(None, True)
-
-
 BEFORE_ANY = -1
 """The log's clock before any record, as a commit records it: below every timestamp (the sidecar
 reads a record without one as 0). A commit that records a clock says that the partition has keyed

@@ -60,9 +60,6 @@ class MirroredStorage(SnapshotStorage):
     def load_wal(self, partition: str) -> list[Segment]:
         return self.local.load_wal(partition)
 
-    def load_key(self, partition: str, key: bytes) -> KeyEntry | None:
-        return self.local.load_key(partition, key)
-
     def load_keys(self, partition: str, keys: list[bytes]) -> list[KeyEntry | None]:
         return self.local.load_keys(partition, keys)
 

@@ -8,8 +8,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from sidecar.policy import by_key
-from sidecar.policy.by_key import NOT_KEYED, KeyStep, LogClock, Verdict
+from sidecar.policy.by_key import KeyStep, LogClock, Verdict
 from sidecar.tracker.keys import MemoryKeys
+
+NOT_KEYED = Verdict(None, True)
+"""A record without a key: it replaces nothing and is delivered."""
 
 
 class Rec(NamedTuple):

@@ -10,10 +10,10 @@ from sidecar.errors import StorageError
 from sidecar.tracker import keys as keys_module
 from sidecar.tracker.keys import StoredKeys
 from sidecar.tracker.storage import FakeSnapshotStorage, RocksDbSnapshotStorage, SnapshotBatch
-from sidecar.tracker.storage.base import SnapshotStorage
+from sidecar.tracker.storage.kv import KeyValueSnapshotStorage
 
 
-def open_store(kind: str, path: Path) -> SnapshotStorage:
+def open_store(kind: str, path: Path) -> KeyValueSnapshotStorage:
     return RocksDbSnapshotStorage(path / "index") if kind == "rocksdb" else FakeSnapshotStorage()
 
 

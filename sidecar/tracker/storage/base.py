@@ -165,12 +165,9 @@ class SnapshotStorage(ABC):
         """The write-ahead log chunks of the mutable bucket, oldest first."""
 
     @abstractmethod
-    def load_key(self, partition: str, key: bytes) -> KeyEntry | None:
-        """A key's newest record as the last batch with it wrote it, or None."""
-
     def load_keys(self, partition: str, keys: list[bytes]) -> list[KeyEntry | None]:
-        """`load_key` of each key, in one read where the store can."""
-        return [self.load_key(partition, key) for key in keys]
+        """Each key's newest record as `write_keys` last wrote it, or None, in one read (a keyed
+        topic's slice of intake asks for thousands)."""
 
     @abstractmethod
     def write_keys(self, partition: str, entries: Mapping[bytes, KeyEntry]) -> None:

@@ -340,6 +340,7 @@ class KeyValueSnapshotStorage(SnapshotStorage):
         return chunks
 
     def load_key(self, partition: str, key: bytes) -> KeyEntry | None:
+        """One key's entry (for tests and diagnosis: the sidecar reads a slice's keys at once)."""
         return self.load_keys(partition, [key])[0]
 
     def load_keys(self, partition: str, keys: list[bytes]) -> list[KeyEntry | None]:
