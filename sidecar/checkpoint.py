@@ -49,12 +49,13 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as NotYet
+from dataclasses import dataclass
 
-from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
+from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
 from sidecar.broker.admin import COORDINATOR_MOVING, while_coordinator_moves
 from sidecar.errors import BrokerError, SidecarError, StorageError
+from sidecar.inbound.member import GroupMember
 from sidecar.metrics import BucketMetrics
 from sidecar.outbound.writer import Writer
 from sidecar.partitions.state import PartitionState
@@ -71,14 +72,27 @@ COORDINATOR_AWAY = COORDINATOR_MOVING | {KafkaError._TRANSPORT}
 # How long a periodic at-least-once checkpoint waits for the writer's acknowledgements before it is
 # put off to the next: the loop is blocked meanwhile, and the broker may be away for minutes.
 PUT_OFF_AFTER_S = 5.0
-# How long the loop waits for an at-least-once commit's answer. librdkafka's synchronous commit has
-# no timeout: sent to a coordinator that stopped answering without closing its connections (a node
-# paused, or one going down as the commit left), it waited as long as the node was paused, 200 s and
-# more, whatever socket.timeout.ms said, and the loop with it (nothing delivered, no lost partition
-# handled). It runs on a thread of its own now (asked again there while the coordinator moves, for
-# COMMIT_RETRY_S); past this, a periodic checkpoint is put off, and none is sent until that one is
-# answered. A whole checkpoint (a revoke, a stop) still waits for its commit.
-COMMIT_WAIT_S = 5.0
+
+
+@dataclass
+class _Flight:
+    """At least once: a periodic commit sent asynchronously and not answered yet.
+
+    librdkafka's synchronous commit, waiting on a thread of its own for a coordinator that stopped
+    answering (a node paused, or going down as the commit left), held the loop's next consume as
+    long as it waited, whatever its timeout: the loop stopped, and with it the handling of the
+    partitions lost when the session timed out (CI: a broker away 120 s and nothing logged). An
+    asynchronous commit is answered through `on_commit`, at a later poll of the loop's own.
+    """
+
+    points: Points
+    sent: dict[tuple[str, int], tuple[int, str]]
+    """What it commits, by partition: how its answer is told from another's."""
+    before: list[tuple[int, str] | None]
+    """Each point's partition's commit as it was sent: a commit made since (a whole checkpoint's) is newer."""
+    member: str
+    """The member id it was sent under."""
+    at: float
 
 
 class Checkpoints:
@@ -87,25 +101,30 @@ class Checkpoints:
     def __init__(
         self,
         writer: Writer,
-        consumer: Consumer,
+        member: GroupMember,
         state_topic: StateTopic | None,
         sync: Callable[[], None] | None,
         ops: BucketMetrics,
         reachable: Callable[[], bool] = lambda: True,
+        landed: Callable[[], None] = lambda: None,
     ) -> None:
         """`sync`: makes the trackers' writes durable (the snapshot store's), None without one.
         `reachable`: whether the brokers answer (kafka_io.Connectivity); while they are away no
-        periodic commit is asked for."""
+        periodic commit is asked for. `landed`: told of each periodic commit the coordinator accepted."""
         self._writer = writer
-        self._consumer = consumer
+        self._member = member
         self._state_topic = state_topic
         self._sync = sync
         self._ops = ops
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="index-sync") if sync is not None else None
         self._pending: tuple[Future[bool], Points] | None = None
-        self._committer = ThreadPoolExecutor(1, thread_name_prefix="commit")
-        self._unanswered: Future[None] | None = None
-        """At least once: a commit still waiting for the coordinator's answer."""
+        self._flight: _Flight | None = None
+        self._landed = landed
+        self.error: BrokerError | None = None
+        """A periodic commit refused for a reason other than the coordinator's absence: raised by the
+        engine after poll (`on_commit` runs inside it, where an exception would reach librdkafka)."""
+        self.fenced_after_lapse = False
+        """A periodic commit was refused FENCED_INSTANCE_ID after this member's session lapsed."""
         self._whole = False
         """In a whole checkpoint (a revoke, a stop): the commit is made on the calling thread and
         waited for, as the partitions must not change hands before it; periodic ones are bounded."""
@@ -226,9 +245,9 @@ class Checkpoints:
         """Wait for a running fsync (the store closes after the engine); its commit is dropped. A
         commit still unanswered is not waited for: closing the consumer ends it."""
         self._pending = None
+        self._flight = None
         if self._pool is not None:
             self._pool.shutdown(wait=True)
-        self._committer.shutdown(wait=False)
 
     def _sync_index(self) -> bool:
         """The fsync, counted and timed as the trackers' storage operations are; False (logged) when it failed."""
@@ -250,8 +269,8 @@ class Checkpoints:
         offsets = [TopicPartition(s.topic, s.partition, offset, metadata=meta) for s, (offset, meta), _ in points]
         try:
             if writer.transactional:
-                writer.commit(offsets, self._consumer.consumer_group_metadata())
-            elif not self._consumer.memberid():
+                writer.commit(offsets, self._member.consumer.consumer_group_metadata())
+            elif not self._member.consumer.memberid():
                 # The client timed its group session out (no heartbeat answered for session.timeout.ms,
                 # as across two outages close together) and reset its member id: its lost partitions
                 # reach the engine at the next poll. A static member's commit with no member id is
@@ -267,37 +286,34 @@ class Checkpoints:
                 # on the rebalance that waited on it (CI: a live topic removal's re-subscription held
                 # the loop, and the stop, for good). A periodic commit still unanswered goes first on
                 # the same connection.
-                consumer = self._consumer
+                consumer = self._member.consumer
                 while_coordinator_moves(
                     lambda: consumer.commit(offsets=offsets, asynchronous=False), COMMIT_RETRY_S, "commit"
                 )
-            elif not self._answered():
-                logger.warning("commit put off: the group coordinator has not answered the one before")
+            elif self._flight is not None:
+                waited = time.monotonic() - self._flight.at
+                logger.warning(
+                    "commit put off: the group coordinator has not answered the one before waited_s=%.0f", waited
+                )
                 self.put_off = True
                 return 0
             else:
-                # Asked again while the group's coordinator moves, as the Java consumer's commitSync
-                # does: the same offsets committed twice are one commit, while an engine restart sends
-                # again everything since the last commit (CI, a loaded single broker: one
-                # NOT_COORDINATOR dead-lettered 561 records of a draining topic twice).
-                consumer = self._consumer
-
-                def commit_then_note() -> None:
-                    while_coordinator_moves(
-                        lambda: consumer.commit(offsets=offsets, asynchronous=False), COMMIT_RETRY_S, "commit"
-                    )
-                    # Noted as soon as answered: partitions that come back meanwhile are compared
-                    # with the group's commit (partition back as this member left it).
-                    _committed(points)
-
-                commit = self._committer.submit(commit_then_note)
+                consumer = self._member.consumer
+                self._flight = _Flight(
+                    points,
+                    _sent(offsets),
+                    [state.committed for state, _, _ in points],
+                    consumer.memberid() or "",
+                    time.monotonic(),
+                )
                 try:
-                    commit.result(COMMIT_WAIT_S)
-                except NotYet:
-                    self._unanswered = commit
-                    logger.warning("commit put off: the group coordinator has not answered for %.0f s", COMMIT_WAIT_S)
-                    self.put_off = True
-                    return 0
+                    consumer.commit(offsets=offsets, asynchronous=True)
+                except BaseException:
+                    self._flight = None
+                    raise
+                for state, _, fingerprint in points:
+                    state.sent_fingerprint = fingerprint
+                return 0
         except SidecarError:
             raise
         except KafkaException as e:
@@ -313,28 +329,68 @@ class Checkpoints:
         _committed(points)
         return len(points)
 
-    def _answered(self) -> bool:
-        """No commit is left unanswered. One refused since fails as a commit does at once; one that
-        landed noted itself."""
-        if self._unanswered is None:
-            return True
-        commit = self._unanswered
-        if not commit.done():
-            return False
-        self._unanswered = None
+    @property
+    def in_flight(self) -> bool:
+        """A periodic commit is sent and not answered yet."""
+        return self._flight is not None
+
+    def member_renewed(self) -> None:
+        """The group member's consumer was made again: what the old one held to commit went with
+        it. Whether it landed is left to the partitions' return (`sent_fingerprint`)."""
+        self._flight = None
+        self.fenced_after_lapse = False
+
+    def on_commit(self, error: KafkaError | None, partitions: list[TopicPartition]) -> None:
+        """The coordinator's answer to an asynchronous commit, served by a poll on the loop's thread.
+        Never raises: it runs inside librdkafka's callback (see `error`)."""
         try:
-            commit.result()
-        except KafkaException as e:
-            if e.args[0].code() not in COORDINATOR_AWAY:
-                raise _failed(e) from e
-            return True
+            self._answered(error, partitions)
         except Exception as e:
-            raise _failed(e) from e
-        return True
+            self.error = _failed(e)
+
+    def _answered(self, error: KafkaError | None, partitions: list[TopicPartition]) -> None:
+        flight = self._flight
+        if flight is None or _sent(partitions) != flight.sent:
+            return  # dropped at a close, or not one of ours
+        self._flight = None
+        for state, _, _ in flight.points:
+            state.sent_fingerprint = None
+        refused = {(tp.topic, tp.partition): tp.error for tp in partitions if tp.error is not None}
+        landed = [
+            entry
+            for entry, before in zip(flight.points, flight.before, strict=True)
+            if error is None and (entry[0].topic, entry[0].partition) not in refused and entry[0].committed is before
+        ]
+        _committed(landed)
+        if error is None and not refused:
+            self._landed()
+            return
+        cause: KafkaError = error if error is not None else next(iter(refused.values()))
+        code = cause.code()
+        if code == KafkaError.FENCED_INSTANCE_ID and (self._member.consumer.memberid() or "") != flight.member:
+            # librdkafka held the commit while no coordinator answered and sent it after the session
+            # timed out, under the member id it then had: none, or the new one of the member's own
+            # rejoin. The fence is this member's own; librdkafka makes it fatal all the same.
+            logger.warning(
+                "commit refused: sent after this member's group session lapsed error=%s sent_as=%s",
+                cause,
+                flight.member,
+            )
+            self.fenced_after_lapse = True
+        elif code in COORDINATOR_AWAY or code in (KafkaError._WAIT_COORD, KafkaError._TIMED_OUT):
+            # The next checkpoint commits as much and more; a restart would send again everything
+            # acknowledged since the last commit.
+            logger.warning("commit not made: the group coordinator did not answer in time error=%s", cause)
+        else:
+            self.error = _failed(KafkaException(cause))
 
 
 def _failed(e: Exception) -> BrokerError:
     return BrokerError(f"committing inbound offsets failed: {e}; a restart resumes at the last commit")
+
+
+def _sent(offsets: list[TopicPartition]) -> dict[tuple[str, int], tuple[int, str]]:
+    return {(tp.topic, tp.partition): (tp.offset, tp.metadata or "") for tp in offsets}
 
 
 def _committed(points: Points) -> None:

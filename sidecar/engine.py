@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from confluent_kafka import Consumer, Message
+from confluent_kafka import KafkaError, Message, TopicPartition
 
 from sidecar.broker.admin import TopicAdmin
 from sidecar.checkpoint import Checkpoints
@@ -38,13 +38,14 @@ from sidecar.dispatch.reader import LogReader
 from sidecar.dispatch.recent import RecentRecords
 from sidecar.dispatch.removal import RemovedTopics
 from sidecar.dispatch.roll import HorizonRoll
-from sidecar.errors import BrokerError
+from sidecar.errors import BrokerError, ConsumerFailed
 from sidecar.identity import TransactionalIds
 from sidecar.inbound.admission import Admission
 from sidecar.inbound.batch import batches
 from sidecar.inbound.commands import CommandStep
 from sidecar.inbound.idle_fetch import IdleFetch
 from sidecar.inbound.indexing import Indexer
+from sidecar.inbound.member import GroupMember
 from sidecar.inbound.rebuild import Rebuilder
 from sidecar.inbound.receiver import Receiver
 from sidecar.kafka_io import LIBRDKAFKA, Connectivity, consume_batch, consumer_config
@@ -87,6 +88,8 @@ INTAKE_SLICE = 2_000
 CONTROL_SLICE = 250
 # A loop turn normally takes milliseconds; one this long is blocked on a broker that does not answer.
 STUCK_S = 15.0
+# How long the answer to a commit is waited for once the consumer failed for good (_fenced_by_own_lapse).
+OWN_FENCE_WAIT_S = 2.0
 
 
 class Sidecar:
@@ -155,11 +158,12 @@ class Sidecar:
             group["isolation.level"] = "read_committed"  # accepted nacks of aborted transactions are not ours
         if idle_fetch_pause_ms:
             group["enable.partition.eof"] = True  # what IdleFetch paces by
-        self._consumer = Consumer(consumer_config(client_config, **group), logger=librdkafka)
+        group["on_commit"] = self._on_commit  # answers to the periodic commits (checkpoint.py)
+        self._member = member = GroupMember(consumer_config(client_config, **group))
         try:  # exactly-once: fencing the earlier transactional.id fails while the brokers are away
             self._writer = writer = Writer(client_config, librdkafka, transactional_ids, producer)
         except BaseException:
-            self._consumer.close()  # the engine is built again, after a pause: not one consumer per attempt
+            member.consumer.close()  # the engine is built again, after a pause: not one consumer per attempt
             raise
         self._admin = TopicAdmin(client_config, new_topic_partitions, replication_factor)
         self._nacks = LatestNacks(changelog=bool(state_topic and mirror))
@@ -170,11 +174,12 @@ class Sidecar:
         )
         self._checkpoints = Checkpoints(
             writer,
-            self._consumer,
+            member,
             self._state_topic,
             index_storage.sync if index_storage is not None else None,
             BucketMetrics(metrics),
             lambda: self._connectivity.reason is None,
+            self.metrics.commits.inc,
         )
         retention = self._admin.retention_ms
         self._ahead_reader = LogReader(client_config, self._stop)
@@ -206,8 +211,8 @@ class Sidecar:
         self._ids = transactional_ids
         self._fenced = set(writer.fenced)
         states = assignment.states
-        self._idle = IdleFetch(self._consumer, idle_fetch_pause_ms, self._paced)
-        self._holds = Holds(states, self._idle.position, self._consumer, self._hold_released)
+        self._idle = IdleFetch(member, idle_fetch_pause_ms, self._paced)
+        self._holds = Holds(states, self._idle.position, member, self._hold_released)
         self._delivery = Delivery(writer, states, self._current_routes, retention, metrics, clock, outbound_headers)
         self._roll_reader = LogReader(client_config, self._stop) if payload_cache is not None else None
         self._roll = (
@@ -218,7 +223,7 @@ class Sidecar:
         self._drains = Drains(client_config, writer, metrics, clock, group_id)
         self._gates = KeyedGates(writer, group_id, clock)
         self._removed = RemovedTopics(
-            self._consumer, states, self._drains, lambda: self._admin.partitions, self._forget_dispatch, self._restore
+            member, states, self._drains, lambda: self._admin.partitions, self._forget_dispatch, self._restore
         )
         self._dispatcher = Dispatcher(
             self._ahead_reader,
@@ -261,7 +266,7 @@ class Sidecar:
         )  # fmt: skip
         self._questions = Questions(
             states, self._current_routes, retention, self._reader.read_one, self._nacks.pending_for,
-            lambda: self._consumer.memberid() or "",
+            lambda: member.consumer.memberid() or "",
         )  # fmt: skip
         self.assigned = assignment.assigned
         """Set once the group gave this member partitions: it is serving."""
@@ -307,14 +312,23 @@ class Sidecar:
                     wait = self._wait_s()
                     collector.between_turns(wait, idle=not records)
                     wait = self._idle.wait_s(min(wait, MAX_WAIT_S))
-                    records = self._idle.take(consume_batch(self._consumer, self._batch_size, wait))
+                    records = self._idle.take(consume_batch(self._member.consumer, self._batch_size, wait))
                     self._questions.answer()
                     if self._assignment.error is not None:
                         raise self._assignment.error
+                    if self._checkpoints.error is not None:
+                        raise self._checkpoints.error
                     self._coverage.turn()
                     if self._removed:
                         self._removed.adopt()  # partitions of removed topics just assigned: before intake
-                    self._intake(records)
+                    try:
+                        self._intake(records)
+                    except ConsumerFailed:
+                        if not self._fenced_by_own_lapse():
+                            raise
+                        self._renew_member("a commit sent after the session lapsed was fenced")
+                    if self._assignment.kept and self._checkpoints.in_flight and not self._writer.transactional:
+                        self._renew_member("partitions lost with a commit held for the coordinator")
                     self._drains.turn()  # a slice of dead-lettering for removed topics
                     self._connectivity.watch(bool(records), self._admin.reachable)
                     checkpoints = self._checkpoints
@@ -331,7 +345,7 @@ class Sidecar:
             self.running, self._state = False, "stopped"
             self._assignment.failed = not clean  # after a failure nothing more is committed
             try:
-                self._consumer.close()  # revokes the assignment, which checkpoints once more if clean
+                self._member.consumer.close()  # revokes the assignment, which checkpoints once more if clean
             finally:
                 self._assignment.close_kept()
                 self._checkpoints.close()
@@ -356,6 +370,33 @@ class Sidecar:
         if self.running and stuck > STUCK_S:
             reasons.append(f"Kafka unreachable: no answer for {stuck:.0f} s (the loop is waiting on it)")
         return reasons
+
+    def _on_commit(self, error: KafkaError | None, partitions: list[TopicPartition]) -> None:
+        self._checkpoints.on_commit(error, partitions)
+
+    def _fenced_by_own_lapse(self) -> bool:
+        """At least once, the consumer's fatal error is the fence of a commit it sent after its
+        session lapsed (inbound/member.py). The commit's answer can come at a poll after the error."""
+        if self._writer.transactional:
+            return False
+        deadline = time.monotonic() + OWN_FENCE_WAIT_S
+        while self._checkpoints.in_flight and time.monotonic() < deadline:
+            self._member.consumer.poll(0.1)  # a record it returns is read again by the next consumer
+        return self._checkpoints.fenced_after_lapse
+
+    def _renew_member(self, why: str) -> None:
+        """At least once: the member's consumer made again and the engine's state kept. What the old
+        consumer still held to commit goes with it: sent after the session lapsed, it is fenced, and
+        the fence is fatal (inbound/member.py)."""
+        logger.warning("making the group's consumer again; partitions kept until the group gives them back why=%s", why)
+        self._assignment.set_aside(self._member.consumer)
+        try:
+            self._member.renew()
+        finally:
+            self._assignment.setting_aside = False
+        self._checkpoints.member_renewed()
+        self._subscribed = frozenset()
+        self._subscribe()
 
     def _current_routes(self) -> dict[str, Routes]:
         return self._routes
@@ -419,7 +460,7 @@ class Sidecar:
 
     def _subscribe_to(self, topics: list[str]) -> None:
         a = self._assignment
-        self._consumer.subscribe(topics, on_assign=a.on_assign, on_revoke=a.on_revoke, on_lost=a.on_lost)
+        self._member.consumer.subscribe(topics, on_assign=a.on_assign, on_revoke=a.on_revoke, on_lost=a.on_lost)
 
     def _restore(self, state: PartitionState, committed: int, metadata: CommitMetadata) -> int | None:
         """The index from the state topic; the roll then brings the payloads its buckets point at.

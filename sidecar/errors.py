@@ -17,6 +17,10 @@ class BrokerError(SidecarError):
     """The Kafka cluster (embedded or external) could not be started or reached."""
 
 
+class ConsumerFailed(BrokerError):
+    """The group's consumer failed for good (librdkafka's fatal error): its handle is dead."""
+
+
 class StorageError(SidecarError):
     """The state dir cannot be used; the message says whether to wait, repair or move it."""
 

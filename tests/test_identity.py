@@ -149,7 +149,7 @@ def producers(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[dict[str, Any]]
             """Closed by the engine when its writer could not be built."""
 
     monkeypatch.setattr("sidecar.outbound.writer.Producer", Producer)
-    monkeypatch.setattr("sidecar.engine.Consumer", Consumer)
+    monkeypatch.setattr("sidecar.inbound.member.Consumer", Consumer)
     # What asks the cluster before the engine is built: its metadata, and its id for the state's owner.
     monkeypatch.setattr("sidecar.broker.external.wait_for_metadata", lambda *args, **kwargs: None)
     monkeypatch.setattr("sidecar.app.state_owner", lambda settings, config: f"secured/{settings.group_id}")

@@ -13,11 +13,12 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
 
-from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, TopicPartition
+from confluent_kafka import OFFSET_BEGINNING, KafkaException, TopicPartition
 
 from sidecar.broker.admin import committed_offsets
 from sidecar.dispatch.drain import Drains, RemovedTopic, holds_pending, removed_while_down
 from sidecar.errors import BrokerError
+from sidecar.inbound.member import GroupMember
 from sidecar.partitions import TopicPartitionKey
 from sidecar.partitions.metadata import CommitMetadata
 from sidecar.partitions.state import PartitionState
@@ -35,7 +36,7 @@ Restore = Callable[[PartitionState, int, CommitMetadata], int | None]
 class RemovedTopics:
     def __init__(
         self,
-        consumer: Consumer,
+        member: GroupMember,
         states: Mapping[TopicPartitionKey, PartitionState],
         drains: Drains,
         partition_counts: Callable[[], Mapping[str, int]],
@@ -45,7 +46,7 @@ class RemovedTopics:
         """`partition_counts`: each topic's partitions, as the admin client knows them now.
         `forget`: what the dispatch steps hold of a partition that starts draining is dropped.
         `restore`: how a partition served again finds where it starts, as at an assignment."""
-        self._consumer = consumer
+        self._member = member
         self._states = states
         self._drains = drains
         self._counts = partition_counts
@@ -80,7 +81,7 @@ class RemovedTopics:
                 key = (state.topic, state.partition)
                 self._forget(key)
                 self._drains.start(state, self.topics[state.topic])
-                self._consumer.pause([TopicPartition(state.topic, state.partition)])
+                self._member.consumer.pause([TopicPartition(state.topic, state.partition)])
 
     def serve_again(self, topic: str) -> None:
         """A removed topic is back in the policies before its drain was over: what is still pending
@@ -92,10 +93,10 @@ class RemovedTopics:
             offset, metadata = state.committed if state.committed is not None else (None, None)
             start = state.start(offset, CommitMetadata.decode(metadata), self._restore)
             try:
-                self._consumer.seek(
+                self._member.consumer.seek(
                     TopicPartition(topic, state.partition, OFFSET_BEGINNING if start is None else start)
                 )
-                self._consumer.resume([TopicPartition(topic, state.partition)])
+                self._member.consumer.resume([TopicPartition(topic, state.partition)])
             except KafkaException as e:
                 raise BrokerError(
                     f"serving {state.name} again failed ({e.args[0]}); the engine starts again from its commit"
@@ -117,7 +118,7 @@ class RemovedTopics:
         """No commit of the group for `topic` says a record is pending (or the topic is gone)."""
         partitions = self._counts().get(topic, 0)
         try:
-            found = committed_offsets(self._consumer, [TopicPartition(topic, p) for p in range(partitions)], 10)
+            found = committed_offsets(self._member.consumer, [TopicPartition(topic, p) for p in range(partitions)], 10)
         except KafkaException as e:
             logger.warning("cannot read the commits of a removed topic topic=%s error=%s", topic, e.args[0])
             return False

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from confluent_kafka import KafkaError, Message
 
 from sidecar.control.intake import ControlIntake
-from sidecar.errors import BrokerError
+from sidecar.errors import ConsumerFailed
 from sidecar.inbound.admission import Admission
 from sidecar.inbound.batch import IntakeBatch
 from sidecar.inbound.rebuild import Rebuilder
@@ -84,5 +84,5 @@ class Receiver:
 
     def _consumer_error(self, error: KafkaError) -> None:
         if is_fatal(error):
-            raise BrokerError(f"the inbound consumer failed for good: {error}; restart the sidecar")
+            raise ConsumerFailed(f"the inbound consumer failed for good: {error}; restart the sidecar")
         logger.warning("consumer error error=%s", error)

@@ -79,6 +79,8 @@ class Assignment:
         """cooperative-sticky: callbacks name only the partitions that change; otherwise all of them."""
         self.failed = False
         """Set after a failure: nothing more may be committed, so revokes do not checkpoint."""
+        self.setting_aside = False
+        """Set while the member's consumer is closed to be made again: its revokes change nothing."""
         self.assigned = threading.Event()
         self.assignments = 0
         """Assignments the group has given this member so far (partitions/coverage.py counts them)."""
@@ -204,6 +206,9 @@ class Assignment:
         return replace(metadata, rules=rules)
 
     def on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        if self.setting_aside:  # the closing consumer's last word: what it had is kept already
+            _release(consumer, partitions)
+            return
         if not self.failed:
             try:
                 self._checkpoint()
@@ -215,6 +220,9 @@ class Assignment:
         logger.info("partitions revoked partitions=%s", _names(partitions))
 
     def on_lost(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        if self.setting_aside:
+            _release(consumer, partitions)
+            return
         if not self._exact:
             self._keep(consumer, partitions)
             return
@@ -230,6 +238,13 @@ class Assignment:
         self._drop(partitions)
         self._handoff("lost", len(partitions))
         logger.warning("partitions lost partitions=%s", _names(partitions))
+
+    def set_aside(self, consumer: Consumer) -> None:
+        """At least once, before the member's consumer is made again (inbound/member.py): every
+        partition is kept as a lost one is, for the new consumer's assignment to take up."""
+        self.setting_aside = True
+        if self.states:
+            self._keep(consumer, [TopicPartition(topic, partition) for topic, partition in self.states])
 
     def _keep(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         """At least once: lost partitions are set aside as they are, neither delivered from nor
@@ -276,8 +291,15 @@ class Assignment:
 
 
 def _unchanged(state: PartitionState, committed: int | None, metadata: CommitMetadata) -> bool:
-    """The group's commit is the last one `state` made or started from: no member committed since."""
-    return state.committed_fingerprint == metadata.fingerprint_at(committed)
+    """The group's commit is the last one `state` made or started from, or the one it sent and
+    never heard back of: no member committed since."""
+    found = metadata.fingerprint_at(committed)
+    if found == state.committed_fingerprint:
+        return True
+    if state.sent_fingerprint is None or found != state.sent_fingerprint or committed is None:
+        return False
+    state.committed, state.committed_fingerprint = (committed, metadata.encode()), found
+    return True
 
 
 def _release(consumer: Consumer, partitions: list[TopicPartition]) -> None:

@@ -18,8 +18,9 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 
-from confluent_kafka import Consumer, KafkaException, Message, TopicPartition
+from confluent_kafka import KafkaException, Message, TopicPartition
 
+from sidecar.inbound.member import GroupMember
 from sidecar.outbound.writer import TRANSACTION_TIMEOUT_MS
 from sidecar.partitions import TopicPartitionKey
 from sidecar.partitions.state import PartitionState
@@ -37,15 +38,15 @@ class Holds:
         self,
         states: Mapping[TopicPartitionKey, PartitionState],
         position: Callable[[list[TopicPartition]], list[TopicPartition]],
-        consumer: Consumer,
+        member: GroupMember,
         released: Callable[[PartitionState], None],
     ) -> None:
         """`position`: the intake consumer's positions (IdleFetch knows the ends its seeks hid);
-        `consumer`: the read_committed intake consumer, asked for the last stable offset;
+        `member`: the group's read_committed intake consumer, asked for the last stable offset;
         `released`: called with each partition whose hold is over (inbound/commands.py)."""
         self._states = states
         self._position = position
-        self._consumer = consumer
+        self._member = member
         self._released = released
 
     def release(self, untaken: Sequence[Message] = ()) -> None:
@@ -99,7 +100,7 @@ class Holds:
     def _stable_end(self, tp: TopicPartition) -> int:
         """The last stable offset, asked of the broker by the read_committed consumer (-1: no answer)."""
         try:
-            _, high = self._consumer.get_watermark_offsets(tp, timeout=2, cached=False)
+            _, high = self._member.consumer.get_watermark_offsets(tp, timeout=2, cached=False)
         except KafkaException:
             return -1
         return int(high) if high is not None and high >= 0 else -1

@@ -72,6 +72,8 @@ class PartitionState:
     """(offset, metadata) of the last commit, so an unchanged partition is not committed again."""
     committed_fingerprint: str | None = None
     """The last commit's CommitMetadata.fingerprint: the local index's lineage names it."""
+    sent_fingerprint: str | None = None
+    """At least once, that of a commit sent and not answered: the group's commit may be it."""
     lineage: tuple[str, ...] = ()
     """What the tracker's next checkpoint records as the commits it agrees with (PartitionMeta): the
     fingerprint of what `commit_point` returned last, then that of the last commit."""
