@@ -263,8 +263,10 @@ def test_a_commit_the_coordinator_does_not_answer_does_not_hold_the_loop(
     """At least once, a periodic commit sent to a coordinator that stopped answering without closing
     its connections: its node paused (SIGSTOP), so no error reaches the client. librdkafka's
     synchronous commit has no timeout: the loop waited in it for as long as the node was paused (over
-    200 s here), and a CI run's outage test waited 120 s for a loop that logged nothing. Now the
-    commit waits on a thread of its own, and the checkpoint is put off while it is unanswered.
+    200 s here), and a CI run's outage test waited 120 s for a loop that logged nothing. A commit
+    waiting on a thread of its own held the loop too, for up to 10 s in this test (the Python
+    client serializes calls on a consumer): this test's 15 s threshold did not see it. Now the
+    commit is sent asynchronously, and the checkpoints are put off while it is unanswered.
 
     The record is read between one periodic commit and the next (5 s apart), so the next commit is
     the first thing sent to the paused node."""
@@ -321,8 +323,8 @@ def test_a_commit_held_through_a_lapsed_session_repeats_nothing_at_least_once(
     fatal. The engine then started again from its last commit and sent again what it had delivered
     since (a clean-clone CI run at `8b3a905`: 3,417 of 6,000 records). Now a member that loses its
     partitions with a commit held makes its consumer again, and the held commit goes with the old
-    one. Before that, the commit was synchronous, on a thread of its own, and librdkafka held the
-    loop's consume while it waited: the lost partitions were never handled (this test timed out
+    one. Before that, the commit was synchronous, on a thread of its own, and the Python client held
+    the loop's consume while it waited: the lost partitions were never handled (this test timed out
     waiting for them; CI at `c187a17`: nothing logged for 120 s).
 
     No state topic: the checkpoint then writes nothing of its own, so once the batch's deliveries
