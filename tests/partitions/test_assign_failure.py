@@ -123,3 +123,37 @@ def test_at_least_once_a_lost_partition_mid_drain_is_not_kept() -> None:
     state.drain_from = 12
     assignment.on_lost(cast(Consumer, consumer), [TopicPartition("t", 0)])
     assert closed == [state] and not assignment.kept and not assignment.failed
+
+
+def test_at_least_once_lost_partitions_whose_unanswered_commit_landed_go_on_where_they_were() -> None:
+    """A periodic commit sent and never heard back of (the consumer made again, inbound/member.py,
+    or the answer lost to the outage) may be the group's commit: it is this member's own."""
+    assignment, consumer, closed, _ = member()
+    state = read_on(assignment, consumer)
+    sent = CommitMetadata(9)
+    state.sent_fingerprint = sent.fingerprint_at(15)
+    assignment.on_lost(cast(Consumer, consumer), [TopicPartition("t", 0)])
+    consumer.commits[("t", 0)] = (15, sent.encode())  # it landed
+    assignment.on_assign(cast(Consumer, consumer), [TopicPartition("t", 0)])
+    assert assignment.states[("t", 0)] is state and not closed
+    assert state.committed == (15, sent.encode()) and state.committed_fingerprint == sent.fingerprint_at(15)
+    assert [tp.offset for tp in consumer.starts] == [15]
+
+
+def test_at_least_once_the_partitions_set_aside_for_a_new_consumer_are_kept_whatever_the_old_one_says() -> None:
+    """Closed to be made again, the old consumer revokes what it had: no checkpoint, nothing closed."""
+    checkpoints: list[str] = []
+    clock = ManualClock()
+    closed: list[PartitionState] = []
+    assignment = Assignment(
+        lambda t, p: InMemoryTracker(clock), lambda t: False, lambda: checkpoints.append("checkpoint"),
+        closed.append, end_of=lambda t, p: 0,
+    )  # fmt: skip
+    consumer = GroupConsumer()
+    state = read_on(assignment, consumer)
+    assignment.set_aside(cast(Consumer, consumer))
+    assignment.on_revoke(cast(Consumer, consumer), [TopicPartition("t", 0)])
+    assignment.setting_aside = False
+    assert assignment.kept == {("t", 0): state} and not closed and not checkpoints
+    assignment.on_assign(cast(Consumer, consumer), [TopicPartition("t", 0)])
+    assert assignment.states[("t", 0)] is state
