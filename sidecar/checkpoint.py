@@ -353,8 +353,6 @@ class Checkpoints:
         if flight is None or _sent(partitions) != flight.sent:
             return  # dropped at a close, or not one of ours
         self._flight = None
-        for state, _, _ in flight.points:
-            state.sent_fingerprint = None
         refused = {(tp.topic, tp.partition): tp.error for tp in partitions if tp.error is not None}
         landed = [
             entry
@@ -362,6 +360,8 @@ class Checkpoints:
             if error is None and (entry[0].topic, entry[0].partition) not in refused and entry[0].committed is before
         ]
         _committed(landed)
+        for state, _, _ in landed:
+            state.sent_fingerprint = None  # a refused one may still have landed (a timeout): kept
         if error is None and not refused:
             self._landed()
             return

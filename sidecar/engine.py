@@ -206,6 +206,7 @@ class Sidecar:
             restore=self._restore,
             fence=self._fence_earlier if transactional_ids is not None else None,
             load_rules=self._state_topic.load_rules if self._state_topic is not None else None,
+            current=member.current,
         )
         self._coverage = Coverage(state_dir, self._subscribe_to, lambda: assignment.assignments)
         self._ids = transactional_ids
@@ -390,10 +391,7 @@ class Sidecar:
         the fence is fatal (inbound/member.py)."""
         logger.warning("making the group's consumer again; partitions kept until the group gives them back why=%s", why)
         self._assignment.set_aside(self._member.consumer)
-        try:
-            self._member.renew()
-        finally:
-            self._assignment.setting_aside = False
+        self._member.renew()
         self._checkpoints.member_renewed()
         self._subscribed = frozenset()
         self._subscribe()

@@ -11,6 +11,7 @@ sent again everything acknowledged since (CI: 3,417 of 6,000 records after a bro
 """
 
 import logging
+import threading
 from typing import Any
 
 from confluent_kafka import Consumer, KafkaException, TopicPartition
@@ -31,14 +32,17 @@ class GroupMember:
         self.renewals = 0
 
     def renew(self) -> None:
-        """Close the consumer (what it still held to commit goes with it) and make a new one; the
-        caller subscribes it again."""
-        try:
-            self.consumer.close()
-        except (KafkaException, RuntimeError) as e:  # a fatal handle may refuse even its close
-            logger.warning("closing the consumer before making a new one failed error=%s", e)
-        self.consumer = Consumer(self._settings, logger=LIBRDKAFKA)
+        """Make a new consumer, and close the old one on a thread of its own: librdkafka's close
+        waits for the commits the handle still holds, as long as a paused coordinator keeps them
+        (55 s in a CI run, the loop held all along). What the old one held goes with it; its
+        callbacks are not the engine's any more (`current`). The caller subscribes the new one."""
+        old, self.consumer = self.consumer, Consumer(self._settings, logger=LIBRDKAFKA)
         self.renewals += 1
+        threading.Thread(target=_close, args=(old,), name="retired-consumer", daemon=True).start()
+
+    def current(self, consumer: Consumer) -> bool:
+        """`consumer` is the group's consumer of the moment, not one closing after a renewal."""
+        return consumer is self.consumer
 
     def pause(self, partitions: list[TopicPartition]) -> None:
         self.consumer.pause(partitions)
@@ -52,3 +56,10 @@ class GroupMember:
 
     def seek(self, partition: TopicPartition) -> None:
         self.consumer.seek(partition)
+
+
+def _close(consumer: Consumer) -> None:
+    try:
+        consumer.close()
+    except (KafkaException, RuntimeError) as e:  # a fatal handle may refuse even its close
+        logger.warning("closing the consumer made again failed error=%s", e)

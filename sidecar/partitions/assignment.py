@@ -47,10 +47,13 @@ class Assignment:
         restore: Restore | None = None,
         fence: Callable[[str], bool] | None = None,
         load_rules: Callable[[str, str], tuple[tuple[int, IntakeRule], ...] | None] | None = None,
+        current: Callable[[Consumer], bool] = lambda consumer: True,
     ) -> None:
         """`fence`: exactly-once mode, called with the transactional.id of each assigned partition's
         last commit, before the partition is read (a zombie of this identity must not commit); True
-        when it fenced that producer now, False when it was fenced before or is not this identity's."""
+        when it fenced that producer now, False when it was fenced before or is not this identity's.
+        `current`: whether a callback's consumer is the group's of the moment; one closing after it
+        was made again (inbound/member.py) revokes what is kept already, on a thread of its own."""
         self.states: dict[tuple[str, int], PartitionState] = {}
         self.kept: dict[tuple[str, int], PartitionState] = {}
         """At least once: partitions lost to the group, until it assigns them again (`_keep`)."""
@@ -79,13 +82,14 @@ class Assignment:
         """cooperative-sticky: callbacks name only the partitions that change; otherwise all of them."""
         self.failed = False
         """Set after a failure: nothing more may be committed, so revokes do not checkpoint."""
-        self.setting_aside = False
-        """Set while the member's consumer is closed to be made again: its revokes change nothing."""
+        self._current = current
         self.assigned = threading.Event()
         self.assignments = 0
         """Assignments the group has given this member so far (partitions/coverage.py counts them)."""
 
     def on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        if not self._current(consumer):
+            return
         starts = []
         assigned: list[PartitionState] = []
         try:
@@ -206,7 +210,7 @@ class Assignment:
         return replace(metadata, rules=rules)
 
     def on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
-        if self.setting_aside:  # the closing consumer's last word: what it had is kept already
+        if not self._current(consumer):  # a closing consumer's last word: what it had is kept already
             _release(consumer, partitions)
             return
         if not self.failed:
@@ -220,7 +224,7 @@ class Assignment:
         logger.info("partitions revoked partitions=%s", _names(partitions))
 
     def on_lost(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
-        if self.setting_aside:
+        if not self._current(consumer):
             _release(consumer, partitions)
             return
         if not self._exact:
@@ -242,7 +246,6 @@ class Assignment:
     def set_aside(self, consumer: Consumer) -> None:
         """At least once, before the member's consumer is made again (inbound/member.py): every
         partition is kept as a lost one is, for the new consumer's assignment to take up."""
-        self.setting_aside = True
         if self.states:
             self._keep(consumer, [TopicPartition(topic, partition) for topic, partition in self.states])
 

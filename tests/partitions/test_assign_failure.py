@@ -141,19 +141,23 @@ def test_at_least_once_lost_partitions_whose_unanswered_commit_landed_go_on_wher
 
 
 def test_at_least_once_the_partitions_set_aside_for_a_new_consumer_are_kept_whatever_the_old_one_says() -> None:
-    """Closed to be made again, the old consumer revokes what it had: no checkpoint, nothing closed."""
+    """The old consumer, closing on a thread of its own after the member made a new one, revokes
+    what it had: no checkpoint, nothing closed, and the new consumer's assignment takes them up."""
     checkpoints: list[str] = []
     clock = ManualClock()
     closed: list[PartitionState] = []
+    old, new = GroupConsumer(), GroupConsumer()
+    now = [old]
     assignment = Assignment(
         lambda t, p: InMemoryTracker(clock), lambda t: False, lambda: checkpoints.append("checkpoint"),
-        closed.append, end_of=lambda t, p: 0,
+        closed.append, end_of=lambda t, p: 0, current=lambda consumer: consumer is now[0],
     )  # fmt: skip
-    consumer = GroupConsumer()
-    state = read_on(assignment, consumer)
-    assignment.set_aside(cast(Consumer, consumer))
-    assignment.on_revoke(cast(Consumer, consumer), [TopicPartition("t", 0)])
-    assignment.setting_aside = False
+    state = read_on(assignment, old)
+    assignment.set_aside(cast(Consumer, old))
+    now[0] = new
+    assignment.on_revoke(cast(Consumer, old), [TopicPartition("t", 0)])
+    assignment.on_lost(cast(Consumer, old), [TopicPartition("t", 0)])
     assert assignment.kept == {("t", 0): state} and not closed and not checkpoints
-    assignment.on_assign(cast(Consumer, consumer), [TopicPartition("t", 0)])
-    assert assignment.states[("t", 0)] is state
+    new.commits = old.commits
+    assignment.on_assign(cast(Consumer, new), [TopicPartition("t", 0)])
+    assert assignment.states[("t", 0)] is state and not assignment.kept
