@@ -81,6 +81,8 @@ HOLD_S = 60.0
 ORDERED = ("excl",)
 """Subscriptions that promise inbound order (exclusive). Exclusive from the start, so none of their
 records is ever delayed: every first copy is an at-once delivery, in the order check."""
+# An in-process audit still running after this long has its Spark JVM's thread stacks written beside its report.
+AUDIT_STACKS_AFTER_S = 240.0
 
 
 @dataclass
@@ -651,8 +653,12 @@ def spark_audit(bootstrap: str, policies: Path, workdir: Path, spark: SparkSessi
             bootstrap_servers=bootstrap, policies=policies, output_dir=output, control_topic=CONTROL
         )
         out, err = io.StringIO(), io.StringIO()
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            code = run_job(settings, spark)
+        watchdog = _stacks_after(spark, AUDIT_STACKS_AFTER_S, output / "jvm-stacks.txt")
+        try:
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                code = run_job(settings, spark)
+        finally:
+            watchdog.cancel()
         stdout, stderr = out.getvalue(), err.getvalue()
     # Its table and verdict are on stdout; stderr (Spark's chatter) matters only when it could not run.
     printed = stdout if code in (0, 1) else stdout + stderr
@@ -664,6 +670,22 @@ def spark_audit(bootstrap: str, policies: Path, workdir: Path, spark: SparkSessi
         result.subscriptions = {s["subscription"]: s for s in data["subscriptions"] if s["topic"] == TOPIC}
         result.anomaly_counts = data["anomaly_counts"]
     return result
+
+
+def _stacks_after(spark: SparkSession, after_s: float, path: Path) -> threading.Timer:
+    """Write the Spark JVM's thread stacks to `path` if the audit still runs after `after_s`: a CI
+    run's audit hung in its analysis until pytest's timeout, with nothing to say where."""
+    pid = int(spark.sparkContext._jvm.java.lang.ProcessHandle.current().pid())  # type: ignore[union-attr]
+
+    def dump() -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("w") as out:
+            subprocess.run(["jstack", str(pid)], stdout=out, stderr=subprocess.STDOUT, timeout=60, check=False)
+
+    timer = threading.Timer(after_s, dump)
+    timer.daemon = True
+    timer.start()
+    return timer
 
 
 def disagreements(audit: Audit, records: int, spark: SparkAudit) -> list[str]:
