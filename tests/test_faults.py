@@ -56,6 +56,16 @@ def health(port: int) -> tuple[int, dict[str, object]]:
         return e.code, json.loads(e.read())
 
 
+def held_loop(port: int, seconds: float) -> list[str]:
+    """What /healthz said of a loop held by a call to Kafka, asked every 0.5 s for `seconds`."""
+    reasons: list[str] = []
+    until = time.monotonic() + seconds
+    while time.monotonic() < until:
+        reasons += [str(r) for r in health(port)[1].get("reasons", [])]  # type: ignore[attr-defined]
+        time.sleep(0.5)
+    return [r for r in reasons if "the loop is waiting on it" in r]
+
+
 @pytest.mark.fallback
 def test_the_sidecar_rides_out_broker_restarts_under_load_and_healthz_tells_the_truth(
     policy_file: PolicyFile, tmp_path: Path
@@ -289,18 +299,14 @@ def test_a_commit_the_coordinator_does_not_answer_does_not_hold_the_loop(
         seen = len(sidecar.log.read_text())
         broker.pause_node(1)
         paused = time.monotonic()
-        reasons: list[str] = []
         try:
             # The commit sent to the paused node, the checkpoints after it are put off: for it, or for
             # the state topic's records the checkpoint wrote, which wait as well.
             wait_for(lambda: "put off" in sidecar.log.read_text()[seen:], 120, "the checkpoints put off")
             # Paused past the 15 s after which /healthz says the loop is held by a call to Kafka.
-            while time.monotonic() < paused + 25:
-                reasons += [str(r) for r in health(port)[1].get("reasons", [])]  # type: ignore[attr-defined]
-                time.sleep(0.5)
+            held = held_loop(port, paused + 25 - time.monotonic())
         finally:
             broker.resume_node(1)
-        held = [r for r in reasons if "the loop is waiting on it" in r]
         assert not held, f"the loop was held while the node was paused: {held[:3]}"
         # Answered once the node is back: a record read since is committed again.
         committed_before = scrape(port, "delay_sidecar_commits_total")
@@ -369,20 +375,15 @@ def test_a_commit_held_through_a_lapsed_session_repeats_nothing_at_least_once(
             raise AssertionError("a periodic commit came after every batch's deliveries before the pause")
         seen = len(sidecar.log.read_text())
         broker.pause_node(1)
-        reasons: list[str] = []
         try:
             wait_for(lambda: "partitions lost" in sidecar.log.read_text()[seen:], 60, "the session lapsed")
             # Paused on past the 15 s after which /healthz says the loop is held by a call to Kafka:
             # the old consumer's close waits for the commit it holds (55 s in a CI run).
-            lapsed = time.monotonic()
-            while time.monotonic() < lapsed + 20:
-                reasons += [str(r) for r in health(port)[1].get("reasons", [])]  # type: ignore[attr-defined]
-                time.sleep(0.5)
+            held = held_loop(port, 20)
         finally:
             broker.kill_node(1)  # the commit fails on its connection, and is held for a coordinator
         broker.start()
         wait_for(lambda: "partition back as this member left it" in sidecar.log.read_text()[seen:], 120, "back")
-        held = [r for r in reasons if "the loop is waiting on it" in r]
         assert not held, f"the loop was held while the node was paused: {held[:3]}"
         wait_for(lambda: health(port)[0] == 200, 120, "/healthz ready again by itself")
         assert sidecar.stop() == 0, sidecar.tail()
