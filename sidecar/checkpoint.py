@@ -69,6 +69,8 @@ Points = list[tuple[PartitionState, tuple[int, str], str | None]]
 # put off to the next checkpoint.
 COMMIT_RETRY_S = 10.0
 COORDINATOR_AWAY = COORDINATOR_MOVING | {KafkaError._TRANSPORT}
+# How long the answer to a commit is waited for once the consumer failed for good (`fenced_by_own_lapse`).
+OWN_FENCE_WAIT_S = 2.0
 # How long a periodic at-least-once checkpoint waits for the writer's acknowledgements before it is
 # put off to the next: the loop is blocked meanwhile, and the broker may be away for minutes.
 PUT_OFF_AFTER_S = 5.0
@@ -333,6 +335,16 @@ class Checkpoints:
     def in_flight(self) -> bool:
         """A periodic commit is sent and not answered yet."""
         return self._flight is not None
+
+    def fenced_by_own_lapse(self) -> bool:
+        """At least once, the consumer's fatal error is the fence of a commit it sent after its
+        session lapsed (inbound/member.py). The commit's answer can come at a poll after the error."""
+        if self._writer.transactional:
+            return False
+        deadline = time.monotonic() + OWN_FENCE_WAIT_S
+        while self._flight is not None and time.monotonic() < deadline:
+            self._member.consumer.poll(0.1)  # a record it returns is read again by the next consumer
+        return self.fenced_after_lapse
 
     def member_renewed(self) -> None:
         """The group member's consumer was made again: what the old one held to commit went with

@@ -88,8 +88,6 @@ INTAKE_SLICE = 2_000
 CONTROL_SLICE = 250
 # A loop turn normally takes milliseconds; one this long is blocked on a broker that does not answer.
 STUCK_S = 15.0
-# How long the answer to a commit is waited for once the consumer failed for good (_fenced_by_own_lapse).
-OWN_FENCE_WAIT_S = 2.0
 
 
 class Sidecar:
@@ -325,7 +323,7 @@ class Sidecar:
                     try:
                         self._intake(records)
                     except ConsumerFailed:
-                        if not self._fenced_by_own_lapse():
+                        if not self._checkpoints.fenced_by_own_lapse():
                             raise
                         self._renew_member("a commit sent after the session lapsed was fenced")
                     if self._assignment.kept and self._checkpoints.in_flight and not self._writer.transactional:
@@ -374,16 +372,6 @@ class Sidecar:
 
     def _on_commit(self, error: KafkaError | None, partitions: list[TopicPartition]) -> None:
         self._checkpoints.on_commit(error, partitions)
-
-    def _fenced_by_own_lapse(self) -> bool:
-        """At least once, the consumer's fatal error is the fence of a commit it sent after its
-        session lapsed (inbound/member.py). The commit's answer can come at a poll after the error."""
-        if self._writer.transactional:
-            return False
-        deadline = time.monotonic() + OWN_FENCE_WAIT_S
-        while self._checkpoints.in_flight and time.monotonic() < deadline:
-            self._member.consumer.poll(0.1)  # a record it returns is read again by the next consumer
-        return self._checkpoints.fenced_after_lapse
 
     def _renew_member(self, why: str) -> None:
         """At least once: the member's consumer made again and the engine's state kept. What the old
