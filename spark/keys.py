@@ -7,9 +7,11 @@ The contract's rule, which the audit applies independently of the sidecar's key 
     record of the partition up to o, R included, has a timestamp at or after T: the log's clock
     (the greatest timestamp so far) is still before T when R is read.
 
-"Previous" counts the key's records that were not dead-lettered, tombstones included (a tombstone
-is never delayed, so it cannot be replaced), and the records of every key and the sidecar's own
-count for the clock. A tombstone with a key is not delivered to those subscriptions at all.
+"Previous" counts the key's records that were not dead-lettered at intake, tombstones included (a
+tombstone is never delayed, so it cannot be replaced), and the records of every key and the
+sidecar's own count for the clock. A record dead-lettered because its topic left the policies
+(TOPIC_REMOVED) was judged and kept first, so it counts. A tombstone with a key is not delivered
+to those subscriptions at all.
 
 How it runs at scale, with no task sorting a whole Kafka partition: the running maximum of the
 timestamps comes from blocks of offsets, each sorted on its own, chained by their maxima (as the
@@ -29,6 +31,8 @@ BLOCK = 1_000_000
 """Offsets per sort of the running maxima."""
 
 REPLACED, TOMBSTONE = "replaced", "tombstone"
+TOPIC_REMOVED = "TOPIC_REMOVED"
+"""The code of a removed topic's dead letters (sidecar/dispatch/drain.py)."""
 
 
 def _with_running_maxima(log: DataFrame) -> DataFrame:
@@ -64,7 +68,10 @@ def key_fates(log: DataFrame, dead_letter: DataFrame, policies: DataFrame) -> Da
     # T for the delay-honouring subscriptions; null when the record is not delayed (due at publish).
     due = expected_due(~F.col("honours_delays"))
     rows = rows.withColumn("due_ms", F.when(due > F.col("publish_ms"), due))
-    keyed = rows.where(F.col("key").isNotNull()).join(dead_letter.select(*KEYS).distinct(), KEYS, "left_anti")
+    # A record dead-lettered at intake replaces nothing; one a removed topic's drain dead-lettered
+    # (TOPIC_REMOVED) was pending, its key's newest, when the topic left: it counts as any other.
+    at_intake = dead_letter.where(~F.col("code").eqNullSafe(F.lit(TOPIC_REMOVED))).select(*KEYS).distinct()
+    keyed = rows.where(F.col("key").isNotNull()).join(at_intake, KEYS, "left_anti")
     by_key = Window.partitionBy("topic", "partition", "key").orderBy("offset")
     pairs = keyed.select(
         "topic",

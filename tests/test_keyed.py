@@ -26,6 +26,8 @@ from sidecar.broker.ports import free_port
 from sidecar.client_cancel import ByKey, Canceller, OutcomeReader
 from sidecar.control.cancels import COMMAND_BY
 from sidecar.control.key_partitions import java_partition, librdkafka_partition
+from sidecar.outbound.records import ERROR_CODE
+from sidecar.partitions.metadata import CommitMetadata
 from tests.kafka_helpers import (
     KafkaHelper,
     LiveReader,
@@ -300,6 +302,53 @@ def test_at_the_boundary_a_timestamp_at_the_due_time_keeps_the_old_record(
         assert sidecar.stop() == 0
     finally:
         sidecar.close()
+
+
+@pytest.mark.parametrize("guarantee", GUARANTEES)
+def test_a_keyed_topic_removed_dead_letters_the_newest_record_per_key_only(
+    guarantee: str, kafka: str, kafka_helper: KafkaHelper, topic_factory: TopicFactory, policy_file: PolicyFile,
+    tmp_path: Path,
+) -> None:  # fmt: skip
+    """A keyed topic that leaves the policies dead-letters what was pending at the removal, as the
+    key rule left it: not a record a newer one of its key replaced, nor a tombstone. Its drain
+    decides that from the log's clock, as intake did: x1, with a record stamped at its due time
+    between it and x2, was not replaced. The drain's last commit records the clock where it ended."""
+    topic, kept = topic_factory("keyedgone"), topic_factory("keyedkept")
+    path = policy_file(keyed_policy(topic) + f"  {kept}:\n    subscriptions: {{billing: {{}}}}\n")
+    group = f"k-{topic}"
+    args = run_args(kafka, path, tmp_path / "state", free_port(), group, "--processing-guarantee", guarantee)
+    sidecar = SidecarProcess(args, tmp_path / "sidecar.log")
+    exact = guarantee == "exactly-once"
+    try:
+        sidecar.start()
+        now = int(time.time() * 1000)
+        due = now + 600_000
+        p = Producer(kafka_helper, topic, due)
+        first = [(b"a", b"a1", True), (b"a", b"a2", True), (b"b", b"b1", True), (b"b", None, False),
+                 (b"c", b"c1", True), (b"c", b"c2", False), (b"d", b"d1", True), (None, b"n1", True)]  # fmt: skip
+        for key, value, delayed in first:
+            p.send(key, value, delayed, timestamp=now)
+        p.send(b"x", b"x1", timestamp=now)
+        p.send(None, b"tick", delayed=False, timestamp=due)  # the log's clock reaches x1's time
+        p.send(b"x", b"x2", timestamp=now)
+        p.flush()
+        wait_for(lambda: committed(kafka, group, topic, 1)[0][0] == p.count, 60, "the commit of every record")
+        path.write_text(f"topics:\n  {kept}:\n    subscriptions: {{billing: {{}}}}\n")
+
+        def drained() -> bool:
+            offset, metadata = committed(kafka, group, topic, 1)[0]
+            earliest = CommitMetadata.decode(metadata).earliest
+            return earliest is not None and earliest >= offset
+
+        wait_for(drained, 60, "a commit with nothing pending")
+        assert sidecar.stop() == 0, sidecar.tail()
+    finally:
+        sidecar.close()
+    dead = kafka_helper.read_to_end(f"{topic}.dlt", committed_only=exact)
+    assert values(dead) == Counter([b"a2", b"d1", b"n1", b"x1", b"x2"]), sidecar.tail()
+    assert {r.headers[ERROR_CODE] for r in dead} == {b"TOPIC_REMOVED"}
+    assert values(delivered(kafka_helper, f"{topic}.billing")) == Counter([b"c2", b"tick"])
+    assert CommitMetadata.decode(committed(kafka, group, topic, 1)[0][1]).clock == due
 
 
 def keys_placed(crc_lower: bool, count: int) -> list[bytes]:

@@ -18,6 +18,12 @@ whether the topic was removed while the sidecar ran or while it was down:
   log, so a first pass reads the facts, from `earliest` when the commit says some took records
   back, else from the commit (facts written after it), to the end of the log; then the range is
   read again from `drain_from`.
+- Keys count on a keyed topic (`by_key: replace`): a record that a newer one of its key replaced,
+  and a tombstone, are no more pending than they were before the removal; only the newest record
+  per key is. Which one replaced which is decided by the rule of policy/by_key.py, which needs the
+  records after each one, so the first pass reads the whole range too and applies the rule from
+  the log's clock the commit recorded; the second dead-letters what it left pending. A commit
+  made mid-drain records the clock at `drain_from`, where a drain taken up again starts.
 - Progress is the offset reached, `PartitionState.drain_from`. A checkpoint commits it as the
   partition's earliest pending offset, after the producer flush that acknowledged every dead letter
   below it, or in the same transaction (exactly-once). A crash, a stop or a handoff mid-drain
@@ -41,10 +47,12 @@ from confluent_kafka import Consumer, KafkaError, Message, TopicPartition
 from sidecar.clock import Clock
 from sidecar.control.cancels import FACT, Fact, is_marked
 from sidecar.errors import BrokerError, ConfigError
+from sidecar.inbound.keys import key_inputs, stamp
 from sidecar.kafka_io import consume_batch, log_reader
 from sidecar.metrics import Metrics
 from sidecar.outbound.writer import Writer
 from sidecar.partitions import TopicPartitionKey
+from sidecar.partitions.keyed import KeyedPartition
 from sidecar.partitions.metadata import CommitMetadata
 from sidecar.partitions.state import PartitionState
 from sidecar.policy.intake import Judge
@@ -116,6 +124,14 @@ class _Job:
     """The committed watermark: records at or below it were delivered."""
     facts_from: int | None = None
     """Where the first pass, for facts, reads from; None once it reached the end of the log."""
+    keys: bool = False
+    """The range holds records of a keyed rule, or the commit a clock: the first pass applies the
+    key rule to it."""
+    clock_before: int | None = None
+    """The log's clock just before `drain_from` when the drain started (the commit's)."""
+    keyed: KeyedPartition | None = None
+    """The key rule over the range, from its first record under a keyed rule (as intake starts it):
+    its `replaced` are not pending."""
     taken: TakenBack = field(default_factory=TakenBack)
     sent: int = 0
     counted: int = 0
@@ -198,6 +214,8 @@ class Drains:
         tracker.restore_delivered_through(metadata.through)
         # The rules stay those `start` or live intake gave the partition: the commit's history.
         state.rebuild = None
+        # The live key state goes with the index; the drain keeps the clock at its progress.
+        state.keyed, state.clock_at_start = None, metadata.clock
         if committed is None:
             state.drain_from, state.next_offset = 0, None  # nothing committed: nothing of ours is pending
             return
@@ -210,9 +228,10 @@ class Drains:
         if state.rules.at(earliest) is None:
             logger.warning("no intake rules in the commit; judging with delays on partition=%s", state.name)
         key = (state.topic, state.partition)
+        keys = metadata.clock is not None or any(rule.keyed for _, rule in state.rules.items())
         # Facts before the commit matter only if it says some took records back that are pending.
-        facts_from = earliest if metadata.commands else end
-        self._jobs[key] = _Job(state, topic, end, metadata.through, facts_from)
+        facts_from = earliest if metadata.commands or keys else end
+        self._jobs[key] = _Job(state, topic, end, metadata.through, facts_from, keys, metadata.clock)
         self._metrics.rejected.labels(topic.name, topic.namespace, TOPIC_REMOVED)  # exported from 0 on
         self._reader().incremental_assign([TopicPartition(state.topic, state.partition, facts_from)])
         self._progressed = time.monotonic()
@@ -283,15 +302,19 @@ class Drains:
             return
         job.absent += offset - state.drain_from
         headers = record.headers()
+        rule = state.rules.at(offset) or FALLBACK_RULE
+        if job.keys and (state.clock_at_start is not None or rule.keyed):  # the clock at the progress
+            state.clock_at_start = max(stamp(record), -1 if state.clock_at_start is None else state.clock_at_start)
         if is_marked(headers):  # a request or a fact: not a message (its facts were read first)
             state.drain_from = offset + 1
             if state.drain_from >= job.end:
                 self._finish(key, job)
             return
         publish_ms = record.timestamp()[1]
-        rule = state.rules.at(offset) or FALLBACK_RULE
         fate = self._judge(rule, headers, publish_ms if publish_ms > 0 else self._clock.now_ms())
         deliver_at = fate.deliver_at
+        if job.keyed is not None and (offset in job.keyed.replaced or key_inputs(rule, [record], [fate])[1][0]):
+            deliver_at = None  # replaced by a newer record of its key, or a tombstone: not pending
         if deliver_at is not None and job.taken.owed(offset, deliver_at, rule.delayed, job.through):
             self._writer.dead_letter(
                 job.topic.dead_letter_topic,
@@ -305,7 +328,8 @@ class Drains:
             self._finish(key, job)
 
     def _read_fact(self, job: _Job, record: Message) -> None:
-        """The first pass: facts of this group, to the end of the log; then back to `drain_from`."""
+        """The first pass: facts of this group, to the end of the log, and the key rule over the
+        range; then back to `drain_from`."""
         error = record.error()
         if error is not None:
             if error.code() != KafkaError._PARTITION_EOF:
@@ -319,10 +343,34 @@ class Drains:
             return
         self._progressed = time.monotonic()
         headers = record.headers()
+        fact = None
         if headers and len(headers) >= 2 and headers[0][1] == self._group and headers[1][0] == FACT:
             fact = Fact.decode(headers[1][1])
             if fact is not None:
                 job.taken.add(fact)
+        if job.keys and job.state.drain_from is not None and job.state.drain_from <= record.offset() < job.end:
+            self._take_key(job, record, headers, fact)
+
+    def _take_key(self, job: _Job, record: Message, headers: Any, fact: Fact | None) -> None:
+        """One record of the range through the key rule, as intake and a rebuild take it
+        (inbound/keys.py, inbound/commands.py): every record moves the clock, a reschedule's fact
+        moves its key's time, and a message may replace its key's pending record."""
+        offset = record.offset()
+        rule = job.state.rules.at(offset) or FALLBACK_RULE
+        keyed = job.keyed
+        if keyed is None:
+            if not rule.keyed and job.clock_before is None:
+                return  # the keyed state starts at the first record of a keyed rule
+            keyed = job.keyed = KeyedPartition(job.state.tracker.key_index(), job.clock_before)
+        if is_marked(headers):
+            keyed.note(offset, stamp(record))
+            if fact is not None and fact.key is not None and fact.deliver_at is not None:
+                keyed.moved(fact.key, fact.origin, fact.deliver_at)
+            return
+        publish_ms = record.timestamp()[1]
+        fate = self._judge(rule, headers, publish_ms if publish_ms > 0 else self._clock.now_ms())
+        keys, tombstones = key_inputs(rule, [record], [fate])
+        keyed.take_many([offset], [stamp(record)], keys, tombstones, [fate.deliver_at])
 
     def _finish(self, key: TopicPartitionKey, job: _Job) -> None:
         job.state.drain_from = job.end

@@ -39,6 +39,23 @@ def stamp(record: Message) -> int:
     return max(timestamp, 0)
 
 
+def key_inputs(
+    rule: IntakeRule, records: Sequence[Message], fates: Sequence[Fate]
+) -> tuple[list[bytes | None], list[bool]]:
+    """What the keyed step takes of each record: its key (None when the rule has no keys, or the
+    record was dead-lettered: it replaces nothing) and whether it is a tombstone. Intake, a rebuild
+    and a removed topic's drain read records alike through this."""
+    if not rule.keyed:
+        return [None] * len(records), [False] * len(records)
+    keys = [record.key() if fate.rejected is None else None for record, fate in zip(records, fates, strict=True)]
+    # len() is the value's length: only an empty value is read to tell it from a null one
+    tombstones = [
+        key is not None and not len(record) and record.value() is None
+        for record, key in zip(records, keys, strict=True)
+    ]
+    return keys, tombstones
+
+
 class KeyedIntake:
     def __init__(self, metrics: Metrics) -> None:
         self._metrics = metrics
@@ -63,18 +80,7 @@ class KeyedIntake:
         a rule without keys, or dead-lettered, is given without its key: it only moves the clock,
         and replaces nothing."""
         keyed = keyed_of(state)
-        count = len(records)
-        if rule.keyed:
-            keys = [
-                record.key() if fate.rejected is None else None for record, fate in zip(records, fates, strict=True)
-            ]
-            # len() is the value's length: only an empty value is read to tell it from a null one
-            tombstones = [
-                key is not None and not len(record) and record.value() is None
-                for record, key in zip(records, keys, strict=True)
-            ]
-        else:
-            keys, tombstones = [None] * count, [False] * count
+        keys, tombstones = key_inputs(rule, records, fates)
         replaced = keyed.take_many(
             [record.offset() for record in records],
             [t if t > 0 else 0 for t in stamps],  # as stamp() reads them

@@ -117,7 +117,9 @@ class PartitionState:
     the partition moves its clock (partitions/keyed.py)."""
     clock_at_start: int | None = None
     """The log's clock where reading started, from the commit (CommitMetadata.clock): the keyed
-    state starts from it, at the first record read (inbound/keys.py: is_keyed)."""
+    state starts from it, at the first record read (inbound/keys.py: is_keyed). While the partition
+    drains (`drain_from`), the clock just before the drain's progress, where a drain taken up again
+    starts (dispatch/drain.py)."""
 
     @property
     def name(self) -> str:

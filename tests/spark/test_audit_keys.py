@@ -134,6 +134,10 @@ def result(spark: SparkSession, logs: list[Log]) -> AuditResult:
     for topic, (rows, _) in EDGES.items():
         routes.append(route(topic))
         inbound += [record(topic, offset, ts, headers, key=key) for offset, (ts, key, headers) in enumerate(rows)]
+    # A keyed topic removed with a1 and a2 pending: its drain dead-lettered a2 only (a2 replaced a1).
+    routes.append(route("removed"))
+    inbound += [record("removed", 0, T0, AFTER, key=b"a"), record("removed", 1, T0 + 10, AFTER, key=b"a")]
+    dead.append(dead_lettered("removed.dlt", 0, T0 + 20, ("removed", 0, 1), "TOPIC_REMOVED"))
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(spark_keys, "BLOCK", 97)  # several blocks per partition, chained
         return audit(spark, inbound, outbound, dead, routes)
@@ -182,3 +186,12 @@ def test_a_record_stamped_exactly_at_the_deliver_at_in_between_means_the_older_w
         if row[2] is not OWN and offset not in replaced
     }
     assert missing == owed  # nothing was delivered: exactly the owed records are missing
+
+
+def test_a_record_dead_lettered_when_its_topic_left_the_policies_still_replaced_the_older(
+    result: AuditResult,
+) -> None:
+    """A dead letter of intake replaces nothing, but one of a removed topic's drain came after the key
+    rule had decided: the record it took had replaced its key's older one, which stays replaced."""
+    (removed,) = [s for s in result.subscriptions if s.topic == "removed"]
+    assert (removed.replaced, removed.rejected, removed.missing) == (1, 1, 0)
