@@ -58,9 +58,18 @@ if __package__ in (None, ""):
 
 import numpy as np
 import psutil  # type: ignore[import-untyped,unused-ignore]
-from confluent_kafka import Consumer, TopicPartition
 
-from bench.probe import Watermarks, create_topic, metric_sum, now_ms, read_records, scrape, settle, wait_for_outbound
+from bench.probe import (
+    Watermarks,
+    create_topic,
+    group_commits,
+    metric_sum,
+    now_ms,
+    read_records,
+    scrape,
+    settle,
+    wait_for_outbound,
+)
 from bench.procs import Child, bench_broker, load_argv, py_spy, run_load, start_sidecar
 from bench.report import command_line, environment, header
 from sidecar.broker.ports import free_ports
@@ -91,12 +100,8 @@ def log_ms(stamp: str) -> int:
 
 
 def committed_offsets(bootstrap: str, group: str, topic: str, partitions: int) -> list[int]:
-    """The group's committed offsets (an OffsetFetch only: this consumer never joins the group)."""
-    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": group, "enable.auto.commit": False})
-    try:
-        return [tp.offset for tp in consumer.committed([TopicPartition(topic, p) for p in range(partitions)], 10)]
-    finally:
-        consumer.close()
+    """The group's committed offsets."""
+    return [offset for offset, _ in group_commits(bootstrap, group, topic, partitions)]
 
 
 def wait_until(check: Any, timeout_s: float, what: str, alive: Any = lambda: True) -> float:

@@ -51,6 +51,17 @@ def now_ms() -> int:
     return time.time_ns() // 1_000_000
 
 
+def group_commits(bootstrap: str, group: str, topic: str, partitions: int) -> list[tuple[int, str | None]]:
+    """The group's committed (offset, metadata) per partition of `topic` (an OffsetFetch only: this
+    consumer never joins the group); offset -1001 where none is."""
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": group, "enable.auto.commit": False})
+    try:
+        found = consumer.committed([TopicPartition(topic, p) for p in range(partitions)], 10)
+        return [(tp.offset, tp.metadata) for tp in found]
+    finally:
+        consumer.close()
+
+
 def create_topic(bootstrap: str, name: str, partitions: int) -> None:
     """Created, and led: Apache Kafka tells its brokers of a new topic after it has answered."""
     admin = AdminClient({"bootstrap.servers": bootstrap})
