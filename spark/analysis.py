@@ -483,8 +483,17 @@ def analyse(spark: SparkSession, prepared: Prepared, routes: Sequence[AuditRoute
             orphans[name] = orphans.get(name, 0) + k
     rejected_records = dlt.select(*KEYS, "code", "message", "dlt_topic", "dlt_partition", "dlt_offset")
     timeline = build_timeline(audited, anomalies, span)
+    cached = [f for f in (fates, redeliveries, anomalies, nack_fates) if f is not None]
     return AuditResult(
-        summaries, rejections, control_rejections, counts, anomalies, rejected_records, orphans, timeline=timeline
+        summaries,
+        rejections,
+        control_rejections,
+        counts,
+        anomalies,
+        rejected_records,
+        orphans,
+        timeline=timeline,
+        cached=cached,
     )
 
 

@@ -317,6 +317,7 @@ def audit(settings: AuditSettings, spark: SparkSession | None = None, out: TextI
     output = settings.output_dir
     with runtime_conf(spark, {"spark.sql.shuffle.partitions": str(shuffle)}):
         prepared = prepare(spark, inputs, routes, params).persist()
+        result: AuditResult | None = None
         try:
             with phases.phase("read"):
                 records_read = prepared.materialise()
@@ -332,6 +333,9 @@ def audit(settings: AuditSettings, spark: SparkSession | None = None, out: TextI
                 write_chart(result, output / "report.png")
         finally:
             prepared.unpersist()
+            if result is not None:
+                result.release()
+    assert result is not None  # the analysis ran, or its error was raised above
     report = {
         "passed": passed,
         "source": decision.label,

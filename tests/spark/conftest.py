@@ -23,3 +23,14 @@ def spark() -> Iterator[SparkSession]:
     session.sparkContext.setLogLevel("ERROR")
     yield session
     session.stop()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def released_caches() -> Iterator[None]:
+    """A module's audits (spark.audit.run_audit) leave their results cached for its tests to read;
+    once the module is done they go, so the session's heap does not grow file after file (the audit
+    job releases its own: AuditResult.release). No session is started for a module without one."""
+    yield
+    session = SparkSession.getActiveSession()
+    if session is not None:
+        session.catalog.clearCache()

@@ -26,6 +26,11 @@ from tests.control.test_nack_flow import RecordView
 from tests.kafka_helpers import KafkaHelper, PolicyFile, ThreadedSidecar, TopicFactory, settings_for
 
 
+def persisted_rdds(spark: SparkSession) -> set[int]:
+    """The ids of the RDDs the session's context holds persisted (cached DataFrames among them)."""
+    return {int(rdd_id) for rdd_id in spark.sparkContext._jsc.getPersistentRDDs().keySet()}  # type: ignore[union-attr]
+
+
 def parquet_rows(path: Path) -> list[dict[str, Any]]:
     return sorted(pq.read_table(path).to_pylist(), key=lambda r: (r.get("kind", ""), r["offset"]))
 
@@ -82,8 +87,12 @@ topics:
         source="python",
         control_topic=control,
     )
+    before = persisted_rdds(spark)
     outcome = audit(settings, spark)
     assert outcome.exit_code == EXIT_OK
+    # What the audit cached is released: a session that audits again and again (the chaos module's)
+    # otherwise fills its heap with every audit's cached frames.
+    assert persisted_rdds(spark) == before
     assert outcome.result.anomaly_counts == dict.fromkeys(outcome.result.anomaly_counts, 0)
     by_sub = {s.subscription: s for s in outcome.result.subscriptions}
     assert set(by_sub) == {"billing", "shipping", "archive"}
