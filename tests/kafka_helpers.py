@@ -411,10 +411,10 @@ class SidecarProcess:
         return self.log.read_text()[-3000:]
 
 
-def wait_serving(port: int) -> None:
+def wait_serving(port: int, deadline_s: float = 60.0) -> None:
     """The sidecar on `port` owns partitions: a deliver-at counted from now is not due at intake however
     slowly the process started (a busy CI machine takes seconds to import and join the group)."""
-    wait_for(lambda: scrape(port, "delay_sidecar_assigned_partitions") > 0, 60, "the sidecar serving")
+    wait_for(lambda: scrape(port, "delay_sidecar_assigned_partitions") > 0, deadline_s, "the sidecar serving")
 
 
 def start_serving(sidecar: SidecarProcess, port: int) -> None:

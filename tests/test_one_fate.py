@@ -58,9 +58,15 @@ def produce_at(kafka_helper: KafkaHelper, topic: str, deliver_at: int, count: in
 
 
 def serving(member: SidecarProcess, port: int, workers: str) -> None:
-    """Started, and owning partitions (with --workers, its first worker, on the next port)."""
+    """Started, and owning partitions: with --workers, every worker (on the ports after `port`), so
+    that no worker's join rebalances the group while a test's records are delivered. On noida-db a
+    join made the first worker lose its partitions before its revoke could commit what it had
+    delivered, and the next owner delivered 200 records again (a clean-clone run, 2026-11-30). After
+    a kill -9 on noida-db, whose group never expires the killed process's members, the second worker
+    may start only once the supervisor's 60 s wait for the first worker's join has run out."""
     member.start()
-    wait_serving(port if workers == "1" else port + 1)
+    for worker_port in [port] if workers == "1" else [port + 1 + i for i in range(int(workers))]:
+        wait_serving(worker_port, 150.0)
 
 
 @pytest.mark.parametrize(
