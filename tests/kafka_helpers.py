@@ -317,12 +317,7 @@ def settings_for(kafka: str, policies: Path, state_dir: Path, **overrides: Any) 
 
 def committed(bootstrap: str, group: str, topic: str, partitions: int) -> list[tuple[int, str | None]]:
     """The group's committed (offset, metadata) per partition; offset -1001 when none."""
-    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": group})
-    try:
-        found = consumer.committed([TopicPartition(topic, p) for p in range(partitions)], timeout=10)
-        return [(tp.offset, tp.metadata) for tp in found]
-    finally:
-        consumer.close()
+    return probe.group_commits(bootstrap, group, topic, partitions)
 
 
 def accepted_lines(kafka_helper: KafkaHelper, control: str) -> int:
