@@ -37,6 +37,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from pydantic import SecretStr
 
 from sidecar.app import launcher_for
+from sidecar.broker.embedded import EmbeddedBroker
 from sidecar.broker.lifeline import die_with_parent
 from sidecar.http import StatusServer
 from sidecar.identity import InstanceLock
@@ -152,6 +153,13 @@ class Supervisor:
                 broker = launcher_for(settings)
                 stack.callback(broker.stop)
                 bootstrap = broker.start()
+                if isinstance(broker, EmbeddedBroker):
+                    logger.warning(
+                        "noida-db's group never expires a member that stopped without leaving: workers started "
+                        "again may be handed overlapping assignments and deliver a record twice; run --workers 1 "
+                        "on it, or use Apache Kafka (--broker-kind apache-kafka) workers=%d",
+                        settings.workers,
+                    )
             if settings.metrics_port:
                 status = StatusServer(
                     settings.metrics_host, settings.metrics_port, self.metrics.registry, self._health, self._policy

@@ -61,9 +61,7 @@ def serving(member: SidecarProcess, port: int, workers: str) -> None:
     """Started, and owning partitions: with --workers, every worker (on the ports after `port`), so
     that no worker's join rebalances the group while a test's records are delivered. On noida-db a
     join made the first worker lose its partitions before its revoke could commit what it had
-    delivered, and the next owner delivered 200 records again (a clean-clone run, 2026-11-30). After
-    a kill -9 on noida-db, whose group never expires the killed process's members, the second worker
-    may start only once the supervisor's 60 s wait for the first worker's join has run out."""
+    delivered, and the next owner delivered 200 records again (a clean-clone run, 2026-11-30)."""
     member.start()
     for worker_port in [port] if workers == "1" else [port + 1 + i for i in range(int(workers))]:
         wait_serving(worker_port, 150.0)
@@ -140,8 +138,19 @@ def test_a_member_back_on_its_old_state_dir_does_not_revive_what_another_member_
     assert origins(delivered) == Counter({(p, o) for p in range(PARTITIONS) for o in after})  # once each
 
 
-@pytest.mark.fallback
-@pytest.mark.parametrize(("fault", "workers"), [("SIGTERM", "1"), ("kill -9", "1"), ("kill -9", "2")])
+@pytest.mark.parametrize(
+    ("fault", "workers"),
+    [
+        pytest.param("SIGTERM", "1", marks=pytest.mark.fallback),
+        pytest.param("kill -9", "1", marks=pytest.mark.fallback),
+        # Not on noida-db: its group never expires the stopped workers' static members, and answers
+        # the second worker's return, 60 s after the first's, with overlapping assignments (both
+        # workers delivered one partition's 200 records: 3 runs of 3 with the forced rebalance left
+        # out) or, when both force one, with no assignment for 90 s and more (docs/guides/operators/
+        # deployment.md). Kept on Apache Kafka, which expires and fences.
+        ("kill -9", "2"),
+    ],
+)
 def test_a_topic_added_across_a_restart_is_served(
     kafka: str,
     kafka_helper: KafkaHelper,

@@ -147,13 +147,15 @@ def test_a_worker_killed_under_load_is_restarted_and_nothing_is_lost(
 
 
 @pytest.mark.broker  # a local broker of its own
+@pytest.mark.parametrize("kind", ["of the run", "noida-db"])
 def test_kill_9_of_the_supervisor_takes_the_workers_and_the_local_broker_with_it(
-    tmp_path: Path, reaper: list[psutil.Process]
+    tmp_path: Path, reaper: list[psutil.Process], kind: str
 ) -> None:
+    """On noida-db the supervisor also warns that workers need a group that expires members."""
     policies = tmp_path / "policies.yaml"
     policies.write_text("topics:\n  orders:\n    subscriptions:\n      a: {}\n")
     port, broker_port = free_ports(3), free_ports(2)
-    kind = broker_kind_of_run()
+    kind = broker_kind_of_run() if kind == "of the run" else kind
     args = ["--policies", str(policies), "--state-dir", str(tmp_path / "state"), "--metrics-port", str(port),
             "--broker-port", str(broker_port), "--broker-kind", kind, "--workers", "2"]  # fmt: skip
     supervisor = SidecarProcess(args, tmp_path / "log").start()
@@ -169,6 +171,7 @@ def test_kill_9_of_the_supervisor_takes_the_workers_and_the_local_broker_with_it
         brokers = [p for p in family if any(m in " ".join(p.cmdline()) for m in ("noida-db start", "kafka.Kafka"))]
         assert len(brokers) == 1, f"one local broker for all workers, not {len(brokers)}"
         assert len(workers(supervisor)) == 2
+        assert ("noida-db's group never expires" in supervisor.log.read_text()) == (kind == "noida-db")
         supervisor.kill()
         wait_for(lambda: all(gone(p) for p in family), DEADLINE_S, "the workers and the broker gone")
         wait_for(lambda: not listening(broker_port), DEADLINE_S, "the broker port free")
