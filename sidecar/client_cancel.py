@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-from confluent_kafka import Consumer, KafkaException, TopicPartition
+from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
 from sidecar.client import (
     COMMAND_VERSION,
@@ -185,6 +185,48 @@ class Outcome:
         )
 
 
+OPEN_TIMEOUT_S = 30.0
+_NOT_READY = frozenset(
+    {
+        KafkaError.NOT_LEADER_FOR_PARTITION,
+        KafkaError.LEADER_NOT_AVAILABLE,
+        KafkaError.UNKNOWN_TOPIC_OR_PART,
+        KafkaError._UNKNOWN_PARTITION,
+        KafkaError._TIMED_OUT,
+    }
+)
+"""Answers of a topic whose partitions have no leader yet, or of a broker too busy to answer."""
+
+
+def topic_ends(consumer: Consumer, topic: str, timeout_s: float) -> list[TopicPartition]:
+    """Each partition of `topic` at its high watermark. A topic the sidecar has just created can be
+    in the metadata before its partitions have a leader: a reader opened then was answered
+    NOT_LEADER_FOR_PARTITION (a clean-clone CI run, 2026-11-30). Such answers are asked again until
+    `timeout_s`; a topic that does not exist is an error at once."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        metadata = consumer.list_topics(topic, timeout=10)
+        found = metadata.topics.get(topic)
+        missing = found is None or (
+            found.error.code() == KafkaError.UNKNOWN_TOPIC_OR_PART if found.error is not None else not found.partitions
+        )
+        if found is None or missing:
+            raise KafkaException(f"the outcomes topic {topic} does not exist yet; start the sidecar first")
+        try:
+            if found.error is not None:
+                raise KafkaException(found.error)
+            ends = []
+            for partition in sorted(found.partitions):
+                _, high = consumer.get_watermark_offsets(TopicPartition(topic, partition), timeout=10)
+                ends.append(TopicPartition(topic, partition, high))
+            return ends
+        except KafkaException as e:
+            error = e.args[0]
+            if not isinstance(error, KafkaError) or error.code() not in _NOT_READY or time.monotonic() > deadline:
+                raise
+        time.sleep(0.2)
+
+
 class OutcomeReader:
     """Reads answers from the outcomes topic, from its end at the time this reader was opened.
 
@@ -192,7 +234,10 @@ class OutcomeReader:
     committed, and only then.
     """
 
-    def __init__(self, config: dict[str, Any], control_topic: str = CONTROL_TOPIC) -> None:
+    def __init__(
+        self, config: dict[str, Any], control_topic: str = CONTROL_TOPIC, open_timeout_s: float = OPEN_TIMEOUT_S
+    ) -> None:
+        """`open_timeout_s`: how long a topic whose partitions have no leader yet is waited for."""
         self.topic = control_topic + OUTCOMES_SUFFIX
         self._consumer = Consumer(
             {
@@ -203,16 +248,11 @@ class OutcomeReader:
             }
         )
         self._seen: dict[str, Outcome] = {}
-        metadata = self._consumer.list_topics(self.topic, timeout=10)
-        topic = metadata.topics.get(self.topic)
-        if topic is None or topic.error is not None or not topic.partitions:
+        try:
+            self._consumer.assign(topic_ends(self._consumer, self.topic, open_timeout_s))
+        except BaseException:
             self._consumer.close()
-            raise KafkaException(f"the outcomes topic {self.topic} does not exist yet; start the sidecar first")
-        starts = []
-        for partition in topic.partitions:
-            _, high = self._consumer.get_watermark_offsets(TopicPartition(self.topic, partition), timeout=10)
-            starts.append(TopicPartition(self.topic, partition, high))
-        self._consumer.assign(starts)
+            raise
 
     def wait(self, command_ids: Iterable[str], timeout_s: float = 30.0) -> dict[str, Outcome]:
         """The answers to these commands, as they come; those missing at the timeout are left out."""
