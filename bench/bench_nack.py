@@ -59,12 +59,13 @@ if __package__ in (None, ""):
 
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, Message, Producer, TopicPartition
 
-from bench.probe import LEADER_MOVING, create_topic, scrape
+from bench.probe import create_topic, scrape
 from bench.procs import Child, bench_broker
 from bench.report import command_line, environment, header
 from sidecar.broker import ApacheKafka, BrokerLauncher, EmbeddedBroker, embedded
 from sidecar.broker.ports import free_port
 from sidecar.client import Nacker, deliver_at, origin, redelivery_count
+from sidecar.client_cancel import LEADER_MOVING
 
 ROOT = Path(__file__).resolve().parents[1]
 PEER_DIR = ROOT / "bench" / "nack_peer"

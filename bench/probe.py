@@ -16,35 +16,12 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import psutil  # type: ignore[import-untyped,unused-ignore]
-from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, Message, TopicPartition
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, Message, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 
+from sidecar.client_cancel import watermark_offsets
+
 DELIVER_AT = "delay-deliver-at"
-LEADER_MOVING = {
-    KafkaError.NOT_LEADER_FOR_PARTITION,
-    KafkaError.UNKNOWN_TOPIC_OR_PART,
-    KafkaError.LEADER_NOT_AVAILABLE,
-    # Three nodes on two cores: a busy leader answered a watermark request after more than 10 s
-    # (the 3-node end-to-end run of 2026-11-28 stopped there), so a timeout is asked again too.
-    KafkaError._TIMED_OUT,
-    # The suite's single node under a load average of 90 answered these for a moment too.
-    KafkaError.REQUEST_TIMED_OUT,
-    KafkaError._TRANSPORT,
-}
-
-
-def watermark_offsets(consumer: Consumer, partition: TopicPartition, deadline_s: float = 60.0) -> tuple[int, int]:
-    """(low, high) from the broker; a leader that moves or is not known yet (a topic the sidecar just
-    created) is asked again."""
-    deadline = time.monotonic() + deadline_s
-    while True:
-        try:
-            low, high = consumer.get_watermark_offsets(partition, timeout=10, cached=False)
-            return int(low), int(high)
-        except KafkaException as e:
-            if (not e.args[0].retriable() and e.args[0].code() not in LEADER_MOVING) or time.monotonic() > deadline:
-                raise
-            time.sleep(0.1)
 
 
 def now_ms() -> int:
