@@ -13,6 +13,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -203,6 +204,7 @@ class Sidecar:
             on_handoff=self._on_handoff,
             restore=self._restore,
             fence=self._fence_earlier if transactional_ids is not None else None,
+            last_commits=partial(self._admin.last_commits, group_id),
             load_rules=self._state_topic.load_rules if self._state_topic is not None else None,
             current=member.current,
         )

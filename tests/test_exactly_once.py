@@ -20,6 +20,7 @@ import pytest
 from sidecar.broker.ports import free_port
 from sidecar.identity import IDS_FILE
 from sidecar.inbound.rebuild import Rebuilder
+from sidecar.outbound import writer as writer_module
 from sidecar.outbound.writer import Writer
 from sidecar.partitions.metadata import CommitMetadata
 from sidecar.settings import RunSettings
@@ -34,6 +35,7 @@ from tests.kafka_helpers import (
     assert_records_once_each,
     committed,
     create_topics,
+    deliveries,
     outbound_end,
     run_args,
     scrape,
@@ -140,6 +142,63 @@ def test_a_zombie_is_fenced_and_its_writes_never_become_visible(
     assert "fenced" in woken, woken[-3000:]  # by the producer's epoch or the group's instance id
     assert_once_each(kafka_helper, f"{topic}.a", count)
     assert_once_each(kafka_helper, f"{topic}.o", count)
+
+
+def test_a_zombie_stopped_inside_its_commit_does_not_hold_up_its_successor(
+    kafka: str,
+    kafka_helper: KafkaHelper,
+    topic_factory: TopicFactory,
+    policy_file: PolicyFile,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A stops (as SIGSTOP would) between sending its offsets to its transaction and committing it:
+    the group's commit is unstable until that transaction ends, and a read_committed consumer's
+    offset fetch waits for it. B, A's successor on another host, must fence A first and read
+    after: waiting instead held B up until the broker aborted A's transaction (the transaction
+    timeout; found by the zombie test in CI, where B failed its engine once after 60 s). A's timeout
+    is 10 min here, so only the fence lets B deliver."""
+    topic = topic_factory("stopped", partitions=2)
+    policies = policy_file(f"topics:\n  {topic}:\n    subscriptions: {{a: {{}}}}\n")
+    group, count, member = f"g-{topic}", 2_000, f"member-{uuid.uuid4().hex[:6]}"
+    monkeypatch.setattr(writer_module, "TRANSACTION_TIMEOUT_MS", 600_000)  # A's only: B is a process of its own
+    stop, stopped, release = threading.Event(), threading.Event(), threading.Event()
+    real_commit = Writer.commit
+
+    def commit_then_stop(self: Writer, offsets: list[Any], group_metadata: object) -> None:
+        if offsets and stop.is_set() and not stopped.is_set():
+            self.flush()
+            self.producer.send_offsets_to_transaction(offsets, group_metadata, 30)
+            stopped.set()
+            release.wait(300)
+        real_commit(self, offsets, group_metadata)
+
+    monkeypatch.setattr(Writer, "commit", commit_then_stop)
+    settings = settings_for(kafka, policies, tmp_path / "a", group_id=group, instance_id=member,
+                            commit_interval_ms=1_000, processing_guarantee="exactly-once")  # fmt: skip
+    (tmp_path / "host-b").mkdir()
+    port_b = free_port()
+    b = SidecarProcess(run_args(kafka, policies, tmp_path / "b", port_b, group, "--instance-id", member, *EXACTLY_ONCE),
+                       tmp_path / "b.log", env={"TMPDIR": str(tmp_path / "host-b")})  # fmt: skip
+    a = ThreadedSidecar(settings)
+    try:
+        a.__enter__()
+        produce_mixed(kafka_helper, topic, count, int(time.time() * 1000) + 2_000, 8_000)
+        wait_for(lambda: outbound_end(kafka_helper, f"{topic}.a", 2) > count // 2 + 100, 60, "A delivering")
+        stop.set()
+        wait_for(stopped.is_set, 30, "A to stop inside a commit")
+        b.start()
+        delivered = lambda: len(deliveries(kafka_helper.read_to_end(f"{topic}.a", committed_only=True)))  # noqa: E731
+        wait_for(lambda: delivered() >= count, 120, "B to deliver every record while A's transaction is open")
+        assert not release.is_set()
+        assert "engine failed" not in b.log.read_text(), b.tail()
+        assert b.stop() == 0, b.tail()
+    finally:
+        b.close()
+        release.set()
+        a.app.stop()
+        a.thread.join(60)
+    assert_once_each(kafka_helper, f"{topic}.a", count)
 
 
 def test_a_zombie_that_commits_between_the_read_of_the_commit_and_its_fence_is_not_delivered_twice(

@@ -238,21 +238,35 @@ class TopicAdmin:
         ]
         if not partitions:
             return {}
-        consumer = Consumer(
-            {**self._client_config, "group.id": group_id, "enable.auto.commit": False}, logger=LIBRDKAFKA
-        )
         try:
             # A new cluster creates its offsets topic on the first ask, and a coordinator that moves
             # answers NOT_COORDINATOR until the client looks it up again.
-            listed = committed_offsets(consumer, partitions, COORDINATOR_WAIT_S)
+            listed = self.last_commits(group_id, partitions, COORDINATOR_WAIT_S)
         except KafkaException as e:
             raise BrokerError(
                 f"cannot read the committed offsets of consumer group {group_id}: {e}; check that the "
                 "brokers are up and that the sidecar may DESCRIBE its group"
             ) from e
+        return {(tp.topic, tp.partition): (tp.offset, tp.metadata) for tp in listed if tp.offset >= 0}
+
+    def last_commits(
+        self, group_id: str, partitions: list[TopicPartition], timeout_s: float = COORDINATOR_WAIT_S
+    ) -> list[TopicPartition]:
+        """The group's last commits of `partitions`, without waiting for a transaction that holds
+        newer ones: good for finding what to fence and which topics to look at, not where to start.
+
+        A read_committed consumer asks for stable offsets (librdkafka does at that isolation level,
+        KIP-447), and the broker keeps it waiting while a transaction holds offsets of the group. A
+        zombie stopped inside its commit holds them until its fence, or until the broker aborts its
+        transaction a transaction timeout later (60 s): a successor that read so before fencing it
+        failed its engine after 60 s (tests/test_exactly_once.py). Read here without that wait.
+        KafkaException as `committed_offsets` raises it."""
+        config = {**self._client_config, "group.id": group_id, "enable.auto.commit": False}
+        consumer = Consumer({**config, "isolation.level": "read_uncommitted"}, logger=LIBRDKAFKA)
+        try:
+            return committed_offsets(consumer, partitions, timeout_s)
         finally:
             consumer.close()
-        return {(tp.topic, tp.partition): (tp.offset, tp.metadata) for tp in listed if tp.offset >= 0}
 
     def end_offset(self, topic: str, partition: int) -> int:
         """The partition's high watermark, open transactions included (read_uncommitted): a

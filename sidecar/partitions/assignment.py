@@ -46,12 +46,15 @@ class Assignment:
         on_handoff: Callable[[str, int, int], None] | None = None,
         restore: Restore | None = None,
         fence: Callable[[str], bool] | None = None,
+        last_commits: Callable[[list[TopicPartition], float], list[TopicPartition]] | None = None,
         load_rules: Callable[[str, str], tuple[tuple[int, IntakeRule], ...] | None] | None = None,
         current: Callable[[Consumer], bool] = lambda consumer: True,
     ) -> None:
         """`fence`: exactly-once mode, called with the transactional.id of each assigned partition's
         last commit, before the partition is read (a zombie of this identity must not commit); True
         when it fenced that producer now, False when it was fenced before or is not this identity's.
+        `last_commits`: with `fence`, the group's commits as they stand, without waiting for a
+        transaction that holds newer ones (TopicAdmin.last_commits): their producers are fenced first.
         `current`: whether a callback's consumer is the group's of the moment; one closing after it
         was made again (inbound/member.py) revokes what is kept already, on a thread of its own."""
         self.states: dict[tuple[str, int], PartitionState] = {}
@@ -63,6 +66,7 @@ class Assignment:
         lies below the facts of a transaction that an earlier owner's commit is still closing (a
         cancelled record was then delivered; docs/reliability.md)."""
         self._fence = fence
+        self._last_commits = last_commits
         self._load_rules = load_rules
         """The whole rule history a commit's `rules_ref` names, from the state topic (None: not found)."""
         self._restore = restore
@@ -171,10 +175,17 @@ class Assignment:
         """The partitions' commits with their metadata, read again after fencing the producers they
         name until they name none left to fence. A zombie keeps committing until its fence, so the
         commit read before it may be stale, and starting from that one delivers the zombie's last
-        transactions twice."""
-        found = _decoded(committed_offsets(consumer, partitions, COMMITS_TIMEOUT_S))
+        transactions twice. The first producers fenced are those of the last commits as they stand:
+        a zombie stopped inside its commit holds newer ones in its transaction, and the stable read
+        waits for that transaction, which ends with the fence (TopicAdmin.last_commits)."""
+
+        def stable() -> list[tuple[TopicPartition, CommitMetadata]]:
+            return _decoded(committed_offsets(consumer, partitions, COMMITS_TIMEOUT_S))
+
         if self._fence is None or self.error is not None:
-            return found
+            return stable()
+        settled = self._last_commits is None
+        found = stable() if self._last_commits is None else _decoded(self._last_commits(partitions, COMMITS_TIMEOUT_S))
         for _ in range(MAX_FENCE_ROUNDS):
             named = {metadata.producer for _, metadata in found}
             fenced_now = False
@@ -184,9 +195,9 @@ class Assignment:
             except SidecarError as e:  # raised by the engine after poll, not into librdkafka
                 self.failed, self.error = True, e
                 return found
-            if not fenced_now:
+            if settled and not fenced_now:
                 return found
-            found = _decoded(committed_offsets(consumer, partitions, COMMITS_TIMEOUT_S))
+            found, settled = stable(), True
         self.failed = True
         self.error = ConfigError(
             f"the commits kept naming new producers of this identity through {MAX_FENCE_ROUNDS} fences: another "
