@@ -46,6 +46,7 @@ import uuid
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
@@ -54,17 +55,20 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, Producer
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.probe import create_topic, now_ms
+from bench.probe import create_topic, group_commits, now_ms
 from bench.procs import Child, bench_broker
 from bench.report import command_line, dated_lines
 from sidecar.client import Nacker
 from sidecar.outbound.records import read_delivery
+from sidecar.partitions.metadata import CommitMetadata
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
 ROOT = Path(__file__).resolve().parents[1]
 TOPIC, PARTITIONS, CONTROL = "chaos", 2, "delay-sidecar.control"
+PRODUCER = re.compile(r"event=\"transactional producer\" transactional_id=(\S+)")
+"""A process's log line naming each producer it opens (outbound/writer.py)."""
 # noida-db lists aborted transactions that ended before a fetch's offset, and librdkafka then drops
 # the later records of that producer (tests/broker/test_transactions.py): readers here start at
 # offset 0 and take each partition in one fetch, so they see every abort marker in order. Apache
@@ -233,13 +237,28 @@ class Sidecar:
                      "--group-id", group, "--instance-id", instance_id, "--processing-guarantee",
                      guarantee, "--commit-interval-ms", str(plan.commit_interval_ms)]  # fmt: skip
         self.child: Child | None = None
+        self.started_at = 0
+        """Where this process's lines begin in the log (it is shared with earlier ones)."""
         # Each sidecar as if on a host of its own: the zombie's successor shares its instance id,
         # which the host-wide identity lock would refuse on one host (sidecar/identity.py).
         self.host = workdir / f"host-{name}"
         self.host.mkdir(exist_ok=True)
 
     def start(self) -> None:
+        self.started_at = len(self.log.read_text(errors="replace")) if self.log.exists() else 0
         self.child = Child(self.args, self.log, env={"TMPDIR": str(self.host)})
+
+    def claimed(self, bootstrap: str, group: str = "chaos") -> bool:
+        """This process's producer is named by the group's last commit of every partition of TOPIC:
+        it has claimed them (identity.py), and a successor can fence it by that name."""
+        producers = PRODUCER.findall(self.log.read_text(errors="replace")[self.started_at :])
+        if not producers:
+            return False
+        try:
+            commits = group_commits(bootstrap, group, TOPIC, PARTITIONS, stable=False)
+        except KafkaException:  # asked again by the caller's loop
+            return False
+        return all(CommitMetadata.decode(metadata).producer == producers[-1] for _, metadata in commits)
 
     def kill(self) -> None:
         if self.child is not None and self.child.alive():
@@ -583,7 +602,8 @@ def run(
                 broker.start()
                 outcome.broker_restarts += 1
             else:
-                outcome.zombie = zombie(sidecar, successor := Sidecar(workdir, bootstrap, policies, plan, "b"))
+                successor = Sidecar(workdir, bootstrap, policies, plan, "b")
+                outcome.zombie = zombie(sidecar, successor, partial(sidecar.claimed, bootstrap))
                 others.append(sidecar)
                 sidecar = successor
         faults_over = time.monotonic()
@@ -730,14 +750,22 @@ WENT_ON = "**went on**"
 """The woken zombie's engine did not stop: what a zombie must never do."""
 
 
-def zombie(first: Sidecar, second: Sidecar) -> str:
+def zombie(first: Sidecar, second: Sidecar, ready: Callable[[], bool] = lambda: True) -> str:
     """SIGSTOP `first`, start `second` with its instance id, wake `first`: how the woken one stopped,
-    `fenced` or the error its engine failed with first, or WENT_ON.
+    `fenced` or the error its engine failed with first, or WENT_ON. `first` is stopped once `ready`
+    holds (up to 60 s), in the chaos run once it has claimed its partitions (`Sidecar.claimed`).
 
     Fenced is the usual end. A zombie stopped long enough can fail first on a request that timed out
     in its queue while it slept (CI, under load: `_TIMED_OUT_QUEUE` reading the group's commits after
     52 s stopped); its engine ended before it delivered or committed anything, which is what matters
     here, and the counts check that it repeated nothing."""
+    # Only one that has claimed its partitions is a zombie to fence. One stopped before that (in
+    # the chaos test, 1.7 s after a kill -9 and restart, before it had fenced the killed process)
+    # left the killed process's open transaction, with offsets no commit named yet, to the broker:
+    # the successor waited for its timeout (transaction.timeout.ms; docs/operations/faults.md).
+    deadline = time.monotonic() + 60
+    while not ready() and time.monotonic() < deadline:
+        time.sleep(0.2)
     first.signal(signal.SIGSTOP)
     second.start()
     deadline = time.monotonic() + 60

@@ -28,10 +28,16 @@ def now_ms() -> int:
     return time.time_ns() // 1_000_000
 
 
-def group_commits(bootstrap: str, group: str, topic: str, partitions: int) -> list[tuple[int, str | None]]:
+def group_commits(
+    bootstrap: str, group: str, topic: str, partitions: int, stable: bool = True
+) -> list[tuple[int, str | None]]:
     """The group's committed (offset, metadata) per partition of `topic` (an OffsetFetch only: this
-    consumer never joins the group); offset -1001 where none is."""
-    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": group, "enable.auto.commit": False})
+    consumer never joins the group); offset -1001 where none is. `stable`: wait, up to 10 s, for a
+    transaction that holds newer offsets of the group (KIP-447); else the last committed at once."""
+    isolation = "read_committed" if stable else "read_uncommitted"
+    consumer = Consumer(
+        {"bootstrap.servers": bootstrap, "group.id": group, "enable.auto.commit": False, "isolation.level": isolation}
+    )
     try:
         found = consumer.committed([TopicPartition(topic, p) for p in range(partitions)], 10)
         return [(tp.offset, tp.metadata) for tp in found]
