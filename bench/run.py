@@ -2,6 +2,7 @@
 
 Usage: .venv/bin/python -m bench [--quick] [--records N] [--scenarios ceiling,relay-2,passthrough,...]
                                  [--fixed-rate R] [--plot] [--profile delayed,...] [--out bench/results/e2e.json]
+                                 [--rounds N]
 
 Runs the scenarios in order, each on a fresh broker of its own (Apache Kafka;
 DELAY_SIDECAR_BROKER_KIND=noida-db for the fallback's figures, DELAY_SIDECAR_NODES=3 for three
@@ -62,7 +63,17 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--one-broker", action="store_true", help="run every scenario on one broker (each gets its own by default)"
     )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        metavar="N",
+        help="run the scenarios N times, in the order given and then reversed, by turns; a ratio between "
+        "two scenarios (keyed against without keys) is then judged by its median over the rounds",
+    )
     args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error("--rounds must be 1 or more")
     unknown = {s for s in args.scenarios.split(",") if s} - set(SCENARIOS) - set(EXTRA_SCENARIOS)
     if unknown:
         parser.error(f"unknown scenarios {sorted(unknown)}; choose from {','.join(SCENARIOS)}")
@@ -82,6 +93,15 @@ def sizes_for(args: argparse.Namespace) -> Sizes:
     if args.partitions:
         sizes.partitions = args.partitions
     return sizes
+
+
+def schedule(wanted: list[str], rounds: int, one_broker: bool) -> list[tuple[int, list[str]]]:
+    """The brokers to start, in order, each with its round and the scenarios it serves. Rounds go by
+    turns, A B then B A, so a machine that slows down or speeds up over the run favours neither."""
+    orders = [wanted if turn % 2 == 0 else wanted[::-1] for turn in range(rounds)]
+    if one_broker:
+        return list(enumerate(orders))
+    return [(turn, [name]) for turn, order in enumerate(orders) for name in order]
 
 
 def _interrupt(signum: int, frame: FrameType | None) -> None:
@@ -113,16 +133,17 @@ def main(argv: list[str] | None = None) -> int:
     results: list[Result] = []
     started = time.monotonic()
     try:
-        groups = [wanted] if args.one_broker else [[name] for name in wanted]
+        groups = schedule(wanted, args.rounds, args.one_broker)
         ctx = Context("", workdir, sizes, profile=set(args.profile.split(",")) - {""})
         env: dict[str, Any] = {}
-        for i, group in enumerate(groups):
+        for i, (turn, group) in enumerate(groups):
             data = workdir / f"broker-{i}"
             with bench_broker(data) as broker:
                 ctx.bootstrap = broker.bootstrap_servers
                 env = env or environment(broker, command)
                 for name in group:
                     results.append(_run(name, ctx))
+                    results[-1].figures["round"] = turn + 1
                 if ctx.watermarks is not None:
                     ctx.watermarks.close()
                     ctx.watermarks = None
