@@ -1,5 +1,6 @@
 """Producing and reading records in tests, and running the sidecar on a thread or as a process."""
 
+import contextlib
 import http.client
 import os
 import signal
@@ -10,7 +11,7 @@ import time
 import urllib.request
 import uuid
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -25,6 +26,7 @@ from sidecar.broker import BrokerLauncher, local_broker
 from sidecar.broker.base import wait_for_metadata
 from sidecar.broker.lifeline import die_with_parent
 from sidecar.broker.ports import free_port
+from sidecar.clock import Clock
 from sidecar.outbound.records import (
     DELIVER_AT,
     ORIGIN,
@@ -232,11 +234,31 @@ class MetricMissing(AssertionError):
     """A metric a test looks for is not exported (yet): a failure, never a 0; `wait_for` asks again."""
 
 
+class HoldableClock:
+    """The wall clock, which a test can stop for a while: what must happen before some record's time
+    comes (a reschedule, a cancel) then happens before it however long a loaded broker takes to
+    answer, and no test has to guess a margin. Released, it is the wall clock again (forward only)."""
+
+    def __init__(self) -> None:
+        self._held: int | None = None
+
+    def now_ms(self) -> int:
+        return self._held if self._held is not None else time.time_ns() // 1_000_000
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        self._held = self.now_ms()
+        try:
+            yield
+        finally:
+            self._held = None
+
+
 class ThreadedSidecar:
     """The sidecar in this process, for tests that need its metrics or a fake clock."""
 
-    def __init__(self, settings: RunSettings) -> None:
-        self.app = SidecarApp(settings)
+    def __init__(self, settings: RunSettings, clock: Clock | None = None) -> None:
+        self.app = SidecarApp(settings, clock)
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, daemon=True)
 

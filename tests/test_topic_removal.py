@@ -24,6 +24,7 @@ from sidecar.outbound.records import ERROR_CODE, ORIGIN_OFFSET, ORIGIN_PARTITION
 from sidecar.partitions.metadata import CommitMetadata
 from sidecar.tracker.base import pack
 from tests.kafka_helpers import (
+    HoldableClock,
     KafkaHelper,
     Received,
     SidecarProcess,
@@ -39,9 +40,10 @@ from tests.kafka_helpers import (
 )
 
 DEADLINE_S = 60.0
-RESCHEDULE_MARGIN_S = 15
-"""How long before its own time a record's reschedule is sent: the time it has to be read and
-answered on a loaded machine."""
+OWN_DELAY_S = 2
+"""The own delay of the records that are rescheduled before their time: the sidecar's clock is held
+until the reschedules are answered (a broker that stalled 30 s on a loaded machine once let the time
+of records with 15 s pass first: `too-late`)."""
 REJECTED = "delay_sidecar_messages_delayed_rejected_total"
 
 
@@ -318,28 +320,30 @@ def test_a_drain_leaves_out_what_cancels_took_back_and_dead_letters_what_resched
     path = policy_file("topics:\n" + two.format(t=removed) + two.format(t=kept))
     settings = settings_for(kafka, path, tmp_path, control_topic=control, processing_guarantee=guarantee)
     produce(kafka_helper, removed, 1, ["10m"] * 40)
-    with ThreadedSidecar(settings) as sidecar, OutcomeReader({"bootstrap.servers": kafka}, control) as reader:
+    clock = HoldableClock()
+    with ThreadedSidecar(settings, clock) as sidecar, OutcomeReader({"bootstrap.servers": kafka}, control) as reader:
         sidecar.wait_for_metric("delay_sidecar_messages_delayed_total", 40, DEADLINE_S, topic=removed)
         canceller = Canceller(Producer({"bootstrap.servers": kafka}), control)
         # 40-44 are rescheduled before their own time, which then passes: pending as copies only.
-        # Their time counts from when the sidecar serves (produced before it started, 4 s were
-        # once gone before their reschedules were read: CI answered `too-late`).
-        produce(kafka_helper, removed, 1, [f"{RESCHEDULE_MARGIN_S}s"] * 5)
-        sidecar.wait_for_metric("delay_sidecar_messages_delayed_total", 45, DEADLINE_S, topic=removed)
-        ids = [canceller.reschedule(f"{removed}/0/{o}", timedelta(minutes=20)) for o in range(40, 45)]
-        ids += [canceller.cancel(f"{removed}/0/{o}") for o in range(10)]  # taken back from both
-        ids += [canceller.cancel(f"{removed}/0/{o}", subscription="a") for o in range(10, 15)]  # still b's
-        ids += [canceller.reschedule(f"{removed}/0/{o}", timedelta(seconds=1)) for o in range(15, 20)]  # delivered
-        ids += [canceller.reschedule(f"{removed}/0/{o}", timedelta(minutes=20)) for o in range(20, 25)]  # pending
-        canceller.flush(10)
-        answers = reader.wait(ids, timeout_s=DEADLINE_S)
+        # The sidecar's clock stands still until every command is answered, so no load can let
+        # their time pass before their reschedules are read.
+        with clock.held():
+            produce(kafka_helper, removed, 1, [f"{OWN_DELAY_S}s"] * 5)
+            sidecar.wait_for_metric("delay_sidecar_messages_delayed_total", 45, DEADLINE_S, topic=removed)
+            ids = [canceller.reschedule(f"{removed}/0/{o}", timedelta(minutes=20)) for o in range(40, 45)]
+            ids += [canceller.cancel(f"{removed}/0/{o}") for o in range(10)]  # taken back from both
+            ids += [canceller.cancel(f"{removed}/0/{o}", subscription="a") for o in range(10, 15)]  # still b's
+            ids += [canceller.reschedule(f"{removed}/0/{o}", timedelta(seconds=1)) for o in range(15, 20)]  # delivered
+            ids += [canceller.reschedule(f"{removed}/0/{o}", timedelta(minutes=20)) for o in range(20, 25)]  # pending
+            canceller.flush(10)
+            answers = reader.wait(ids, timeout_s=DEADLINE_S)
         assert sorted(a.outcome for a in answers.values()) == ["cancelled"] * 15 + ["rescheduled"] * 15
         wait_for(lambda: outbound_end(kafka_helper, f"{removed}.a") + outbound_end(kafka_helper, f"{removed}.b") >= 10,
                  DEADLINE_S, "the five rescheduled to 1 s delivered to both")  # fmt: skip
         # 40-44 came out of the index at their own time, to nobody, and a commit says so: only
         # their copies are still pending.
         last = kafka_helper.read_to_end(removed)[44]
-        popped = pack(last.timestamp + RESCHEDULE_MARGIN_S * 1_000, 44)
+        popped = pack(last.timestamp + OWN_DELAY_S * 1_000, 44)
         wait_for(lambda: (CommitMetadata.decode(committed(kafka, settings.group_id, removed, 1)[0][1]).through or 0)
                  >= popped, DEADLINE_S, "the originals of 40-44 out of the index")  # fmt: skip
         path.write_text(policy(kept))
