@@ -56,6 +56,7 @@ JVM_OPTS = (
     "-Djava.awt.headless=true",
 )
 LOG_TAIL_LINES = 25
+GC_LOG = "kafkaServer-gc.log"
 
 _LOG4J = """\
 shutdownHook = disable
@@ -303,12 +304,17 @@ class ApacheKafka(BrokerLauncher):
 
     def _java(self, main_class: str, node: Node) -> list[str]:
         # The release's scripts give a broker KAFKA_HEAP_OPTS and a tool 256 MiB.
-        heap = os.environ.get(HEAP_ENV, DEFAULT_HEAP).split() if main_class == "kafka.Kafka" else ["-Xmx256m"]
+        broker = main_class == "kafka.Kafka"
+        heap = os.environ.get(HEAP_ENV, DEFAULT_HEAP).split() if broker else ["-Xmx256m"]
+        # As kafka-server-start.sh (-loggc): a node's GC log beside its server.log, here with the
+        # safepoints too, since a pause of the whole JVM is what fences a node from its own controller.
+        gc_log = [f"-Xlog:gc*,safepoint:file={node.directory / GC_LOG}:time,tags:filecount=2,filesize=20M"]
         # As kafka-run-class.sh: KAFKA_JVM_PERFORMANCE_OPTS replaces the JVM settings, KAFKA_OPTS adds to them.
         performance = os.environ.get("KAFKA_JVM_PERFORMANCE_OPTS")
         return [
             "java",
             *heap,
+            *(gc_log if broker else []),
             *(performance.split() if performance is not None else JVM_OPTS),
             *os.environ.get("KAFKA_OPTS", "").split(),
             f"-Dkafka.logs.dir={node.directory}",

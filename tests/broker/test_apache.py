@@ -18,6 +18,7 @@ from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic
 
 from sidecar.broker import ApacheKafka, EmbeddedBroker
 from sidecar.broker.admin import TopicAdmin
+from sidecar.broker.apache import GC_LOG
 from sidecar.broker.jars import CACHE_ENV, fetch_kafka, kafka_libs, missing_tools
 from sidecar.broker.local import local_broker, resolve_kind
 from sidecar.broker.ports import free_port, free_ports
@@ -88,7 +89,8 @@ def assert_new_topics_replicated_and_single_replicas_named(bootstrap: str) -> No
 
 
 def test_a_restart_keeps_the_data_and_the_ports(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Also: the JVM settings come from the environment as the release's scripts read them."""
+    """Also: the JVM settings come from the environment as the release's scripts read them, and a
+    node writes its GC log (with the safepoints) beside its server.log, as kafka-server-start.sh's."""
     cluster = ApacheKafka(tmp_path / "kafka", port=free_ports(2))
     with cluster:
         first = cluster.bootstrap_servers
@@ -97,6 +99,8 @@ def test_a_restart_keeps_the_data_and_the_ports(tmp_path: Path, monkeypatch: pyt
         assert node is not None
         command = psutil.Process(node.pid).cmdline()
         assert "-XX:+UseG1GC" in command and "-XX:TieredStopAtLevel=1" in command  # tests/conftest.py's KAFKA_OPTS
+        gc_log = (cluster.nodes[0].directory / GC_LOG).read_text()
+        assert "[gc" in gc_log and "[safepoint" in gc_log, gc_log[-2000:]
     monkeypatch.setenv("KAFKA_JVM_PERFORMANCE_OPTS", "-XX:+UseSerialGC")
     with cluster:
         node = cluster.nodes[0].process
