@@ -45,6 +45,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -69,6 +70,7 @@ MAJORITY_AWAY_S = 10.0
 """Issue 42: the majority stays lost for 10 s or more."""
 DEADLINE_S = 180.0
 """Every wait on the cluster or the sidecar: generous, so that only what never happens fails."""
+T = TypeVar("T")
 FAULTS = ("inbound-leader", "outbound-leader", "coordinator", "pause", "majority", "rolling")
 GUARANTEES = ("exactly-once", "at-least-once")
 _TRANSACTIONAL_ID = re.compile(r"transactional producer\"? transactional_id=(\S+)")
@@ -93,6 +95,20 @@ def wait_until(condition: Callable[[], bool], what: str, timeout_s: float = DEAD
             error = e
         time.sleep(every_s)
     raise RuntimeError(f"timed out after {timeout_s:.0f} s waiting for {what} (last error: {error})")
+
+
+def answered(ask: Callable[[], T], what: str, timeout_s: float = DEADLINE_S) -> T:
+    """`ask`'s answer, asked again while the cluster does not give one. Beside a busy neighbour a
+    node's controller once stalled for 26 s and more and fenced its own broker, and a strike that
+    asked once, with a 30 s timeout, failed the test before its fault began."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return ask()
+        except Exception as e:  # KafkaException, or a topic without its partitions yet
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no answer in {timeout_s:.0f} s about {what}: {e}") from e
+        time.sleep(0.5)
 
 
 # --- the cluster, as the faults see it -------------------------------------------------------------
@@ -342,7 +358,7 @@ def _kill_until_led_elsewhere(stage: Stage, struck: Struck, topic: str, partitio
 
 
 def inbound_leader(stage: Stage) -> Struck:
-    node = leader_of(stage.bootstrap, stage.inbound, 0)
+    node = answered(lambda: leader_of(stage.bootstrap, stage.inbound, 0), f"the leader of {stage.inbound}/0")
     struck = Struck("inbound-leader", [node], now_ms(), detail=f"node {node} led {stage.inbound}/0")
     return _kill_until_led_elsewhere(stage, struck, stage.inbound, 0)
 
@@ -352,8 +368,11 @@ def outbound_leader(stage: Stage) -> Struck:
     --session-timeout-ms (a loaded machine's failover took longer), the member rejoins, is fenced by
     its own new member id and starts its engine again, /healthz 503 meanwhile, as in the pause."""
     topic = stage.outbound[0]
-    avoid = group_coordinator(stage.bootstrap, stage.group)
-    leaders = [leader_of(stage.bootstrap, topic, p) for p in range(partition_count(stage.bootstrap, topic))]
+    avoid = answered(lambda: group_coordinator(stage.bootstrap, stage.group), f"the coordinator of {stage.group}")
+    leaders = answered(
+        lambda: [leader_of(stage.bootstrap, topic, p) for p in range(partition_count(stage.bootstrap, topic))],
+        f"the leaders of {topic}",
+    )
     partition = next((p for p, node in enumerate(leaders) if node != avoid), 0)
     node = leaders[partition]
     struck = Struck("outbound-leader", [node], now_ms(), detail=f"node {node} led {topic}/{partition}")
@@ -366,12 +385,14 @@ def coordinator(stage: Stage) -> Struck:
     transactional.id: the group's coordinator is struck instead, where the group's offsets live."""
     if stage.guarantee == "exactly-once":
         tid = transactional_id(stage.sidecar_log)
-        node, partition = transaction_coordinator(stage.bootstrap, tid)
+        node, partition = answered(lambda: transaction_coordinator(stage.bootstrap, tid), f"the coordinator of {tid}")
         struck = Struck("coordinator", [node], now_ms(), detail=f"node {node} led {TRANSACTION_STATE}-{partition}")
         struck.facts.update(transactional_id=tid, partition=partition)
         return _kill_until_led_elsewhere(stage, struck, TRANSACTION_STATE, partition)
-    partition = coordinator_partition(stage.group, partition_count(stage.bootstrap, CONSUMER_OFFSETS))
-    node = leader_of(stage.bootstrap, CONSUMER_OFFSETS, partition)
+    partition = coordinator_partition(
+        stage.group, answered(lambda: partition_count(stage.bootstrap, CONSUMER_OFFSETS), CONSUMER_OFFSETS)
+    )
+    node = answered(lambda: leader_of(stage.bootstrap, CONSUMER_OFFSETS, partition), f"the leader of {partition}")
     struck = Struck("coordinator", [node], now_ms(), detail=f"node {node} led {CONSUMER_OFFSETS}-{partition}")
     return _kill_until_led_elsewhere(stage, struck, CONSUMER_OFFSETS, partition)
 
@@ -379,8 +400,8 @@ def coordinator(stage: Stage) -> Struck:
 def pause(stage: Stage) -> Struck:
     """SIGSTOP of the group coordinator's node until the controller has fenced it: it left the
     cluster's metadata, so its broker.session.timeout.ms passed without a heartbeat."""
-    node = group_coordinator(stage.bootstrap, stage.group)
-    session_ms = session_timeout_ms(stage.bootstrap, node)
+    node = answered(lambda: group_coordinator(stage.bootstrap, stage.group), f"the coordinator of {stage.group}")
+    session_ms = answered(lambda: session_timeout_ms(stage.bootstrap, node), f"node {node}'s session timeout")
     struck = Struck("pause", [node], now_ms(), detail=f"node {node} coordinated {stage.group}")
     stage.cluster.pause_node(node)
     try:
@@ -514,10 +535,10 @@ def fresh_read(bootstrap: str, topic: str) -> list[Seen]:
 def _end(consumer: Consumer, partition: TopicPartition) -> int:
     """The high watermark, asked again while the partition's leader moves (stale metadata just after
     a fault answers NOT_LEADER_FOR_PARTITION)."""
-    found: list[int] = []
-    wait_until(lambda: bool(found.append(consumer.get_watermark_offsets(partition, timeout=10, cached=False)[1]))
-               or True, f"the end of {partition.topic}/{partition.partition}")  # fmt: skip
-    return found[-1]
+    return answered(
+        lambda: int(consumer.get_watermark_offsets(partition, timeout=10, cached=False)[1]),
+        f"the end of {partition.topic}/{partition.partition}",
+    )
 
 
 def _read(bootstrap: str, topic: str, isolation: str, inbound: bool = False) -> list[Seen]:

@@ -59,6 +59,9 @@ class Snapshot:
 
 CONSUMER_ONLY = ("isolation.level",)
 """Consumer properties among the read options; an AdminClient given them logs that it ignores them."""
+METADATA_TIMEOUT_S = 60
+"""The audit's first request to the cluster. A single node that fenced itself after a stall of its
+controller (a loaded machine, 26 s and more without an answer) failed an audit that waited 20 s."""
 
 
 def existing_topics(kafka_options: dict[str, str]) -> set[str]:
@@ -66,7 +69,7 @@ def existing_topics(kafka_options: dict[str, str]) -> set[str]:
     return set(topic_partitions(kafka_options))
 
 
-def topic_partitions(kafka_options: dict[str, str]) -> dict[str, int]:
+def topic_partitions(kafka_options: dict[str, str], timeout_s: float = METADATA_TIMEOUT_S) -> dict[str, int]:
     """Every topic of the cluster with its partition count (one metadata request)."""
     config = {
         k[len("kafka.") :]: v
@@ -74,9 +77,12 @@ def topic_partitions(kafka_options: dict[str, str]) -> dict[str, int]:
         if k.startswith("kafka.") and k[len("kafka.") :] not in CONSUMER_ONLY
     }
     try:
-        metadata = AdminClient(config).list_topics(timeout=20)
+        metadata = AdminClient(config).list_topics(timeout=timeout_s)
     except Exception as e:
-        raise SidecarError(f"cannot reach Kafka at {config.get('bootstrap.servers')}: {e}") from e
+        raise SidecarError(
+            f"cannot reach Kafka at {config.get('bootstrap.servers')} in {timeout_s:.0f} s: {e}; "
+            "check --bootstrap-servers and that the cluster is up"
+        ) from e
     return {t: len(m.partitions) for t, m in metadata.topics.items() if m.error is None}
 
 

@@ -21,6 +21,8 @@ from pyspark.sql.types import (
     TimestampType,
 )
 
+from sidecar.broker.ports import free_port
+from sidecar.errors import SidecarError
 from spark.kafka_source import (
     SOURCE_NAME,
     KafkaRange,
@@ -30,7 +32,7 @@ from spark.kafka_source import (
     plan_ranges,
     split_ranges,
 )
-from spark.snapshot import existing_topics
+from spark.snapshot import existing_topics, topic_partitions
 from tests.kafka_helpers import KafkaHelper
 
 # Spark's KafkaRecordToRowConverter.kafkaSchema (+ headersType with includeHeaders=true), written out.
@@ -236,3 +238,11 @@ def test_the_admin_client_is_not_given_consumer_properties(kafka: str, capfd: py
     assert isinstance(existing_topics(options), set)
     time.sleep(0.2)  # librdkafka logs from its own threads
     assert "isolation.level" not in capfd.readouterr().err
+
+
+def test_a_cluster_that_does_not_answer_gets_a_clear_error_naming_it_and_the_wait() -> None:
+    """The audit's first request waits 60 s by default (a node that fenced itself after a stall of
+    its controller answered nothing for 26 s and more); then it says what it could not reach."""
+    address = f"127.0.0.1:{free_port()}"
+    with pytest.raises(SidecarError, match=rf"cannot reach Kafka at {address} in 2 s: .*--bootstrap-servers"):
+        topic_partitions({"kafka.bootstrap.servers": address}, timeout_s=2)
