@@ -217,12 +217,13 @@ def embedded_broker(kafka: str) -> bool:
 
 @pytest.fixture
 def topic_factory(kafka: str) -> Callable[..., str]:
-    """Create a topic with a name no other test uses."""
+    """Create a topic with a name no other test uses. Within a minute: the suite's node once answered
+    nothing for 26 s and more beside a busy neighbour (its controller stalled and fenced it)."""
     admin = AdminClient({"bootstrap.servers": kafka})
 
     def create(prefix: str = "t", partitions: int = 1, config: dict[str, str] | None = None) -> str:
         name = f"{prefix}-{uuid.uuid4().hex[:10]}"
-        admin.create_topics([NewTopic(name, partitions, config=config or {})])[name].result(10)
+        admin.create_topics([NewTopic(name, partitions, config=config or {})])[name].result(60)
         return name
 
     return create

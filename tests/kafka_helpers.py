@@ -213,7 +213,7 @@ def early(records: list[Received]) -> list[Received]:
 def create_topics(bootstrap: str, names: list[str], partitions: int) -> None:
     admin = AdminClient({"bootstrap.servers": bootstrap})
     for future in admin.create_topics([NewTopic(name, partitions) for name in names]).values():
-        future.result(10)
+        future.result(60)  # as topic_factory (tests/conftest.py)
 
 
 class LiveReader:
