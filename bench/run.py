@@ -138,6 +138,9 @@ def main(argv: list[str] | None = None) -> int:
         env: dict[str, Any] = {}
         for i, (turn, group) in enumerate(groups):
             data = workdir / f"broker-{i}"
+            # A round's own files: a scenario's state dir belongs to the broker it first ran on.
+            ctx.workdir = workdir if args.rounds == 1 else workdir / f"round-{turn + 1}"
+            ctx.workdir.mkdir(exist_ok=True)
             with bench_broker(data) as broker:
                 ctx.bootstrap = broker.bootstrap_servers
                 env = env or environment(broker, command)
