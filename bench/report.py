@@ -256,9 +256,9 @@ def markdown(env: dict[str, Any], results: list[Result]) -> str:
     floor = _floor(results)
     if floor:
         lines += ["", floor]
-    notes = [f"- {r.name}: {note}" for r in results for note in r.notes]
+    notes = [f"- {_row_name(r, results)}: {note}" for r in results for note in r.notes]
     extras = [
-        f"- {r.name}: "
+        f"- {_row_name(r, results)}: "
         + ", ".join(
             f"{k}={v}"
             for k, v in r.figures.items()

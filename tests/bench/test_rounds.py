@@ -71,5 +71,6 @@ def test_the_table_names_the_round_of_each_row_when_there_are_several() -> None:
     }
     several = markdown(env, [result("delayed", 1, 1.0), result("delayed", 2, 1.0)])
     assert "| delayed (round 1) |" in several and "| delayed (round 2) |" in several
+    assert "- delayed (round 2): " in several  # the details name the round too
     one = markdown(env, [result("delayed", 1, 1.0)])
     assert "| delayed |" in one and "round" not in one
