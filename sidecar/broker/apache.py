@@ -307,7 +307,8 @@ class ApacheKafka(BrokerLauncher):
         broker = main_class == "kafka.Kafka"
         heap = os.environ.get(HEAP_ENV, DEFAULT_HEAP).split() if broker else ["-Xmx256m"]
         # As kafka-server-start.sh (-loggc): a node's GC log beside its server.log, here with the
-        # safepoints too, since a pause of the whole JVM is what fences a node from its own controller.
+        # safepoints too, so that a node that stopped answering (one stalled 12 s beside a busy
+        # neighbour, and its controller fenced it) can be told from a paused JVM at once.
         gc_log = [f"-Xlog:gc*,safepoint:file={node.directory / GC_LOG}:time,tags:filecount=2,filesize=20M"]
         # As kafka-run-class.sh: KAFKA_JVM_PERFORMANCE_OPTS replaces the JVM settings, KAFKA_OPTS adds to them.
         performance = os.environ.get("KAFKA_JVM_PERFORMANCE_OPTS")
