@@ -392,7 +392,9 @@ def coordinator(stage: Stage) -> Struck:
     partition = coordinator_partition(
         stage.group, answered(lambda: partition_count(stage.bootstrap, CONSUMER_OFFSETS), CONSUMER_OFFSETS)
     )
-    node = answered(lambda: leader_of(stage.bootstrap, CONSUMER_OFFSETS, partition), f"the leader of {partition}")
+    node = answered(
+        lambda: leader_of(stage.bootstrap, CONSUMER_OFFSETS, partition), f"the leader of {CONSUMER_OFFSETS}-{partition}"
+    )
     struck = Struck("coordinator", [node], now_ms(), detail=f"node {node} led {CONSUMER_OFFSETS}-{partition}")
     return _kill_until_led_elsewhere(stage, struck, CONSUMER_OFFSETS, partition)
 
