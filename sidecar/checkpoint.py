@@ -74,6 +74,9 @@ OWN_FENCE_WAIT_S = 2.0
 # How long a periodic at-least-once checkpoint waits for the writer's acknowledgements before it is
 # put off to the next: the loop is blocked meanwhile, and the broker may be away for minutes.
 PUT_OFF_AFTER_S = 5.0
+# How long the writer may be without a producer id while the brokers answer before the engine starts
+# again with a new one (librdkafka gets one in a second or two, a few more after a broker restart).
+WITHOUT_ID_S = 30.0
 
 
 @dataclass
@@ -109,10 +112,12 @@ class Checkpoints:
         ops: BucketMetrics,
         reachable: Callable[[], bool] = lambda: True,
         landed: Callable[[], None] = lambda: None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """`sync`: makes the trackers' writes durable (the snapshot store's), None without one.
         `reachable`: whether the brokers answer (kafka_io.Connectivity); while they are away no
-        periodic commit is asked for. `landed`: told of each periodic commit the coordinator accepted."""
+        periodic commit is asked for. `landed`: told of each periodic commit the coordinator accepted.
+        `clock`: monotonic seconds."""
         self._writer = writer
         self._member = member
         self._state_topic = state_topic
@@ -133,6 +138,10 @@ class Checkpoints:
         self.put_off = False
         """The last checkpoint was put off: the writer's records were not acknowledged in time."""
         self._reachable = reachable
+        self._clock = clock
+        self._away_at = clock()
+        """When a periodic checkpoint last found the brokers away (or this one began): no producer
+        gets an id while they are, so a wedged producer is only told from their return."""
 
     def run(self, states: Iterable[PartitionState], whole: bool = True) -> int:
         """Run one checkpoint; returns the number of partitions committed.
@@ -160,6 +169,7 @@ class Checkpoints:
             # the assignment as lost, and the member that took a partition repeated it from the
             # commit before.)
             self.put_off = True
+            self._away_at = self._clock()
             return 0
         committed = self.settle(states, wait=True)
         if exact or whole:
@@ -170,6 +180,7 @@ class Checkpoints:
             # acknowledged since went out a second time.
             logger.warning("checkpoint put off: records not acknowledged yet unacknowledged=%d", len(writer.producer))
             self.put_off = True
+            self._replace_a_wedged_writer()
             return committed
         points: Points = []
         claims: Points = []
@@ -226,6 +237,21 @@ class Checkpoints:
     def syncing(self) -> bool:
         """An fsync is still running: the next checkpoint waits (the loop goes on meanwhile)."""
         return self._pending is not None and not self._pending[0].done()
+
+    def _replace_a_wedged_writer(self) -> None:
+        """BrokerError when the writer has been without a producer id for WITHOUT_ID_S while the
+        brokers answered: librdkafka is not getting it one, and only a new producer (an engine
+        restart, from the last commit) sends its records before message.timeout.ms fails them.
+        Nothing this producer sent since it lost its id was acknowledged, so the restart repeats only
+        what was acknowledged before, since the last commit; while the brokers are away nobody is
+        replaced."""
+        wedged = min(self._writer.without_id_s(), self._clock() - self._away_at)
+        if wedged >= WITHOUT_ID_S:
+            raise BrokerError(
+                f"the producer has had no producer id for {wedged:.0f} s while the brokers answer (librdkafka "
+                f"state {self._writer.id_state}); the engine starts again from the last checkpoint with a new "
+                "producer. If this repeats, check that the brokers can allocate producer ids (the controller quorum)"
+            )
 
     def settle(self, states: Iterable[PartitionState], wait: bool = False) -> int:
         """Commit what the last checkpoint left waiting for the fsync, once it has returned (at

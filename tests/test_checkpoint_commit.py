@@ -49,11 +49,20 @@ class _Writer:
     transactional = False
     transactional_id = None
 
+    def __init__(self, acknowledges: bool = True, without_id_s: float = 0.0) -> None:
+        self.acknowledges = acknowledges
+        self.without_id = without_id_s
+        self.id_state = "Assigned" if without_id_s == 0 else "WaitTransport"
+        self.producer: list[bytes] = [b"queued"] if not acknowledges else []
+
     def flush(self) -> None:
         pass
 
     def acknowledged(self, timeout_s: float) -> bool:
-        return True
+        return self.acknowledges
+
+    def without_id_s(self) -> float:
+        return self.without_id
 
 
 def _checkpoints(consumer: _Consumer, landed: list[int] | None = None) -> Checkpoints:
@@ -253,3 +262,39 @@ def test_a_fence_of_a_commit_sent_after_the_session_lapsed_is_told_from_another_
     consumer.member = ""
     _answer(checkpoints, consumer, KafkaError.FENCED_INSTANCE_ID)
     assert checkpoints.fenced_after_lapse and checkpoints.error is None and state.committed is None
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_writer_without_a_producer_id_while_the_brokers_answer_is_replaced() -> None:
+    """CI: librdkafka left the idempotent producer without an id after a broker restart, and not one
+    record was acknowledged until message.timeout.ms (5 minutes) failed them all. Now the engine
+    starts again with a new producer once it has been without one for WITHOUT_ID_S."""
+    clock, reachable = _Clock(), [True]
+    writer = _Writer(acknowledges=False, without_id_s=0.0)
+    metrics = BucketMetrics(Metrics(CollectorRegistry()))
+    checkpoints = Checkpoints(writer, _Consumer([]), None, None, metrics, lambda: reachable[0], clock=clock)  # type: ignore[arg-type]
+    state = _state()
+    state.next_offset = 5
+    clock.now += 100
+    assert checkpoints.run([state], whole=False) == 0 and checkpoints.put_off  # it has an id: the brokers are slow
+    reachable[0] = False
+    clock.now += 100
+    writer.without_id = 200.0
+    checkpoints.run([state], whole=False)  # the brokers away: nobody gets an id
+    reachable[0] = True
+    clock.now += checkpoint.WITHOUT_ID_S - 1
+    checkpoints.run([state], whole=False)  # back for less than WITHOUT_ID_S: it may get one yet
+    assert checkpoints.put_off
+    clock.now += 1
+    with pytest.raises(BrokerError, match="no producer id for 30 s while the brokers answer"):
+        checkpoints.run([state], whole=False)
+    writer.without_id = checkpoint.WITHOUT_ID_S - 1  # lost it again, a moment ago
+    checkpoints.run([state], whole=False)
+    assert checkpoints.put_off
