@@ -253,6 +253,13 @@ class HoldableClock:
         finally:
             self._held = None
 
+    def move_to(self, at_ms: int) -> None:
+        """Held, stand at `at_ms` instead, once the wall clock has passed it: a held clock never runs
+        ahead of the wall clock, by which the tests judge a delivery early."""
+        assert self._held is not None and at_ms >= self._held, "move a held clock, forward"
+        time.sleep(max(0.0, at_ms / 1000 - time.time()))
+        self._held = at_ms
+
 
 class ThreadedSidecar:
     """The sidecar in this process, for tests that need its metrics or a fake clock."""
