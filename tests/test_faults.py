@@ -15,6 +15,7 @@ import pytest
 
 from sidecar.broker import ApacheKafka, BrokerLauncher
 from sidecar.broker.ports import free_port
+from sidecar.checkpoint import WITHOUT_ID_S
 from sidecar.outbound.records import DELIVER_AT, ORIGIN_OFFSET
 from tests.kafka_helpers import (
     KafkaHelper,
@@ -29,6 +30,7 @@ from tests.kafka_helpers import (
     scrape,
     wait_for,
 )
+from tests.kafka_proxy import INIT_PRODUCER_ID, KafkaProxy
 
 PolicyFile = Callable[[str], Path]
 RESTARTS = 2
@@ -215,6 +217,51 @@ def test_a_broker_outage_repeats_nothing_at_least_once(policy_file: PolicyFile, 
         f"{len(twice)} records went out twice, {len(set(twice) & due_away)} of them due while the broker was "
         f"away, e.g. offsets {twice[:5]}"
     )
+
+
+def test_a_producer_left_without_an_id_is_replaced_and_its_records_go_out_once(
+    policy_file: PolicyFile, tmp_path: Path
+) -> None:
+    """CI, twice at f0d7665: librdkafka left the sidecar's idempotent producer without a producer id
+    after a broker restart, and nothing was acknowledged until message.timeout.ms (5 minutes) failed
+    every record. Here a proxy before the broker drops every InitProducerId request until the
+    sidecar says it replaced its producer; before the fix nothing was delivered for 5 minutes."""
+    broker_port, proxy_port, topic, count = free_port(), free_port(), "no-id", 300
+    proxy = KafkaProxy(proxy_port, broker_port)
+    proxy.drop({INIT_PRODUCER_ID})
+    broker = ApacheKafka(
+        tmp_path / "broker", port=broker_port, settings={"advertised.listeners": f"PLAINTEXT://127.0.0.1:{proxy_port}"}
+    )
+    try:
+        bootstrap = f"127.0.0.1:{proxy_port}"
+        broker.start()
+        policies = policy_file(f"topics:\n  {topic}:\n    subscriptions: {{a: {{}}}}\n")
+        port = free_port()
+        sidecar = SidecarProcess(
+            run_args(bootstrap, policies, tmp_path / "state", port, topic), tmp_path / "sidecar.log"
+        )
+        helper = KafkaHelper(bootstrap)  # not idempotent: it needs no producer id
+        try:
+            sidecar.start()
+            wait_for(lambda: scrape(port, "delay_sidecar_assigned_partitions") > 0, 60, "the sidecar serving")
+            first_due = int(time.time() * 1000) + 2_000
+            for i in range(count):
+                helper.produce(topic, f"v{i}".encode(), headers=[("deliver-at", str(first_due + i * 10))])
+            helper.flush()
+            replaced = "no producer id for"
+            wait_for(lambda: replaced in sidecar.log.read_text(), WITHOUT_ID_S + 120, "the producer replaced")
+            proxy.drop(())
+            assert proxy.dropped > 0
+            wait_for(lambda: len(deliveries(helper.read_to_end(f"{topic}.a"))) >= count, 120, "every record delivered")
+            assert sidecar.stop() == 0, sidecar.tail()
+            records = helper.read_to_end(f"{topic}.a")
+        finally:
+            sidecar.close()
+            helper.close()
+    finally:
+        broker.stop()
+        proxy.close()
+    assert_records_once_each(records, f"{topic}.a", count)
 
 
 def test_a_commit_asked_for_while_the_broker_is_away_does_not_hold_the_loop(
