@@ -178,7 +178,11 @@ class Checkpoints:
             # At least once, the broker away: nothing is committed this time, and the engine goes on
             # with what it knows. Failing here started it again from the last commit, and everything
             # acknowledged since went out a second time.
-            logger.warning("checkpoint put off: records not acknowledged yet unacknowledged=%d", len(writer.producer))
+            logger.warning(
+                "checkpoint put off: records not acknowledged yet unacknowledged=%d %s",
+                len(writer.producer),
+                writer.describe(),
+            )
             self.put_off = True
             self._replace_a_wedged_writer()
             return committed

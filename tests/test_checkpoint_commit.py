@@ -64,6 +64,9 @@ class _Writer:
     def without_id_s(self) -> float:
         return self.without_id
 
+    def describe(self) -> str:
+        return f"id_state={self.id_state}"
+
 
 def _checkpoints(consumer: _Consumer, landed: list[int] | None = None) -> Checkpoints:
     metrics = BucketMetrics(Metrics(CollectorRegistry()))

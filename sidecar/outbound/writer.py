@@ -12,6 +12,7 @@ both the records and the offsets, or neither. Each producer has a transactional.
 fences a zombie holding one (it can write, but never commit) and ends what it left open.
 """
 
+import json
 import logging
 import re
 import threading
@@ -68,6 +69,7 @@ class Writer:
         self.id_state = "Init"
         """The idempotent producer's state in librdkafka's last statistics (Assigned: it has an id)."""
         self._had_id_at = clock()
+        self._stats: str | None = None
         self._same_partition: set[str] = set()
         self._ids = ids
         self._logger = librdkafka_logger
@@ -307,7 +309,28 @@ class Writer:
             return 0.0
         return self._clock() - self._had_id_at
 
+    def describe(self) -> str:
+        """What librdkafka's last statistics say of the producer, for the log of a checkpoint put off:
+        its id's state, each broker's connection, and the partitions with the most records waiting."""
+        if self._stats is None:
+            return "statistics=none-yet"
+        stats = json.loads(self._stats)
+        brokers = ",".join(
+            f"{b['nodeid']}:{b['state']}" for b in stats.get("brokers", {}).values() if b.get("nodeid", -1) >= 0
+        )
+        waiting = sorted(
+            (
+                (p.get("msgq_cnt", 0) + p.get("xmit_msgq_cnt", 0) + p.get("msgs_inflight", 0), name, p)
+                for name, topic in stats.get("topics", {}).items()
+                for p in topic.get("partitions", {}).values()
+            ),
+            key=lambda w: -w[0],
+        )
+        most = ",".join(f"{name}/{p['partition']}@{p.get('leader')}:{n}" for n, name, p in waiting[:5] if n)
+        return f"id_state={self.id_state} brokers={brokers or 'none'} waiting={most or 'none'}"
+
     def _on_stats(self, stats: str) -> None:
+        self._stats = stats
         found = _ID_STATE.search(stats)
         if found is None:
             return  # not an idempotent producer's statistics: nothing said either way

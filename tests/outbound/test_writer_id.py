@@ -35,6 +35,7 @@ def test_a_producer_that_reaches_no_broker_is_without_an_id_for_as_long_as_it_ru
         writer.send("anywhere", None, b"v", [])
         wait_for(lambda: _stats_seen(writer), 30, "the producer's statistics")
         assert writer.id_state != "Assigned"
+        assert "brokers=none waiting=anywhere/-1@-1:1" in writer.describe()  # unknown topic: partition -1
         clock.now += 40
         assert writer.without_id_s() == 40
     finally:
@@ -50,5 +51,7 @@ def test_a_producer_on_a_broker_has_an_id(kafka: str, topic_factory: TopicFactor
         wait_for(lambda: _stats_seen(writer) and writer.id_state == "Assigned", 30, "an id in the statistics")
         clock.now += 40
         assert writer.without_id_s() == 0
+        described = writer.describe()
+        assert described.startswith("id_state=Assigned brokers=") and ":UP" in described, described
     finally:
         writer.close()
