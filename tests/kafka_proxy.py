@@ -18,7 +18,8 @@ INIT_PRODUCER_ID = 22
 
 class KafkaProxy:
     def __init__(self, port: int, broker_port: int, host: str = "127.0.0.1") -> None:
-        self.port, self._broker = port, (host, broker_port)
+        self.port, self.broker = port, (host, broker_port)
+        """Where requests go: set it again if the broker's launcher moved to other ports."""
         self._drop: frozenset[int] = frozenset()
         self.dropped = 0
         """How many requests were dropped so far."""
@@ -41,7 +42,7 @@ class KafkaProxy:
         while not self._closed:
             try:
                 client, _ = self._listener.accept()
-                broker = socket.create_connection(self._broker)
+                broker = socket.create_connection(self.broker)
             except OSError:
                 continue  # closed, or the broker is down: the client sees a refused connection
             self._sockets += [client, broker]

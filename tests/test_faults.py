@@ -226,7 +226,8 @@ def test_a_producer_left_without_an_id_is_replaced_and_its_records_go_out_once(
     after a broker restart, and nothing was acknowledged until message.timeout.ms (5 minutes) failed
     every record. Here a proxy before the broker drops every InitProducerId request until the
     sidecar says it replaced its producer; before the fix nothing was delivered for 5 minutes."""
-    broker_port, proxy_port, topic, count = free_port(), free_port(), "no-id", 300
+    broker_port, topic, count = free_port(), "no-id", 300
+    proxy_port = next(p for p in iter(free_port, None) if p not in (broker_port, broker_port + 1))  # not the node's
     proxy = KafkaProxy(proxy_port, broker_port)
     proxy.drop({INIT_PRODUCER_ID})
     broker = ApacheKafka(
@@ -235,6 +236,7 @@ def test_a_producer_left_without_an_id_is_replaced_and_its_records_go_out_once(
     try:
         bootstrap = f"127.0.0.1:{proxy_port}"
         broker.start()
+        proxy.broker = ("127.0.0.1", broker.broker_port(1))  # the launcher moves off ports found taken
         policies = policy_file(f"topics:\n  {topic}:\n    subscriptions: {{a: {{}}}}\n")
         port = free_port()
         sidecar = SidecarProcess(
