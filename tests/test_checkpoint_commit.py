@@ -21,6 +21,7 @@ from sidecar.errors import BrokerError
 from sidecar.metrics import BucketMetrics, Metrics
 from sidecar.partitions.state import PartitionState
 from sidecar.tracker.memory import InMemoryTracker
+from tests.fake_clock import MonotonicClock
 
 
 class _Consumer:
@@ -283,19 +284,11 @@ def test_a_fence_of_a_commit_sent_after_the_session_lapsed_is_told_from_another_
     assert checkpoints.fenced_after_lapse and checkpoints.error is None and state.committed is None
 
 
-class _Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_a_writer_without_a_producer_id_while_the_brokers_answer_is_replaced() -> None:
     """CI: librdkafka left the idempotent producer without an id after a broker restart, and not one
     record was acknowledged until message.timeout.ms (5 minutes) failed them all. Now the engine
     starts again with a new producer once it has been without one for WITHOUT_ID_S."""
-    clock, reachable = _Clock(), [True]
+    clock, reachable = MonotonicClock(1000.0), [True]
     writer = _Writer(acknowledges=False, without_id_s=0.0)
     metrics = BucketMetrics(Metrics(CollectorRegistry()))
     checkpoints = Checkpoints(writer, _Consumer([]), None, None, metrics, lambda: reachable[0], clock=clock)  # type: ignore[arg-type]

@@ -3,14 +3,7 @@
 import gc
 
 from sidecar.collector import IDLE_S, MAX_INTERVAL_S, MIN_INTERVAL_S, NEVER, Collector
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.fake_clock import MonotonicClock
 
 
 def test_automatic_full_collections_are_off_while_a_sidecar_runs_and_back_after_the_last_one_stops() -> None:
@@ -26,7 +19,7 @@ def test_automatic_full_collections_are_off_while_a_sidecar_runs_and_back_after_
 
 
 def test_a_full_collection_runs_when_idle_at_most_every_min_interval() -> None:
-    clock, passes = Clock(), []
+    clock, passes = MonotonicClock(1000.0), []
     with Collector(lambda reason, seconds: passes.append(reason), clock) as collector:
         collector.between_turns(IDLE_S, idle=True)
         assert passes == [], "too soon after the start"
@@ -41,7 +34,7 @@ def test_a_full_collection_runs_when_idle_at_most_every_min_interval() -> None:
 
 
 def test_a_busy_loop_still_gets_a_full_collection_once_the_longest_interval_is_over() -> None:
-    clock, passes = Clock(), []
+    clock, passes = MonotonicClock(1000.0), []
     with Collector(lambda reason, seconds: passes.append(reason), clock) as collector:
         clock.now += MAX_INTERVAL_S - 1
         collector.between_turns(0.0, idle=False)
@@ -52,7 +45,7 @@ def test_a_busy_loop_still_gets_a_full_collection_once_the_longest_interval_is_o
 
 
 def test_cycles_that_outlived_the_young_collections_are_freed_by_the_full_one() -> None:
-    clock = Clock()
+    clock = MonotonicClock(1000.0)
 
     class Node:
         other: "Node"

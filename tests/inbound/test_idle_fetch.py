@@ -13,6 +13,7 @@ from sidecar.clock import ManualClock
 from sidecar.inbound.idle_fetch import IdleFetch
 from sidecar.partitions.assignment import Assignment
 from sidecar.tracker import InMemoryTracker
+from tests.fake_clock import MonotonicClock
 from tests.kafka_helpers import KafkaHelper
 
 P, Q = ("orders", 0), ("orders", 1)
@@ -47,16 +48,8 @@ class FakeConsumer:
         self.calls.append(("seek", (partition.topic, partition.partition, partition.offset)))
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def setup(paced: Callable[[tuple[str, int]], bool] = lambda p: True) -> tuple[IdleFetch, FakeConsumer, Clock]:
-    consumer, clock = FakeConsumer(), Clock()
+def setup(paced: Callable[[tuple[str, int]], bool] = lambda p: True) -> tuple[IdleFetch, FakeConsumer, MonotonicClock]:
+    consumer, clock = FakeConsumer(), MonotonicClock(100.0)
     return IdleFetch(consumer, 10, paced, clock), consumer, clock
 
 

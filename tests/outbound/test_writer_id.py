@@ -9,18 +9,11 @@ import logging
 
 from sidecar.broker.ports import free_port
 from sidecar.outbound.writer import Writer
+from tests.fake_clock import MonotonicClock
 from tests.kafka_helpers import TopicFactory, wait_for
 
 FAST_STATS = {"statistics.interval.ms": 100}
 LOG = logging.getLogger("librdkafka")
-
-
-class _Clock:
-    def __init__(self) -> None:
-        self.now = 50.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def _stats_seen(writer: Writer) -> bool:
@@ -29,7 +22,7 @@ def _stats_seen(writer: Writer) -> bool:
 
 
 def test_a_producer_that_reaches_no_broker_is_without_an_id_for_as_long_as_it_runs() -> None:
-    clock = _Clock()
+    clock = MonotonicClock(50.0)
     writer = Writer({"bootstrap.servers": f"127.0.0.1:{free_port()}"}, LOG, tuning=FAST_STATS, clock=clock)
     try:
         writer.send("anywhere", None, b"v", [])
@@ -43,7 +36,7 @@ def test_a_producer_that_reaches_no_broker_is_without_an_id_for_as_long_as_it_ru
 
 
 def test_a_producer_on_a_broker_has_an_id(kafka: str, topic_factory: TopicFactory) -> None:
-    clock = _Clock()
+    clock = MonotonicClock(50.0)
     writer = Writer({"bootstrap.servers": kafka}, LOG, tuning=FAST_STATS, clock=clock)
     try:
         writer.send(topic_factory("writer-id"), None, b"v", [])
