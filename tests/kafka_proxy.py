@@ -34,17 +34,19 @@ class KafkaProxy:
 
     def close(self) -> None:
         self._closed = True
-        for sock in [self._listener, *self._sockets]:
-            with contextlib.suppress(OSError):
-                sock.close()
+        _close(self._listener, *self._sockets)
 
     def _accept(self) -> None:
         while not self._closed:
             try:
                 client, _ = self._listener.accept()
+            except OSError:
+                continue  # closed: the loop ends
+            try:
                 broker = socket.create_connection(self.broker)
             except OSError:
-                continue  # closed, or the broker is down: the client sees a refused connection
+                _close(client)  # the broker is down: the client's connection ends at once, as a refused one
+                continue
             self._sockets += [client, broker]
             threading.Thread(target=self._requests, args=(client, broker), daemon=True).start()
             threading.Thread(target=self._pipe, args=(broker, client), daemon=True).start()
