@@ -18,6 +18,7 @@ import pytest
 from confluent_kafka.admin import AdminClient, NewTopic
 from hypothesis import HealthCheck, settings
 from xdist.scheduler import LoadFileScheduling
+from xdist.workermanage import WorkerController
 
 from sidecar.broker import ApacheKafka, BrokerLauncher, EmbeddedBroker, ExternalBroker
 from sidecar.broker.ports import free_port
@@ -47,27 +48,34 @@ SPARK_SESSION_FILES = "tests/spark/"
 OWN_UNITS = ("tests/spark/test_audit_cli.py",)
 """Spark tests that start JVMs of their own instead: a unit each, on another worker."""
 LONGEST_FIRST = (
-    "tests/failover/test_failover.py",
-    "spark",
-    "tests/spark/test_audit_cli.py",
     "tests/test_chaos.py",
+    "spark",
+    "tests/test_faults.py",
+    "tests/failover/test_failover.py",
+    "tests/test_keyed.py",
+    "tests/test_one_fate.py",
+    "tests/control/test_cancel.py",
+    "tests/spark/test_audit_cli.py",
+    "tests/broker/test_apache.py",
+    "tests/test_topic_removal.py",
+    "tests/control/test_nack_flow.py",
+    "tests/test_exactly_once.py",
+    "tests/test_checkpoint.py",
+    "tests/dispatch/test_payload_cache_broker.py",
+    "tests/test_engine.py",
     "tests/tracker/test_recovery_broker.py",
     "tests/test_state_topic.py",
-    "tests/test_faults.py",
-    "tests/control/test_cancel.py",
-    "tests/test_topic_removal.py",
-    "tests/bench/test_e2e_quick.py",
-    "tests/bench/test_group_join.py",
-    "tests/bench/test_nack_backlog.py",
     "tests/inbound/test_decide_once.py",
+    "tests/bench/test_e2e_quick.py",
     "tests/test_supervisor.py",
-    "tests/test_checkpoint.py",
+    "tests/bench/test_nack_backlog.py",
     "tests/policy/test_headers_fuzz.py",
-    "tests/test_scale.py",
 )
-"""The units of work that took longest in CI runs here, longest first. They are handed out before
-the rest: xdist orders units by their number of tests, so a long file of three tests (the chaos
-run) started last and the suite waited on it. The rest follow in collection order."""
+"""The units of work that took longest in CI runs here, longest first: the heavy ones (HEAVY) and
+the long light ones, which wait on timers, rebalances and restarts far more than they compute, so
+that they run beside the heavy ones and not after them. They are handed out before the rest: xdist
+orders units by their number of tests, so a long file of three tests (the chaos run) started last
+and the suite waited on it. The rest follow in collection order."""
 
 
 HEAVY = frozenset(
@@ -81,7 +89,7 @@ HEAVY = frozenset(
     }
 )
 """Units that start a cluster, JVMs or several sidecars and brokers of their own."""
-HEAVY_AT_ONCE = 2
+HEAVY_AT_ONCE = 3
 
 
 def work_unit(nodeid: str) -> str:
@@ -100,6 +108,20 @@ class _SparkTogether(LoadFileScheduling):
 
     def _split_scope(self, nodeid: str) -> str:
         return work_unit(nodeid)
+
+    def _reschedule(self, node: WorkerController) -> None:
+        """A worker is given its next unit once its last test is the only one left (which it holds
+        until it knows what follows), not two tests before as xdist does: a unit given that early
+        waited behind the worker's last tests, two churn runs of 2 minutes each, while other
+        workers ran out of work."""
+        if node.shutting_down:
+            return
+        if not self.workqueue:
+            node.shutdown()
+            return
+        if self._pending_of(self.assigned_work[node]) > 1:
+            return
+        self._assign_work_unit(node)
 
     def _assign_work_unit(self, node: object) -> None:
         """The next unit in order, unless HEAVY_AT_ONCE heavy units are running already: then the

@@ -88,6 +88,11 @@ class HorizonRoll:
         """Partitions whose first read (the index's own entries) the running catch-up pass has not finished."""
 
     @property
+    def rolled_until(self) -> int:
+        """The deliver-at up to which the rolls so far have looked (a roll moves it when it starts)."""
+        return self._rolled_until
+
+    @property
     def busy(self) -> bool:
         """A pass is under way: the loop should not sleep between turns."""
         return self._pass is not None

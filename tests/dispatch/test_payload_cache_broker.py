@@ -5,24 +5,29 @@ the outbound topic to its end and counts copies per record, so a loss, a duplica
 delivery fails it whatever the cache did.
 """
 
+import logging
 import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import cast
 
 import pytest
 
 from sidecar.broker.ports import free_port
 from tests.kafka_helpers import (
+    HoldableClock,
     KafkaHelper,
     PolicyFile,
     SidecarProcess,
+    ThreadedSidecar,
     TopicFactory,
     assert_once_each,
     outbound_end,
     produce_due,
     run_args,
     scrape,
+    settings_for,
     start_serving,
     wait_for,
 )
@@ -108,28 +113,47 @@ def test_payloads_over_the_budget_are_read_back_from_the_log(
 
 
 def test_the_horizon_passing_over_the_index_brings_payloads_into_the_cache(
-    kafka: str, kafka_helper: KafkaHelper, topic_factory: TopicFactory, policy_file: PolicyFile, tmp_path: Path
+    kafka: str,
+    kafka_helper: KafkaHelper,
+    topic_factory: TopicFactory,
+    policy_file: PolicyFile,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """Records delayed beyond the horizon are not cached at intake; as the horizon reaches them, the
     roll reads their offset ranges from the log in bulk and caches them, so at due time (no
-    read-ahead here) every payload comes from the cache."""
-    topic, policies, port = setup(topic_factory, policy_file, "roll")
-    limit = ["--payload-cache-horizon-ms", "2000", "--read-ahead-ms", "0"]
-    sidecar = SidecarProcess(
-        run_args(kafka, policies, tmp_path / "state", port, f"g-{topic}", *limit), tmp_path / "log"
-    )
-    try:
-        start_serving(sidecar, port)
-        due = int(time.time() * 1000) + LEAD_MS
-        produce_due(kafka_helper, topic, scattered(due))
+    read-ahead here) every payload comes from the cache.
+
+    The sidecar's clock is held from the records' production until the roll is over: on a loaded
+    machine a roll that started late, or took seconds, let the first records fall due before it
+    cached them (read back from the log: right, but not what this test is about)."""
+    caplog.set_level(logging.INFO, logger="sidecar.dispatch.roll")
+    topic, policies, _ = setup(topic_factory, policy_file, "roll")
+    horizon = 2_000
+    settings = settings_for(kafka, policies, tmp_path / "state", group_id=f"g-{topic}",
+                            payload_cache_horizon_ms=horizon, read_ahead_ms=0)  # fmt: skip
+    clock = HoldableClock()
+    with ThreadedSidecar(settings, clock) as sidecar:
+        assert sidecar.app.sidecar is not None and sidecar.app.sidecar._roll is not None
+        roll = sidecar.app.sidecar._roll
+        with clock.held():
+            due = clock.now_ms() + LEAD_MS
+            produce_due(kafka_helper, topic, scattered(due))
+            wait_for(lambda: sidecar.metric("delay_sidecar_tracked_messages", topic=topic) == COUNT, 60,
+                     "every record indexed")  # fmt: skip
+            # A roll reads what intake had read by the roll before it: one roll whose window ends
+            # short of the records, then one whose window covers them all, just before their time.
+            for at in (due - horizon - 500, due - 1):
+                clock.move_to(at)
+                wait_for(lambda at=at: roll.rolled_until == at + horizon and not roll.busy, 60,  # type: ignore[misc]
+                         f"the roll at {at}")  # fmt: skip
         wait_for(delivered_all(kafka_helper, topic), 60, "every record delivered")
-        wait_for(lambda: reads(port, topic, "cache") + reads(port, topic, "log") == COUNT, 10, "every payload")
-        assert reads(port, topic, "cache") == COUNT, sidecar.tail()
-        assert sidecar.stop() == 0, sidecar.tail()
-    finally:
-        sidecar.close()
+        wait_for(lambda: sidecar.metric("delay_sidecar_payload_reads_total", topic=topic, source="cache") == COUNT,
+                 30, "every payload read from the cache")  # fmt: skip
+    # Every payload was cached by a roll: none at intake, beyond the horizon then.
+    rolled = [cast(tuple[int, ...], r.args) for r in caplog.records if r.getMessage().startswith("payload cache roll")]
+    assert sum(args[3] for args in rolled) == COUNT, rolled
     assert_once_each(kafka_helper, f"{topic}.a", COUNT)
-    assert "payload cache roll" in sidecar.log.read_text()
 
 
 @pytest.mark.parametrize("lost", ["deleted", "corrupt", "kill -9"])
