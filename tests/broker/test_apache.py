@@ -1,4 +1,5 @@
-"""The Apache Kafka launcher against real JVMs: clusters of 1 and 3 nodes, its refusals, and no orphan.
+"""The Apache Kafka launcher against real JVMs: a node's start and restart, its refusals, and no
+orphan. (Its 3-node cluster is tested on tests/failover's, which starts one anyway.)
 
 Each test starts brokers of its own (a few seconds each). Deadlines are generous: a test fails
 only when something never happens.
@@ -14,10 +15,9 @@ from pathlib import Path
 
 import psutil
 import pytest
-from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic
+from confluent_kafka.admin import AdminClient, NewTopic
 
 from sidecar.broker import ApacheKafka, EmbeddedBroker
-from sidecar.broker.admin import TopicAdmin
 from sidecar.broker.apache import GC_LOG
 from sidecar.broker.jars import CACHE_ENV, fetch_kafka, kafka_libs, missing_tools
 from sidecar.broker.local import local_broker, resolve_kind
@@ -41,51 +41,6 @@ def topic_replicas(bootstrap: str, name: str, partitions: int) -> dict[int, list
 
     wait_until(described, f"metadata of {name}")
     return found
-
-
-def test_three_nodes_replicate_by_three_and_stop_with_a_controlled_shutdown(tmp_path: Path) -> None:
-    cluster = ApacheKafka(tmp_path / "kafka", port=free_ports(6), nodes=3)
-    with cluster:
-        assert cluster.bootstrap_servers.count(",") == 2
-        replicas = topic_replicas(cluster.bootstrap_servers, "replicated", 3)
-        assert all(sorted(r) == [1, 2, 3] for r in replicas.values()), replicas
-        # A fresh cluster's group coordinator answers NOT_COORDINATOR at first: the sidecar's read of its
-        # group's offsets must survive it (librdkafka's admin call crashed the process there). In a child,
-        # so that a crash fails this test instead of killing the worker.
-        read = subprocess.run(
-            [sys.executable, "-c", "import sys; from sidecar.broker.admin import TopicAdmin; "
-             "print(TopicAdmin({'bootstrap.servers': sys.argv[1]}, 1).group_offsets('fresh-group'))",
-             cluster.bootstrap_servers],
-            capture_output=True, text=True, timeout=120, cwd=ROOT, check=False,
-        )  # fmt: skip
-        assert read.returncode == 0 and read.stdout.strip() == "{}", read
-        assert_new_topics_replicated_and_single_replicas_named(cluster.bootstrap_servers)
-        processes = [n.process for n in cluster.nodes]
-    assert all(p is not None and p.returncode is not None for p in processes)
-    for node in cluster.nodes:
-        assert "Beginning controlled shutdown" in (node.directory / "server.log").read_text(), node.node_id
-
-
-def assert_new_topics_replicated_and_single_replicas_named(bootstrap: str) -> None:
-    """Topics the sidecar creates get 3 replicas and min.insync.replicas 2 on 3 brokers, or what
-    --replication-factor says; a topic it relies on with one replica is named."""
-    config = {"bootstrap.servers": bootstrap}
-    plain = AdminClient(config)  # kept referenced: a client destroyed under its future fails it
-    plain.create_topics([NewTopic("thin", 1, replication_factor=1)])["thin"].result(30)
-    admin = TopicAdmin(config, 2)
-    assert admin.replication() == (3, 2)
-    admin.create({"made": 2})
-    explicit = TopicAdmin(config, 2, replication_factor=2)
-    explicit.create({"made-2": 2})
-    for name, factor, min_isr in (("made", 3, "2"), ("made-2", 2, "1")):
-        partitions = plain.list_topics(name, timeout=10).topics[name].partitions
-        assert {len(p.replicas) for p in partitions.values()} == {factor}, name
-        resource = ConfigResource("topic", name)
-        described = plain.describe_configs([resource])[resource].result(30)
-        assert described["min.insync.replicas"].value == min_isr, name
-    assert admin.warn_unreplicated(["thin", "made", "missing"]) == ["thin"]
-    with pytest.raises(BrokerError, match=r"lower --replication-factor \(it is 4\)"):
-        TopicAdmin(config, 1, replication_factor=4).create({"too-wide": 1})
 
 
 def test_a_restart_keeps_the_data_and_the_ports(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

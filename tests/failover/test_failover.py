@@ -16,6 +16,8 @@ No wall-clock limit is asserted: every wait is for a condition, with a generous 
 themselves are bench/failover.py's, shared with the full version.
 """
 
+import subprocess
+import sys
 import threading
 import time
 from collections import Counter
@@ -23,6 +25,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic
 
 from bench.failover import (
     PARTITIONS,
@@ -39,9 +42,13 @@ from bench.failover import (
     restore,
     wait_until,
 )
+from sidecar.broker.admin import TopicAdmin
 from sidecar.broker.apache import ApacheKafka
 from sidecar.broker.ports import free_ports
+from sidecar.errors import BrokerError
+from tests.broker.test_apache import topic_replicas
 from tests.kafka_helpers import (
+    ROOT,
     KafkaHelper,
     LiveReader,
     Received,
@@ -74,11 +81,22 @@ the rolling restart went from 402 to 381 s: the nodes' JVMs starting on two busy
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ApacheKafka]:
-    """One 3-node cluster for the module: a start costs 15-20 s of the two cores."""
+    """One 3-node cluster for the module: a start costs 15-20 s of the two cores. Its stop is
+    checked too: the launcher stops a cluster with a controlled shutdown of every node."""
     directory = tmp_path_factory.mktemp("failover") / "kafka"
     launcher = ApacheKafka(directory, port=free_ports(6), nodes=3, settings=INTERNAL_PARTITIONS)
     with launcher:
         yield launcher
+        restore(launcher)  # the last test may have left a node away
+        processes = [node.process for node in launcher.nodes]
+        before = [controlled_shutdowns(node.directory) for node in launcher.nodes]
+    assert all(p is not None and p.returncode is not None for p in processes), processes
+    after = [controlled_shutdowns(node.directory) for node in launcher.nodes]
+    assert all(a > b for a, b in zip(after, before, strict=True)), (before, after)
+
+
+def controlled_shutdowns(directory: Path) -> int:
+    return (directory / "server.log").read_text().count("Beginning controlled shutdown")
 
 
 @pytest.fixture(autouse=True)
@@ -242,6 +260,48 @@ def assert_each_once(trial: Trial) -> None:
         check(expected, fresh[topic], f"{topic} (fresh read)")
         check(expected, live[topic], f"{topic} (live reader)")
     print(f"records={len(expected)}")
+
+
+def test_three_nodes_replicate_by_three(cluster: ApacheKafka) -> None:
+    """The launcher's 3-node cluster (its controlled shutdown is the `cluster` fixture's check).
+    First in the module: the cluster is fresh."""
+    assert cluster.bootstrap_servers.count(",") == 2
+    replicas = topic_replicas(cluster.bootstrap_servers, "failover-replicated", 3)
+    assert all(sorted(r) == [1, 2, 3] for r in replicas.values()), replicas
+    # A fresh cluster's group coordinator answers NOT_COORDINATOR at first: the sidecar's read of its
+    # group's offsets must survive it (librdkafka's admin call crashed the process there). In a child,
+    # so that a crash fails this test instead of killing the worker.
+    read = subprocess.run(
+        [sys.executable, "-c", "import sys; from sidecar.broker.admin import TopicAdmin; "
+         "print(TopicAdmin({'bootstrap.servers': sys.argv[1]}, 1).group_offsets('fresh-group'))",
+         cluster.bootstrap_servers],
+        capture_output=True, text=True, timeout=120, cwd=ROOT, check=False,
+    )  # fmt: skip
+    assert read.returncode == 0 and read.stdout.strip() == "{}", read
+    assert_new_topics_replicated_and_single_replicas_named(cluster.bootstrap_servers)
+
+
+def assert_new_topics_replicated_and_single_replicas_named(bootstrap: str) -> None:
+    """Topics the sidecar creates get 3 replicas and min.insync.replicas 2 on 3 brokers, or what
+    --replication-factor says; a topic it relies on with one replica is named. (Named failover-*:
+    the next test's `healthy` deletes them.)"""
+    config = {"bootstrap.servers": bootstrap}
+    plain = AdminClient(config)  # kept referenced: a client destroyed under its future fails it
+    plain.create_topics([NewTopic("failover-thin", 1, replication_factor=1)])["failover-thin"].result(30)
+    admin = TopicAdmin(config, 2)
+    assert admin.replication() == (3, 2)
+    admin.create({"failover-made": 2})
+    explicit = TopicAdmin(config, 2, replication_factor=2)
+    explicit.create({"failover-made-2": 2})
+    for name, factor, min_isr in (("failover-made", 3, "2"), ("failover-made-2", 2, "1")):
+        partitions = plain.list_topics(name, timeout=10).topics[name].partitions
+        assert {len(p.replicas) for p in partitions.values()} == {factor}, name
+        resource = ConfigResource("topic", name)
+        described = plain.describe_configs([resource])[resource].result(30)
+        assert described["min.insync.replicas"].value == min_isr, name
+    assert admin.warn_unreplicated(["failover-thin", "failover-made", "missing"]) == ["failover-thin"]
+    with pytest.raises(BrokerError, match=r"lower --replication-factor \(it is 4\)"):
+        TopicAdmin(config, 1, replication_factor=4).create({"failover-too-wide": 1})
 
 
 def test_kill_of_an_outbound_leader_at_least_once(cluster: ApacheKafka, tmp_path: Path, trials: list[Trial]) -> None:
