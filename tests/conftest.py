@@ -89,7 +89,7 @@ HEAVY = frozenset(
     }
 )
 """Units that start a cluster, JVMs or several sidecars and brokers of their own."""
-HEAVY_AT_ONCE = 3
+HEAVY_AT_ONCE = 2
 
 
 def work_unit(nodeid: str) -> str:
