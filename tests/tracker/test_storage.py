@@ -265,6 +265,25 @@ def test_dir_that_is_not_a_rocksdb(tmp_path: Path) -> None:
         RocksDbSnapshotStorage(tmp_path / "file")
 
 
+def test_a_creation_cut_short_by_kill_9_is_created_again_not_refused(tmp_path: Path) -> None:
+    """CI (the churn run at d19a240): a sidecar killed while it created its index left exactly these
+    files, no CURRENT yet, and every later start refused the state dir as "not a tracker state dir"
+    (exit 2). They hold no data; RocksDB creates the store over them. Anything else still refuses."""
+    index = tmp_path / "index"
+    index.mkdir()
+    for name, data in (("LOCK", b""), ("LOG", b"x" * 66), ("000000.dbtmp", b"x" * 36),
+                       ("rocksdict-config.json", b"{}")):  # fmt: skip
+        (index / name).write_bytes(data)
+    storage = RocksDbSnapshotStorage(index)
+    storage.close()
+    assert (index / "CURRENT").exists()
+    (tmp_path / "data").mkdir()
+    for name in ("LOCK", "000007.sst"):  # a table file is data: not a creation cut short
+        (tmp_path / "data" / name).write_bytes(b"x")
+    with pytest.raises(StorageError, match=r"holds no RocksDB"):
+        RocksDbSnapshotStorage(tmp_path / "data")
+
+
 def test_corrupt_rocksdb(tmp_path: Path) -> None:
     RocksDbSnapshotStorage(tmp_path / "state").close()
     for name in os.listdir(tmp_path / "state"):

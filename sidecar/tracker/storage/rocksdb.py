@@ -28,6 +28,17 @@ logger = logging.getLogger(__name__)
 
 LOCK_RETRY_INTERVAL_S = 0.2
 _ROCKSDB_MARKERS = ("CURRENT", "IDENTITY")
+_CREATION_FILES = ("LOCK", "LOG", "rocksdict-config.json")
+"""What a store's creation writes before its CURRENT file (with `*.dbtmp`, CURRENT not yet renamed
+into place, and MANIFEST-/OPTIONS- files): no data. A sidecar killed there left only these, and
+every later start refused the state dir (the CI run at d19a240); RocksDB creates over them."""
+
+
+def _creation_cut_short(names: list[str]) -> bool:
+    return all(
+        name in _CREATION_FILES or name.endswith(".dbtmp") or name.startswith(("LOG.old.", "MANIFEST-", "OPTIONS-"))
+        for name in names
+    )
 
 
 class RocksDbSnapshotStorage(KeyValueSnapshotStorage):
@@ -83,11 +94,12 @@ class RocksDbSnapshotStorage(KeyValueSnapshotStorage):
             raise
 
     def _check_dir(self) -> None:
-        """Refuse a directory that holds files but no RocksDB, rather than mixing a DB into it."""
+        """Refuse a directory that holds files but no RocksDB, rather than mixing a DB into it (the
+        files of a creation cut short by a kill are not refused: they hold nothing)."""
         if self.path.exists() and not self.path.is_dir():
             raise StorageError(f"{self.location} is a file, not a directory: point the state dir elsewhere.")
-        populated = self.path.is_dir() and any(self.path.iterdir())
-        if populated and not any((self.path / name).exists() for name in _ROCKSDB_MARKERS):
+        names = [entry.name for entry in self.path.iterdir()] if self.path.is_dir() else []
+        if names and not any(name in _ROCKSDB_MARKERS for name in names) and not _creation_cut_short(names):
             raise StorageError(
                 f"{self.location} is not empty and holds no RocksDB (no CURRENT file): it is not a "
                 "tracker state dir. Point the state dir at an empty or dedicated directory, or move "
