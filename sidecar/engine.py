@@ -63,6 +63,7 @@ from sidecar.partitions.metadata import CommitMetadata
 from sidecar.partitions.state import PartitionState
 from sidecar.policy import PolicySet
 from sidecar.policy.routes import Routes
+from sidecar.settings import SESSION_TIMEOUT_MS
 from sidecar.state.mirror import MirroredStorage
 from sidecar.state.topic import StateTopic
 from sidecar.tracker import DelayedDeliveryTracker
@@ -99,7 +100,7 @@ class Sidecar:
         tracker_factory: TrackerFactory,
         group_id: str = "delay-sidecar",
         instance_id: str | None = None,
-        session_timeout_ms: int = 15_000,
+        session_timeout_ms: int = SESSION_TIMEOUT_MS,
         metrics: Metrics | None = None,
         clock: Clock | None = None,
         commit_interval_ms: int = 1000,

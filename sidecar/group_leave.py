@@ -3,7 +3,7 @@
 A static member (group.instance.id) never sends LeaveGroup when it closes (KIP-345): the group
 keeps its partitions for it until it comes back, or, on Kafka, until session.timeout.ms passes.
 Both brokers need the planned leave. On Apache Kafka 4.1.1 the other member of a group of two got
-a closed static member's partitions 13.0 s after the close (session.timeout.ms 15,000; 4.2 s after
+a closed static member's partitions 13.0 s after the close (session.timeout.ms 15,000, the default then; 4.2 s after
 a kill with 6,000), against 1.0 s when the closed member left with this: without it, a sidecar
 scaled down leaves its partitions undelivered for the session timeout. The fallback broker,
 noida-db, never expires a member at all: 40 s after the close the other member still had 2 of 4

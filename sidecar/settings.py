@@ -16,6 +16,16 @@ from sidecar.broker.local import KIND_HELP, BrokerKind
 
 ENV_PREFIX = "DELAY_SIDECAR_"
 
+SESSION_TIMEOUT_MS = 45_000
+"""The consumer's session.timeout.ms: Kafka's own default since 3.0 (KIP-735), and not 15 s, because a
+live sidecar must keep its session through the death of any one broker of three. Kafka 4's group
+coordinator answers a heartbeat only once the group's last offset commit is replicated (a heartbeat
+is a write in its coordinator runtime), and that waits for the dead broker to leave the offsets
+partition's ISR: up to broker.session.timeout.ms (9 s), then up to offsets.commit.timeout.ms (5 s)
+for the heartbeats queued behind it, after up to heartbeat.interval.ms (3 s) since the last answer.
+With 15 s the session of a live member lapsed in a loaded CI run, librdkafka made the rejoin's
+FENCED_INSTANCE_ID fatal, and the engine started again from its last checkpoint."""
+
 
 class KafkaSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, cli_kebab_case=True, extra="ignore")
@@ -94,9 +104,10 @@ class RunSettings(KafkaSettings):
         "rebalance, but on the embedded broker a static member can then wait forever for its share",
     )
     session_timeout_ms: int = Field(
-        15_000,
+        SESSION_TIMEOUT_MS,
         ge=1000,
-        description="How long the group waits for a vanished sidecar before moving its partitions",
+        description="How long the group waits for a vanished sidecar before moving its partitions. Kafka's "
+        "default; below about 20 s, one broker's death can end the session of a sidecar that is alive",
     )
     broker_port: int = Field(
         9092,

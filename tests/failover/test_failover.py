@@ -46,6 +46,7 @@ from sidecar.broker.admin import TopicAdmin
 from sidecar.broker.apache import ApacheKafka
 from sidecar.broker.ports import free_ports
 from sidecar.errors import BrokerError
+from sidecar.settings import RunSettings
 from tests.broker.test_apache import topic_replicas
 from tests.kafka_helpers import (
     ROOT,
@@ -302,6 +303,30 @@ def assert_new_topics_replicated_and_single_replicas_named(bootstrap: str) -> No
     assert admin.warn_unreplicated(["failover-thin", "failover-made", "missing"]) == ["failover-thin"]
     with pytest.raises(BrokerError, match=r"lower --replication-factor \(it is 4\)"):
         TopicAdmin(config, 1, replication_factor=4).create({"failover-too-wide": 1})
+
+
+def test_the_default_session_outlasts_the_heartbeats_one_node_s_death_holds_back(cluster: ApacheKafka) -> None:
+    """Kafka 4's group coordinator answers a heartbeat only once the group's last offset commit is
+    replicated, which waits for a dead node to leave the offsets partition's ISR: until the
+    controller fences it (broker.session.timeout.ms), then the heartbeats queued behind the commit
+    time out (offsets.commit.timeout.ms), and the last answer before the death was up to a heartbeat
+    interval earlier (librdkafka's heartbeat.interval.ms, 3 s). At the default of 15 s, a live
+    sidecar's session lapsed through the outbound leader's kill below in a loaded CI run, and the
+    engine started again (/healthz 503). Read from this cluster's nodes, not assumed."""
+    client = admin(cluster.bootstrap_servers)  # kept referenced: a client destroyed under its future fails it
+
+    def configs(node: int) -> dict[str, str]:
+        resource = ConfigResource("broker", str(node))  # one broker per call, Kafka's rule
+        return {
+            k: v.value for k, v in client.describe_configs([resource], request_timeout=10)[resource].result(30).items()
+        }
+
+    stall_ms = 3_000 + max(
+        int(c["broker.session.timeout.ms"]) + int(c["offsets.commit.timeout.ms"])
+        for c in (configs(node.node_id) for node in cluster.nodes)
+    )
+    default = RunSettings().session_timeout_ms
+    assert default >= 2 * stall_ms, f"--session-timeout-ms {default} against a heartbeat stall of up to {stall_ms} ms"
 
 
 def test_kill_of_an_outbound_leader_at_least_once(cluster: ApacheKafka, tmp_path: Path, trials: list[Trial]) -> None:
