@@ -235,7 +235,11 @@ class Sidecar:
         self.args = [sys.executable, "-m", "sidecar", "run", "--bootstrap-servers", bootstrap,
                      "--policies", str(policies), "--state-dir", str(self.state), "--metrics-port", "0",
                      "--group-id", group, "--instance-id", instance_id, "--processing-guarantee",
-                     guarantee, "--commit-interval-ms", str(plan.commit_interval_ms)]  # fmt: skip
+                     guarantee, "--commit-interval-ms", str(plan.commit_interval_ms),
+                     # The churn run's members stop without leaving the group and hand their
+                     # partitions on; on one broker no follower holds the heartbeats back, so the
+                     # run keeps the takeover of before the 45 s default.
+                     "--session-timeout-ms", "15000"]  # fmt: skip
         self.child: Child | None = None
         self.started_at = 0
         """Where this process's lines begin in the log (it is shared with earlier ones)."""

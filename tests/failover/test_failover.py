@@ -46,7 +46,7 @@ from sidecar.broker.admin import TopicAdmin
 from sidecar.broker.apache import ApacheKafka
 from sidecar.broker.ports import free_ports
 from sidecar.errors import BrokerError
-from sidecar.settings import RunSettings
+from sidecar.settings import SESSION_TIMEOUT_MS, RunSettings
 from tests.broker.test_apache import topic_replicas
 from tests.kafka_helpers import (
     ROOT,
@@ -120,8 +120,11 @@ class Trial:
     def __init__(self, cluster: ApacheKafka, tmp_path: Path, guarantee: str) -> None:
         self.stage, policies = new_stage(cluster, tmp_path, guarantee, HOLD_S)
         stage = self.stage
+        # The product's session timeout, not the suite's shorter one: on three nodes, one node's
+        # death holds the group's heartbeats back (test_the_default_session_outlasts_...).
         args = run_args(stage.bootstrap, policies, tmp_path / f"{stage.inbound}-state", stage.health_port,
-                        stage.group, "--processing-guarantee", guarantee)  # fmt: skip
+                        stage.group, "--processing-guarantee", guarantee,
+                        "--session-timeout-ms", str(SESSION_TIMEOUT_MS))  # fmt: skip
         self.sidecar = SidecarProcess(args, stage.sidecar_log)
         self.helper = KafkaHelper(stage.bootstrap)
         self.live: LiveReader | None = None
