@@ -16,6 +16,7 @@ No wall-clock limit is asserted: every wait is for a condition, with a generous 
 themselves are bench/failover.py's, shared with the full version.
 """
 
+import logging
 import subprocess
 import sys
 import threading
@@ -86,14 +87,34 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ApacheKafka]:
     checked too: the launcher stops a cluster with a controlled shutdown of every node."""
     directory = tmp_path_factory.mktemp("failover") / "kafka"
     launcher = ApacheKafka(directory, port=free_ports(6), nodes=3, settings=INTERNAL_PARTITIONS)
+    kills = Recorded()
     with launcher:
         yield launcher
         restore(launcher)  # the last test may have left a node away
         processes = [node.process for node in launcher.nodes]
         before = [controlled_shutdowns(node.directory) for node in launcher.nodes]
+        # Nodes 3 and 2 one at a time, each with a quorum left; then node 1 alone, which no quorum
+        # can answer any more: killed at once, saying why (it used to wait the 60 s grace).
+        launcher.stop_node(3)
+        launcher.stop_node(2)
+        logging.getLogger("sidecar.broker.apache").addHandler(kills)
+    logging.getLogger("sidecar.broker.apache").removeHandler(kills)
     assert all(p is not None and p.returncode is not None for p in processes), processes
     after = [controlled_shutdowns(node.directory) for node in launcher.nodes]
     assert all(a > b for a, b in zip(after, before, strict=True)), (before, after)
+    assert [m for m in kills.messages if "killed" in m] == [
+        f"broker node killed: the controller quorum is gone, so it cannot finish a controlled shutdown node=1 "
+        f"pid={processes[0].pid if processes[0] else None}"
+    ], kills.messages
+
+
+class Recorded(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
 
 
 def controlled_shutdowns(directory: Path) -> int:
