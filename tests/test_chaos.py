@@ -37,7 +37,7 @@ from bench.chaos import (
 )
 from bench.churn_fates import ChurnPlan, dead_letter_rules
 from spark.session import build_session
-from tests.spark.conftest import NO_UI
+from tests.spark.conftest import SUITE_CONF
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +49,7 @@ def spark() -> Iterator[SparkSession]:
     warm, on 2 cores). The audit's own tests keep Spark's default.
     """
     existing = SparkSession.getActiveSession()
-    session = build_session("local[2]", "delay-sidecar-chaos-audit", shuffle_partitions=4, conf=NO_UI)
+    session = build_session("local[2]", "delay-sidecar-chaos-audit", shuffle_partitions=4, conf=SUITE_CONF)
     session.sparkContext.setLogLevel("ERROR")
     adaptive = session.conf.get("spark.sql.adaptive.enabled") or "true"
     session.conf.set("spark.sql.adaptive.enabled", "false")

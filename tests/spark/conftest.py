@@ -12,14 +12,19 @@ from pyspark.sql import SparkSession
 
 from spark.session import build_session
 
-NO_UI = {"spark.ui.enabled": "false"}
-"""No web UI in the suite's sessions: nobody looks at it, and its listener takes CPU from the two
-cores (the audit-logic and order tests: 53-57 s of CPU without it, 58-61 s with it)."""
+SUITE_CONF = {"spark.ui.enabled": "false", "spark.driver.extraJavaOptions": "-XX:+UseSerialGC"}
+"""The suite's sessions are small and share two cores with everything else:
+- no web UI: nobody looks at it, and its listener takes CPU (the audit-logic and order tests: 53-57 s
+  of CPU without it, 58-61 s with it);
+- the serial collector: G1's concurrent threads cost more than they save on a heap this small (the
+  same tests, the JVM's CPU and pytest's: 68.7 and 61.8 s against 76.7 and 73.7 with G1, run by
+  turns on a quiet machine, 2026-11-30). Only C1 (-XX:TieredStopAtLevel=1) cost more, 86.6 s, and
+  so did no whole-stage code generation, 77.9 s."""
 
 
 @pytest.fixture(scope="session")
 def spark() -> Iterator[SparkSession]:
-    session = build_session("local[2]", "delay-sidecar-audit-tests", shuffle_partitions=4, conf=NO_UI)
+    session = build_session("local[2]", "delay-sidecar-audit-tests", shuffle_partitions=4, conf=SUITE_CONF)
     session.sparkContext.setLogLevel("ERROR")
     yield session
     session.stop()
