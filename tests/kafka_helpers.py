@@ -330,6 +330,13 @@ def sidecar_process(args: list[str], log: Path, env: dict[str, str] | None = Non
         )
 
 
+TAKEOVER_SESSION_MS = 15_000
+"""The suite's sidecars' --session-timeout-ms, shorter than the product's 45 s: a member stopped
+without leaving the group, or killed, keeps its partitions for its session, and many tests hand
+them to another member. On the suite's one broker no follower can hold the group's heartbeats
+back, which is what the longer default is for; the failover module, on three nodes, runs the default."""
+
+
 def settings_for(kafka: str, policies: Path, state_dir: Path, **overrides: Any) -> RunSettings:
     wait_for_metadata(kafka, 10)
     values: dict[str, Any] = {
@@ -445,13 +452,6 @@ def wait_serving(port: int, deadline_s: float = 60.0) -> None:
 def start_serving(sidecar: SidecarProcess, port: int) -> None:
     sidecar.start()
     wait_serving(port)
-
-
-TAKEOVER_SESSION_MS = 15_000
-"""The suite's sidecars' --session-timeout-ms, shorter than the product's 45 s: a member stopped
-without leaving the group, or killed, keeps its partitions for its session, and many tests hand
-them to another member. On the suite's one broker no follower can hold the group's heartbeats
-back, which is what the longer default is for; the failover module, on three nodes, runs the default."""
 
 
 def run_args(kafka: str, policies: Path, state: Path, port: int, group: str, *extra: str) -> list[str]:

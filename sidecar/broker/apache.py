@@ -42,9 +42,9 @@ CLUSTER_FILE = "cluster.json"
 START_TIMEOUT_S = 180.0
 STOP_GRACE_S = 60.0
 QUORUMLESS_GRACE_S = 5.0
-NO_QUORUM = "the controller quorum is gone, so it cannot finish a controlled shutdown"
 """How long a stopping node may take once the controller quorum is gone: enough to finish a shutdown
 already granted, where one still waiting for the grant would wait forever."""
+NO_QUORUM = "the controller quorum is gone, so it cannot finish a controlled shutdown"
 HEAP_ENV = "KAFKA_HEAP_OPTS"
 DEFAULT_HEAP = "-Xms256m -Xmx1g"
 """Kafka's scripts give 1 GiB up front; a node here starts at 256 MiB so that a machine of 24 GiB
