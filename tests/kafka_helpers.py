@@ -338,7 +338,7 @@ back, which is what the longer default is for; the failover module, on three nod
 
 
 def settings_for(kafka: str, policies: Path, state_dir: Path, **overrides: Any) -> RunSettings:
-    wait_for_metadata(kafka, 10)
+    wait_for_metadata(kafka, 60)  # the suite's node has stalled 10 s and more beside a busy neighbour
     values: dict[str, Any] = {
         "bootstrap_servers": kafka,
         "policies": policies,

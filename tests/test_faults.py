@@ -367,7 +367,9 @@ def test_a_commit_the_coordinator_does_not_answer_does_not_hold_the_loop(
         sidecar.close()
         helper.close()
         broker.stop()
-    assert "engine failed" not in sidecar.log.read_text(), sidecar.tail()
+    # From the pause on: before it, a start on a loaded machine may time out asking for metadata and
+    # start its engine again (a clean-clone run beside a busy neighbour), which is not this claim's.
+    assert "engine failed" not in sidecar.log.read_text()[seen:], sidecar.tail()
 
 
 def test_a_commit_held_through_a_lapsed_session_repeats_nothing_at_least_once(

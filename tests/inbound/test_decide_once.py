@@ -119,11 +119,11 @@ def test_every_rule_of_a_long_history_survives_a_lost_state_dir(
                 path.write_text(policy(fixed_ms))
                 assert sidecar.process is not None
                 sidecar.process.send_signal(signal.SIGHUP)
-            wait_for(lambda i=i: scrape(port, "delay_sidecar_policy_generation") == i + 1, 30, f"rule {i}")
+            wait_for(lambda i=i: scrape(port, "delay_sidecar_policy_generation") == i + 1, 120, f"rule {i}")
             kafka_helper.produce(topic, f"r{i}".encode())
             kafka_helper.flush()
             wait_for(
-                lambda i=i: scrape(port, "delay_sidecar_messages_delayed_total", topic=topic) == i + 1, 30, "intake"
+                lambda i=i: scrape(port, "delay_sidecar_messages_delayed_total", topic=topic) == i + 1, 120, "intake"
             )
         wait_for(lambda: "rule history written to the state topic" in sidecar.log.read_text(), 30, "the history")
         sidecar.kill()
