@@ -87,18 +87,22 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ApacheKafka]:
     checked too: the launcher stops a cluster with a controlled shutdown of every node."""
     directory = tmp_path_factory.mktemp("failover") / "kafka"
     launcher = ApacheKafka(directory, port=free_ports(6), nodes=3, settings=INTERNAL_PARTITIONS)
-    kills = Recorded()
+    kills, apache_log = Recorded(), logging.getLogger("sidecar.broker.apache")
     with launcher:
         yield launcher
         restore(launcher)  # the last test may have left a node away
         processes = [node.process for node in launcher.nodes]
         before = [controlled_shutdowns(node.directory) for node in launcher.nodes]
-        # Nodes 3 and 2 one at a time, each with a quorum left; then node 1 alone, which no quorum
-        # can answer any more: killed at once, saying why (it used to wait the 60 s grace).
-        launcher.stop_node(3)
-        launcher.stop_node(2)
-        logging.getLogger("sidecar.broker.apache").addHandler(kills)
-    logging.getLogger("sidecar.broker.apache").removeHandler(kills)
+        apache_log.addHandler(kills)
+        try:
+            # Nodes 3 and 2 one at a time, each with a quorum left (neither killed); then node 1
+            # alone, which no quorum can answer any more: killed at once, saying why (it used to
+            # wait the 60 s grace).
+            launcher.stop_node(3)
+            launcher.stop_node(2)
+            launcher.stop()
+        finally:
+            apache_log.removeHandler(kills)
     assert all(p is not None and p.returncode is not None for p in processes), processes
     after = [controlled_shutdowns(node.directory) for node in launcher.nodes]
     assert all(a > b for a, b in zip(after, before, strict=True)), (before, after)
