@@ -31,6 +31,7 @@ from pathlib import Path
 from confluent_kafka.admin import AdminClient
 
 from sidecar.broker.base import BrokerLauncher
+from sidecar.broker.class_archive import ClassArchive
 from sidecar.broker.jars import KAFKA_VERSION, fetch_kafka
 from sidecar.broker.lifeline import die_with_parent
 from sidecar.broker.ports import free_ports, port_in_use
@@ -103,6 +104,8 @@ class Node:
     node_id: int
     directory: Path
     process: subprocess.Popen[bytes] | None = None
+    archive_partial: Path | None = None
+    """The class archive this node's JVM writes as it exits, if it is the one writing it."""
 
     @property
     def running(self) -> bool:
@@ -144,6 +147,7 @@ class ApacheKafka(BrokerLauncher):
         self.nodes = [Node(i, data_dir / f"node-{i}") for i in range(1, nodes + 1)]
         self.bootstrap_servers = ""
         self._classpath = ""
+        self._archive: ClassArchive | None = None
         self._ports_chosen = False
 
     @property
@@ -159,7 +163,9 @@ class ApacheKafka(BrokerLauncher):
 
     def start(self) -> str:
         """Fetch the jars if needed, format new nodes, start every node and wait until all are brokers."""
-        self._classpath = str(fetch_kafka(self.version) / "*")
+        libs = fetch_kafka(self.version)
+        self._classpath = str(libs / "*")
+        self._archive = ClassArchive(libs.parent)
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self._refuse_running()
         if not self._ports_chosen:  # a restart keeps its ports: its clients know them
@@ -316,12 +322,18 @@ class ApacheKafka(BrokerLauncher):
         gc_log = [f"-Xlog:gc*,safepoint:file={node.directory / GC_LOG}:time,tags:filecount=2,filesize=20M"]
         # As kafka-run-class.sh: KAFKA_JVM_PERFORMANCE_OPTS replaces the JVM settings, KAFKA_OPTS adds to them.
         performance = os.environ.get("KAFKA_JVM_PERFORMANCE_OPTS")
+        chosen = os.environ.get("KAFKA_OPTS", "")
+        sharing: list[str] = []
+        if self._archive is not None:  # one node of the cluster writes it, if none was written yet
+            writer = broker and not any(n.archive_partial for n in self.nodes if n is not node)
+            sharing, node.archive_partial = self._archive.flags(f"{performance or ''} {chosen}", writer)
         return [
             "java",
             *heap,
             *(gc_log if broker else []),
             *(performance.split() if performance is not None else JVM_OPTS),
-            *os.environ.get("KAFKA_OPTS", "").split(),
+            *chosen.split(),
+            *sharing,
             f"-Dkafka.logs.dir={node.directory}",
             f"-Dlog4j2.configurationFile={self.data_dir / 'log4j2.properties'}",
             "-cp",
@@ -389,7 +401,7 @@ class ApacheKafka(BrokerLauncher):
         if node.process is not None and node.running:
             node.process.kill()
             node.process.wait()
-        node.process = None
+        self._ended(node)
 
     def pause_node(self, node_id: int) -> None:
         process = self.node(node_id).process
@@ -403,6 +415,14 @@ class ApacheKafka(BrokerLauncher):
 
     def stop(self) -> None:
         self._stop(self.nodes, STOP_GRACE_S)
+
+    def _ended(self, node: Node) -> None:
+        """A node's process is gone (or never started): keep the class archive it wrote on its way out."""
+        if node.archive_partial is not None and self._archive is not None:
+            exit_code = node.process.returncode if node.process is not None else None
+            self._archive.settle(node.archive_partial, -1 if exit_code is None else exit_code)
+        node.archive_partial = None
+        node.process = None
 
     def _has_quorum(self) -> bool:
         """A majority of the nodes (every node is a controller) still running."""
@@ -445,7 +465,7 @@ class ApacheKafka(BrokerLauncher):
                 break
             time.sleep(0.05)
         for node in nodes:
-            node.process = None
+            self._ended(node)
         if stopping:
             logger.info(
                 "broker stopped kind=apache-kafka nodes=%s stop_s=%.1f",

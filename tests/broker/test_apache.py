@@ -17,8 +17,9 @@ import psutil
 import pytest
 from confluent_kafka.admin import AdminClient, NewTopic
 
-from sidecar.broker import ApacheKafka, EmbeddedBroker
+from sidecar.broker import ApacheKafka, EmbeddedBroker, apache
 from sidecar.broker.apache import GC_LOG
+from sidecar.broker.class_archive import ClassArchive
 from sidecar.broker.jars import CACHE_ENV, fetch_kafka, kafka_libs, missing_tools
 from sidecar.broker.local import local_broker, resolve_kind
 from sidecar.broker.ports import free_port, free_ports
@@ -64,6 +65,40 @@ def test_a_restart_keeps_the_data_and_the_ports(tmp_path: Path, monkeypatch: pyt
         assert "-XX:+UseSerialGC" in command and "-XX:+UseG1GC" not in command
         assert cluster.bootstrap_servers == first
         assert "kept" in AdminClient({"bootstrap.servers": first}).list_topics(timeout=10).topics
+
+
+def mapped(cluster: ApacheKafka, archive: Path) -> bool:
+    """Whether the node's JVM has the archive mapped: it took its classes from it."""
+    process = cluster.nodes[0].process
+    assert process is not None
+    return str(archive) in Path(f"/proc/{process.pid}/maps").read_text()
+
+
+def test_the_first_clean_stop_writes_the_class_archive_and_later_nodes_map_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Kept out of the user's cache here: the archive goes to tmp_path. A damaged archive is the
+    JVM's to refuse: the node starts all the same. A killed writer leaves nothing behind."""
+    monkeypatch.setattr(apache, "ClassArchive", lambda _folder: ClassArchive(tmp_path / "cache"))
+    (tmp_path / "cache").mkdir()
+    archive = ClassArchive(tmp_path / "cache").path
+    cluster = ApacheKafka(tmp_path / "kafka", port=free_ports(2))
+    cluster.start()
+    assert not mapped(cluster, archive)
+    cluster.kill_node(1)
+    assert list((tmp_path / "cache").iterdir()) == []
+    cluster.start_node(1)
+    cluster.stop()
+    assert archive.is_file() and archive.stat().st_size > 1_000_000
+    assert list((tmp_path / "cache").iterdir()) == [archive]
+    with cluster:
+        assert mapped(cluster, archive)
+        assert AdminClient({"bootstrap.servers": cluster.bootstrap_servers}).list_topics(timeout=10).brokers
+    archive.chmod(0o644)
+    archive.write_bytes(b"not an archive" * 1000)
+    with cluster:
+        assert not mapped(cluster, archive)
+        assert AdminClient({"bootstrap.servers": cluster.bootstrap_servers}).list_topics(timeout=10).brokers
 
 
 def test_a_port_in_use_moves_the_node_to_free_ports(tmp_path: Path) -> None:
