@@ -45,10 +45,14 @@ class InstanceLock:
     """Held for the life of the process: the state dir, and the identity on this host.
 
     flock locks end with the process, kill -9 included, so a crashed sidecar never blocks its restart.
+    The identity's lock file, in the temp dir, is removed at a clean close: one per group and
+    identity would otherwise pile up there (a test suite left ten thousand). Removing a lock file
+    is safe only because a lock is taken on the file the path still names: a process that opened
+    the file before it was removed finds another one there after its flock, and tries again.
     """
 
     def __init__(self, state_dir: Path, group_id: str, identity: str) -> None:
-        self._files: list[IO[str]] = []
+        self._files: list[tuple[IO[str], Path | None]] = []
         key = hashlib.sha1(f"{group_id}\n{identity}".encode()).hexdigest()[:16]
         host = Path(tempfile.gettempdir()) / f"delay-sidecar-{key}.lock"
         try:
@@ -63,31 +67,43 @@ class InstanceLock:
                 f"another sidecar on this host already runs as instance {identity!r} in group {group_id!r} "
                 "(pid {pid}): two live processes with one identity would fence each other's transactions. "
                 "Give each its own --instance-id (or leave it unset: it is derived from --state-dir)",
+                remove_at_close=True,
             )
         except BaseException:
             self.close()
             raise
 
-    def _take(self, path: Path, refusal: str) -> None:
-        try:
-            handle = path.open("a+")
-        except OSError as e:
-            raise StorageError(f"cannot open the lock file {path} ({e}); check its permissions") from e
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            handle.seek(0)
-            holder = handle.read().strip() or "unknown"
-            handle.close()
-            raise ConfigError(refusal.format(pid=holder)) from None
+    def _take(self, path: Path, refusal: str, remove_at_close: bool = False) -> None:
+        while True:
+            try:
+                handle = path.open("a+")
+            except OSError as e:
+                raise StorageError(f"cannot open the lock file {path} ({e}); check its permissions") from e
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                handle.seek(0)
+                holder = handle.read().strip() or "unknown"
+                handle.close()
+                raise ConfigError(refusal.format(pid=holder)) from None
+            try:
+                current = os.stat(path).st_ino
+            except FileNotFoundError:
+                current = None
+            if current == os.fstat(handle.fileno()).st_ino:
+                break
+            handle.close()  # removed (and perhaps made again) by its last holder since it was opened
         handle.seek(0)
         handle.truncate()
         handle.write(str(os.getpid()))
         handle.flush()
-        self._files.append(handle)
+        self._files.append((handle, path if remove_at_close else None))
 
     def close(self) -> None:
-        for handle in self._files:
+        for handle, path in self._files:
+            if path is not None:  # still held: nobody can take it between the removal and the close
+                with contextlib.suppress(OSError):
+                    path.unlink()
             with contextlib.suppress(OSError):
                 handle.close()
         self._files.clear()

@@ -1,18 +1,21 @@
 """Who a sidecar is to Kafka: distinct, stable transactional ids, and one live process per identity."""
 
+import fcntl
 import itertools
 import json
 import os
+import tempfile
 import time
+import uuid
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import pytest
 
 from sidecar.app import member_instance_id, transactional_ids
 from sidecar.cli import main
 from sidecar.errors import ConfigError, StorageError
-from sidecar.identity import IDS_FILE, InstanceLock, TransactionalIds
+from sidecar.identity import IDS_FILE, LOCK_FILE, InstanceLock, TransactionalIds
 from sidecar.settings import ENV_PREFIX, RunSettings
 from sidecar.supervisor import Supervisor, worker_environment
 from tests.kafka_helpers import PolicyFile, SidecarProcess, run_args, wait_for
@@ -66,6 +69,45 @@ def test_a_second_lock_on_the_state_dir_or_the_identity_is_refused_until_the_fir
     InstanceLock(tmp_path / "c", "other-group", "one").close()  # another group: another identity
     first.close()
     InstanceLock(tmp_path / "b", "g", "one").close()
+
+
+def identity_lock_files() -> set[Path]:
+    return set(Path(tempfile.gettempdir()).glob("delay-sidecar-*.lock"))
+
+
+def test_a_clean_close_removes_the_identity_s_lock_file_and_keeps_the_state_dir_s(tmp_path: Path) -> None:
+    before = identity_lock_files()
+    lock = InstanceLock(tmp_path / "a", "g", f"one-{uuid.uuid4()}")
+    [created] = identity_lock_files() - before
+    lock.close()
+    assert not created.exists() and (tmp_path / "a" / LOCK_FILE).exists()
+
+
+def test_a_lock_file_removed_between_its_open_and_its_flock_is_opened_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The race a removable lock file opens: C opens A's file, A closes (removing it), B makes and
+    locks a new one, and only then does C's flock, on A's old file, succeed. C must see that the
+    path names another file now, open that one, and be refused: B holds it."""
+    identity = f"one-{uuid.uuid4()}"
+    first = InstanceLock(tmp_path / "a", "g", identity)
+    flock = fcntl.flock
+    raced: list[InstanceLock | None] = []
+
+    def racing(handle: IO[str], flags: int) -> None:
+        if not raced and Path(handle.name).parent == Path(tempfile.gettempdir()):
+            raced.append(None)
+            first.close()
+            raced[0] = InstanceLock(tmp_path / "b", "g", identity)
+        flock(handle, flags)
+
+    monkeypatch.setattr(fcntl, "flock", racing)
+    with pytest.raises(ConfigError, match=f"already runs as instance '{identity}'.*pid {os.getpid()}"):
+        InstanceLock(tmp_path / "c", "g", identity)
+    monkeypatch.undo()
+    [second] = raced
+    assert second is not None
+    second.close()
 
 
 def _instances(
