@@ -52,7 +52,7 @@ def produce(bootstrap: str, topic: str, inbound: int, subs: list[str], partition
     started = time.monotonic()
     t0 = int(time.time() * 1000) - 3_600_000
     value = b"x" * 64
-    delay = [("deliver-after", b"1s")]
+    delay: list[tuple[str, bytes | None]] = [("deliver-after", b"1s")]
     for i in range(inbound):
         partition = i % partitions
         while True:
@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
 
             import spark.audit_job as job_module  # noqa: PLC0415
 
-            job_module.analyse = measured  # type: ignore[assignment]
+            job_module.analyse = measured  # type: ignore[attr-defined]
             cpu_before, jvm_before = cpu_seconds(), jvm_cpu_seconds(spark)
             started = time.monotonic()
             with open(os.devnull, "w") as quiet:

@@ -187,7 +187,8 @@ class Production(Background):
                 delay_ms += int((max(started + plan.window_s, now) + plan.hold_s - now) * 1000)
                 self.held.append(time.monotonic() + delay_ms / 1000)
             self._pending[(topic, j)] = (delay_ms, int(time.time() * 1000))
-            key, value, partition = None, f"{topic}-{j}".encode(), j % PARTITIONS
+            key, partition = None, j % PARTITIONS
+            value: bytes | None = f"{topic}-{j}".encode()
             if topic == KEYED:  # a key keeps to one partition, as a partitioner places it
                 k = key_rng.randrange(keys)
                 key, partition = f"key-{k}".encode(), k % PARTITIONS

@@ -75,7 +75,7 @@ class TurnClock:
                 else:
                     self._last = None
 
-        drain.Drains.turn = timed  # type: ignore[method-assign]
+        drain.Drains.turn = timed  # type: ignore[method-assign,assignment]
 
 
 class KeptLoad:

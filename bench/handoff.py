@@ -161,8 +161,8 @@ def read_outbound(bootstrap: str, topic: str, watermarks: Watermarks) -> Outboun
         off.append(d.offset)
         at.append(d.deliver_at)
         ts.append(m.timestamp()[1])
-    p, o, d, t = (np.asarray(c, dtype=np.int64) for c in cols)
-    return Outbound(p, o, d, t)
+    p, o, due, t = (np.asarray(c, dtype=np.int64) for c in cols)
+    return Outbound(p, o, due, t)
 
 
 @dataclass

@@ -35,6 +35,7 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.context import SUBSCRIPTIONS
 from bench.probe import (
     MetricsRecorder,
     RssSampler,
@@ -46,7 +47,6 @@ from bench.probe import (
 )
 from bench.procs import bench_broker, load_argv, run_load, start_sidecar
 from bench.report import command_line, environment, header
-from bench.scenarios import SUBSCRIPTIONS
 from sidecar.broker.ports import free_ports
 
 CONTROL_TOPIC = "delay-sidecar.control"
