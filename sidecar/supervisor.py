@@ -41,6 +41,7 @@ from sidecar.broker.embedded import EmbeddedBroker
 from sidecar.broker.lifeline import die_with_parent
 from sidecar.http import StatusServer
 from sidecar.identity import InstanceLock
+from sidecar.logs import WORKER_ENV
 from sidecar.metrics import PREFIX
 from sidecar.policy import load_policies
 from sidecar.settings import ENV_PREFIX, RunSettings, default_instance_id
@@ -190,7 +191,7 @@ class Supervisor:
     def _start(self, worker: Worker, env: dict[str, str]) -> None:
         worker.process = subprocess.Popen(
             worker.argv,
-            env=env,
+            env={**env, WORKER_ENV: str(worker.index)},
             process_group=0,  # Ctrl-C reaches the supervisor alone, which stops the workers in order
             preexec_fn=die_with_parent(signal.SIGTERM),  # noqa: PLW1509 - see sidecar/broker/lifeline.py
         )
