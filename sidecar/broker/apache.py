@@ -322,17 +322,19 @@ class ApacheKafka(BrokerLauncher):
         gc_log = [f"-Xlog:gc*,safepoint:file={node.directory / GC_LOG}:time,tags:filecount=2,filesize=20M"]
         # As kafka-run-class.sh: KAFKA_JVM_PERFORMANCE_OPTS replaces the JVM settings, KAFKA_OPTS adds to them.
         performance = os.environ.get("KAFKA_JVM_PERFORMANCE_OPTS")
-        chosen = os.environ.get("KAFKA_OPTS", "")
+        options = [
+            *heap,
+            *(performance.split() if performance is not None else JVM_OPTS),
+            *os.environ.get("KAFKA_OPTS", "").split(),
+        ]
         sharing: list[str] = []
         if self._archive is not None:  # one node of the cluster writes it, if none was written yet
             writer = broker and not any(n.archive_partial for n in self.nodes if n is not node)
-            sharing, node.archive_partial = self._archive.flags(f"{performance or ''} {chosen}", writer)
+            sharing, node.archive_partial = self._archive.flags(options, writer)
         return [
             "java",
-            *heap,
             *(gc_log if broker else []),
-            *(performance.split() if performance is not None else JVM_OPTS),
-            *chosen.split(),
+            *options,
             *sharing,
             f"-Dkafka.logs.dir={node.directory}",
             f"-Dlog4j2.configurationFile={self.data_dir / 'log4j2.properties'}",

@@ -9,6 +9,10 @@ stop took 2.2 s of CPU instead of 3.4 s here, and it answered after 2.1 s instea
 The archive is an optimisation the JVM checks, never a condition: one written by another JDK, or
 damaged, is refused by the JVM (-Xshare:auto, its default), which then loads the classes as
 usual. Its name carries the JDK's path and build time, so that an upgraded JDK writes its own.
+Writing one is another matter: a JVM asked to write an archive whose JDK's own base archive does
+not load with its options (a JDK without one, or -XX:-UseCompressedClassPointers) refuses to
+start. So a writer is asked for only where `java -Xshare:on -version`, with the same options,
+says the base archive loads.
 An operator who passes any -Xshare or archive flag of their own in KAFKA_OPTS or
 KAFKA_JVM_PERFORMANCE_OPTS gets those instead.
 """
@@ -17,6 +21,7 @@ import hashlib
 import logging
 import os
 import shutil
+import subprocess
 import time
 from pathlib import Path
 
@@ -33,16 +38,18 @@ class ClassArchive:
 
     def __init__(self, folder: Path, java: str = "java") -> None:
         self.path = folder / f"classes-{_jdk_fingerprint(java)}.jsa"
+        self._java = java
+        self._base_loads: dict[tuple[str, ...], bool] = {}
 
-    def flags(self, chosen: str, writer: bool) -> tuple[list[str], Path | None]:
-        """The JVM options to start with, and the file a writer will leave when it exits cleanly
-        (None: it writes nothing). `chosen`: the operator's own JVM options. `writer`: the JVM is a
-        broker, whose classes are the ones to keep (a tool would keep only its own)."""
-        if any(flag in chosen for flag in OWN_FLAGS):
+    def flags(self, options: list[str], writer: bool) -> tuple[list[str], Path | None]:
+        """The JVM options to add, and the file a writer will leave when it exits cleanly (None: it
+        writes nothing). `options`: the JVM's others, the operator's included. `writer`: the JVM is
+        a broker, whose classes are the ones to keep (a tool would keep only its own)."""
+        if any(flag in option for option in options for flag in OWN_FLAGS):
             return [], None
         if self.path.is_file():
             return [f"-XX:SharedArchiveFile={self.path}"], None
-        if not writer:
+        if not writer or not self._base_archive_loads(options):
             return [], None
         self._sweep()
         partial = self.path.with_name(f"{self.path.name}.{os.getpid()}-{time.monotonic_ns()}.tmp")
@@ -59,6 +66,23 @@ class ClassArchive:
                 partial.unlink(missing_ok=True)
         except OSError as exc:
             logger.warning("broker class archive not kept path=%s error=%s", partial, exc)
+
+    def _base_archive_loads(self, options: list[str]) -> bool:
+        """Asked of the JVM once per set of options: whether its base archive loads with them."""
+        key = tuple(options)
+        if key not in self._base_loads:
+            try:
+                done = subprocess.run(
+                    [self._java, *options, "-Xshare:on", "-version"], capture_output=True, timeout=60, check=False
+                )
+                loads = done.returncode == 0
+            except (OSError, subprocess.TimeoutExpired):
+                loads = False
+            if not loads:
+                logger.info("broker class archive not written: the JDK's base archive does not load with these "
+                            "options, and the JVM would refuse to start options=%s", " ".join(options))  # fmt: skip
+            self._base_loads[key] = loads
+        return self._base_loads[key]
 
     def _sweep(self) -> None:
         for stale in self.path.parent.glob(f"{self.path.name}.*.tmp"):

@@ -16,32 +16,44 @@ def archive(tmp_path: Path) -> ClassArchive:
 
 
 def test_without_an_archive_a_broker_writes_one_and_a_tool_neither_writes_nor_maps(archive: ClassArchive) -> None:
-    flags, partial = archive.flags("-XX:TieredStopAtLevel=1", writer=True)
+    flags, partial = archive.flags(["-XX:TieredStopAtLevel=1"], writer=True)
     assert partial is not None and partial.parent == archive.path.parent and not partial.exists()
     assert flags == [f"-XX:ArchiveClassesAtExit={partial}"]
-    assert archive.flags("", writer=False) == ([], None)
+    assert archive.flags([], writer=False) == ([], None)
 
 
 def test_with_an_archive_every_jvm_maps_it_and_none_writes(archive: ClassArchive) -> None:
     archive.path.write_bytes(b"x")
     for writer in (True, False):
-        assert archive.flags("", writer) == ([f"-XX:SharedArchiveFile={archive.path}"], None)
+        assert archive.flags([], writer) == ([f"-XX:SharedArchiveFile={archive.path}"], None)
 
 
 @pytest.mark.parametrize("own", ["-Xshare:off", "-XX:SharedArchiveFile=/opt/k.jsa", "-XX:ArchiveClassesAtExit=/x"])
 def test_the_operator_s_own_sharing_flags_win(archive: ClassArchive, own: str) -> None:
-    assert archive.flags(f"-Xmx1g {own}", writer=True) == ([], None)
+    assert archive.flags(["-Xmx1g", own], writer=True) == ([], None)
     archive.path.write_bytes(b"x")
-    assert archive.flags(own, writer=False) == ([], None)
+    assert archive.flags([own], writer=False) == ([], None)
+
+
+def test_no_jvm_is_asked_to_write_an_archive_it_would_refuse_to_start_with(archive: ClassArchive) -> None:
+    """Without compressed class pointers the JDK's base archive does not load, and a JVM told to
+    write an archive then fails to start ("DynamicDumpSharedSpaces is unsupported when base CDS
+    archive is not loaded"): the real JVM is asked, with the node's own options."""
+    assert archive.flags(["-Xmx256m", "-XX:-UseCompressedClassPointers"], writer=True) == ([], None)
+    flags, partial = archive.flags(["-Xmx256m"], writer=True)
+    assert partial is not None and flags == [f"-XX:ArchiveClassesAtExit={partial}"]
+    archive.path.write_bytes(b"x")  # mapping one is never refused at start: the JVM goes on without it
+    mapped = [f"-XX:SharedArchiveFile={archive.path}"]
+    assert archive.flags(["-XX:-UseCompressedClassPointers"], writer=False) == (mapped, None)
 
 
 def test_a_clean_exit_keeps_what_the_jvm_wrote_and_a_kill_removes_it(archive: ClassArchive) -> None:
-    _, partial = archive.flags("", writer=True)
+    _, partial = archive.flags([], writer=True)
     assert partial is not None
     partial.write_bytes(b"half")
     archive.settle(partial, -9)  # killed, perhaps while writing
     assert not partial.exists() and not archive.path.exists()
-    _, partial = archive.flags("", writer=True)
+    _, partial = archive.flags([], writer=True)
     assert partial is not None
     archive.settle(partial, 143)  # ended without writing it
     assert not archive.path.exists()
@@ -57,7 +69,7 @@ def test_partial_archives_of_killed_writers_are_swept_once_stale(archive: ClassA
     recent.write_bytes(b"recent")
     past = time.time() - STALE_S - 10
     os.utime(old, (past, past))
-    archive.flags("", writer=True)
+    archive.flags([], writer=True)
     assert not old.exists() and recent.exists()
 
 
