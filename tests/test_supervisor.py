@@ -144,7 +144,7 @@ def test_a_worker_killed_under_load_is_restarted_and_nothing_is_lost(
     log = supervisor.log.read_text()
     assert 'event="worker exited; restarting it" worker=0' in log
     assert log.count("left the consumer group") == 0, "workers leave only with --leave-group-on-stop"
-    # Each worker's lines, on the supervisor's stderr, end with its index; the supervisor's own do not.
+    # Each worker's lines, on the supervisor's stderr, end with its index.
     assigned = [line for line in log.splitlines() if 'event="partitions assigned"' in line]
     assert {line.rsplit(" ", 1)[-1] for line in assigned} == {"worker=0", "worker=1"}, assigned
 

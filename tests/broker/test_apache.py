@@ -83,12 +83,11 @@ def test_the_first_clean_stop_writes_the_class_archive_and_later_nodes_map_it(
     (tmp_path / "cache").mkdir()
     archive = ClassArchive(tmp_path / "cache").path
     cluster = ApacheKafka(tmp_path / "kafka", port=free_ports(2))
-    cluster.start()
-    assert not mapped(cluster, archive)
-    cluster.kill_node(1)
-    assert list((tmp_path / "cache").iterdir()) == []
-    cluster.start_node(1)
-    cluster.stop()
+    with cluster:
+        assert not mapped(cluster, archive)
+        cluster.kill_node(1)
+        assert list((tmp_path / "cache").iterdir()) == []
+        cluster.start_node(1)
     assert archive.is_file() and archive.stat().st_size > 1_000_000
     assert list((tmp_path / "cache").iterdir()) == [archive]
     with cluster:
