@@ -46,7 +46,7 @@ from sidecar.inbound.batch import batches
 from sidecar.inbound.commands import CommandStep
 from sidecar.inbound.idle_fetch import IdleFetch
 from sidecar.inbound.indexing import Indexer
-from sidecar.inbound.member import GroupMember
+from sidecar.inbound.member import GroupMember, RejoinWatch
 from sidecar.inbound.rebuild import Rebuilder
 from sidecar.inbound.receiver import Receiver
 from sidecar.kafka_io import LIBRDKAFKA, Connectivity, consume_batch, consumer_config
@@ -160,6 +160,7 @@ class Sidecar:
             group["enable.partition.eof"] = True  # what IdleFetch paces by
         group["on_commit"] = self._on_commit  # answers to the periodic commits (checkpoint.py)
         self._member = member = GroupMember(consumer_config(client_config, **group))
+        self._rejoin = RejoinWatch(session_timeout_ms)
         try:  # exactly-once: fencing the earlier transactional.id fails while the brokers are away
             self._writer = writer = Writer(client_config, librdkafka, transactional_ids, producer)
         except BaseException:
@@ -329,8 +330,14 @@ class Sidecar:
                         if not self._checkpoints.fenced_by_own_lapse():
                             raise
                         self._renew_member("a commit sent after the session lapsed was fenced")
-                    if self._assignment.kept and self._checkpoints.in_flight and not self._writer.transactional:
+                    kept = bool(self._assignment.kept) and not self._writer.transactional
+                    if kept and self._checkpoints.in_flight:
                         self._renew_member("partitions lost with a commit held for the coordinator")
+                    elif self._rejoin.overdue(kept, self._connectivity.reason is None):
+                        self._renew_member(
+                            f"the group has not given the lost partitions back {self._rejoin.wait_s:.0f} s "
+                            "after the brokers answered"
+                        )
                     self._drains.turn()  # a slice of dead-lettering for removed topics
                     self._connectivity.watch(bool(records), self._admin.reachable)
                     checkpoints = self._checkpoints
@@ -383,6 +390,7 @@ class Sidecar:
         logger.warning("making the group's consumer again; partitions kept until the group gives them back why=%s", why)
         self._assignment.set_aside(self._member.consumer)
         self._member.renew()
+        self._rejoin.reset()
         self._checkpoints.member_renewed()
         self._subscribed = frozenset()
         self._subscribe()

@@ -10,10 +10,13 @@ import contextlib
 import socket
 import struct
 import threading
+from collections import Counter
 from collections.abc import Collection
 
 INIT_PRODUCER_ID = 22
 """The api key of the request an idempotent producer gets its producer id with."""
+JOIN_GROUP, HEARTBEAT = 11, 12
+"""The api keys of a classic group member's join and its heartbeat."""
 
 
 class KafkaProxy:
@@ -21,8 +24,8 @@ class KafkaProxy:
         self.port, self.broker = port, (host, broker_port)
         """Where requests go: set it again if the broker's launcher moved to other ports."""
         self._drop: frozenset[int] = frozenset()
-        self.dropped = 0
-        """How many requests were dropped so far."""
+        self.dropped: Counter[int] = Counter()
+        """How many requests were dropped so far, by api key."""
         self._listener = socket.create_server((host, port))
         self._sockets: list[socket.socket] = []
         self._closed = False
@@ -59,7 +62,7 @@ class KafkaProxy:
                 request = _read(client, struct.unpack(">i", size)[0])
                 (api_key,) = struct.unpack(">h", request[:2])
                 if api_key in self._drop:
-                    self.dropped += 1
+                    self.dropped[api_key] += 1
                     continue
                 broker.sendall(size + request)
         except OSError:

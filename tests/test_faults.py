@@ -30,7 +30,7 @@ from tests.kafka_helpers import (
     scrape,
     wait_for,
 )
-from tests.kafka_proxy import INIT_PRODUCER_ID, KafkaProxy
+from tests.kafka_proxy import HEARTBEAT, INIT_PRODUCER_ID, JOIN_GROUP, KafkaProxy
 
 PolicyFile = Callable[[str], Path]
 RESTARTS = 2
@@ -219,6 +219,17 @@ def test_a_broker_outage_repeats_nothing_at_least_once(policy_file: PolicyFile, 
     )
 
 
+def behind_a_proxy(data_dir: Path) -> tuple[KafkaProxy, ApacheKafka]:
+    """A proxy, and a broker of the test's own (not started) that advertises the proxy, so that every
+    connection of a client goes through it."""
+    broker_port = free_port()
+    proxy_port = next(p for p in iter(free_port, None) if p not in (broker_port, broker_port + 1))  # not the node's
+    proxy = KafkaProxy(proxy_port, broker_port)
+    return proxy, ApacheKafka(
+        data_dir, port=broker_port, settings={"advertised.listeners": f"PLAINTEXT://127.0.0.1:{proxy_port}"}
+    )
+
+
 def test_a_producer_left_without_an_id_is_replaced_and_its_records_go_out_once(
     policy_file: PolicyFile, tmp_path: Path
 ) -> None:
@@ -226,15 +237,11 @@ def test_a_producer_left_without_an_id_is_replaced_and_its_records_go_out_once(
     after a broker restart, and nothing was acknowledged until message.timeout.ms (5 minutes) failed
     every record. Here a proxy before the broker drops every InitProducerId request until the
     sidecar says it replaced its producer; before the fix nothing was delivered for 5 minutes."""
-    broker_port, topic, count = free_port(), "no-id", 300
-    proxy_port = next(p for p in iter(free_port, None) if p not in (broker_port, broker_port + 1))  # not the node's
-    proxy = KafkaProxy(proxy_port, broker_port)
+    topic, count = "no-id", 300
+    proxy, broker = behind_a_proxy(tmp_path / "broker")
     proxy.drop({INIT_PRODUCER_ID})
-    broker = ApacheKafka(
-        tmp_path / "broker", port=broker_port, settings={"advertised.listeners": f"PLAINTEXT://127.0.0.1:{proxy_port}"}
-    )
     try:
-        bootstrap = f"127.0.0.1:{proxy_port}"
+        bootstrap = f"127.0.0.1:{proxy.port}"
         broker.start()
         proxy.broker = ("127.0.0.1", broker.broker_port(1))  # the launcher moves off ports found taken
         policies = policy_file(f"topics:\n  {topic}:\n    subscriptions: {{a: {{}}}}\n")
@@ -253,7 +260,7 @@ def test_a_producer_left_without_an_id_is_replaced_and_its_records_go_out_once(
             replaced = "no producer id for"
             wait_for(lambda: replaced in sidecar.log.read_text(), WITHOUT_ID_S + 120, "the producer replaced")
             proxy.drop(())
-            assert proxy.dropped > 0
+            assert proxy.dropped[INIT_PRODUCER_ID] > 0
             wait_for(lambda: len(deliveries(helper.read_to_end(f"{topic}.a"))) >= count, 120, "every record delivered")
             assert sidecar.stop() == 0, sidecar.tail()
             records = helper.read_to_end(f"{topic}.a")
@@ -263,6 +270,58 @@ def test_a_producer_left_without_an_id_is_replaced_and_its_records_go_out_once(
     finally:
         broker.stop()
         proxy.close()
+    assert_records_once_each(records, f"{topic}.a", count)
+
+
+def test_a_member_the_group_does_not_take_back_is_made_again_and_repeats_nothing(
+    policy_file: PolicyFile, tmp_path: Path
+) -> None:
+    """At least once, CI at ef5f3c0: after a broker restart the consumer sent no JoinGroup for two
+    minutes, so the partitions lost to the outage never came back and nothing was delivered. Here a
+    proxy drops the member's heartbeats, so its session lapses and its partitions are lost, and its
+    JoinGroup requests, which librdkafka then waits on for max.poll.interval.ms (in CI it was stuck
+    looking for the coordinator, with no connection up): the sidecar makes its consumer again once
+    the group has kept the partitions from it for the session timeout and a margin, and they come
+    back as it left them. Before the fix it waited on the client."""
+    topic, count = "no-join", 600
+    proxy, broker = behind_a_proxy(tmp_path / "broker")
+    try:
+        bootstrap = f"127.0.0.1:{proxy.port}"
+        broker.start()
+        proxy.broker = ("127.0.0.1", broker.broker_port(1))  # the launcher moves off ports found taken
+        policies = policy_file(f"topics:\n  {topic}:\n    subscriptions: {{a: {{}}}}\n")
+        port = free_port()
+        args = run_args(bootstrap, policies, tmp_path / "state", port, topic, "--session-timeout-ms", "6000")
+        sidecar = SidecarProcess(args, tmp_path / "sidecar.log")
+        helper = KafkaHelper(bootstrap)
+        try:
+            sidecar.start()
+            wait_for(lambda: scrape(port, "delay_sidecar_assigned_partitions") > 0, 60, "the sidecar serving")
+            first_due = int(time.time() * 1000) + 3_000
+            for i in range(count):  # due over 6 s: some delivered before the member is cut off
+                helper.produce(topic, f"v{i}".encode(), headers=[("deliver-at", str(first_due + i * 10))])
+            helper.flush()
+            wait_for(lambda: outbound_end(helper, f"{topic}.a") >= 100, 60, "deliveries under way")
+            proxy.drop({HEARTBEAT, JOIN_GROUP})
+            wait_for(lambda: "partitions lost" in sidecar.log.read_text(), 60, "the session lapsed")
+            wait_for(lambda: proxy.dropped[JOIN_GROUP] > 0, 60, "the rejoin left unanswered")
+            deadline = time.monotonic() + 120
+            while "making the group's consumer again" not in sidecar.log.read_text():
+                assert time.monotonic() < deadline, "timed out waiting for the consumer made again"
+                time.sleep(0.005)  # often: the new consumer's join follows within milliseconds
+            proxy.drop(())  # were its join dropped too, it would be made again once more, a wait later
+            wait_for(lambda: len(deliveries(helper.read_to_end(f"{topic}.a"))) >= count, 120, "every record delivered")
+            assert sidecar.stop() == 0, sidecar.tail()
+            records = helper.read_to_end(f"{topic}.a")
+            log = sidecar.log.read_text()
+        finally:
+            sidecar.close()
+            helper.close()
+    finally:
+        broker.stop()
+        proxy.close()
+    assert "the group has not given the lost partitions back" in log
+    assert "partition back as this member left it" in log
     assert_records_once_each(records, f"{topic}.a", count)
 
 
