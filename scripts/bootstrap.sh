@@ -21,9 +21,3 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   install .venv/bin/python -m pip install -e ".${EXTRAS:+[$EXTRAS]}"
   touch "$stamp"
 fi
-# The project's own bytecode, written here because PYTHONDONTWRITEBYTECODE in the environment (set
-# on the machines CI runs on) stops Python from caching it: every process the tests start (some 250
-# sidecars, workers, benches) compiled the whole package again, about half of a sidecar's CPU
-# before it reaches a broker (0.5 of 1.1 s). pip compiles what it installs; this is the editable
-# part. Files not changed since are skipped.
-.venv/bin/python -m compileall -q sidecar spark bench > /dev/null
