@@ -29,6 +29,9 @@ COORDINATOR_MOVING = {
 T = TypeVar("T")
 # How often topic retention.ms is re-read for EXCEEDS_RETENTION.
 RETENTION_REFRESH_S = 60.0
+FRESH_CLIENT_AFTER_S = 10.0
+"""How long `reachable` goes unanswered before its client is made again (the clients' own
+rebootstrap, settings.REBOOTSTRAP_AFTER_MS, did not bring this one back in a CI run)."""
 
 
 def while_coordinator_moves(call: Callable[[], T], timeout_s: float, what: str) -> T:
@@ -85,6 +88,8 @@ class TopicAdmin:
     ) -> None:
         self._admin = AdminClient(client_config, logger=LIBRDKAFKA)
         self._client_config = client_config
+        self._unanswered_since: float | None = None
+        """When `reachable` began to go unanswered (time.monotonic)."""
         self._new_partitions = new_partitions
         self._replication_factor = replication_factor
         self._replication: tuple[int, int] | None = None
@@ -284,11 +289,24 @@ class TopicAdmin:
             raise BrokerError(f"cannot read the end of {topic}/{partition} ({e}); is the broker up?") from e
 
     def reachable(self) -> bool:
-        """True when a broker answers a metadata request within a second."""
+        """True when a broker answers a metadata request within a second. A client that has not
+        been answered for FRESH_CLIENT_AFTER_S is replaced by a new one, which starts from the
+        bootstrap servers: after a single node's restart, librdkafka 2.16 once kept this client
+        away from the node for the two minutes a CI test waited (`Failed while waiting for
+        controller`), while the sidecar's consumer was served, and /healthz said unreachable all
+        along."""
         try:
             self._admin.list_topics(timeout=1)
         except Exception:
+            now = time.monotonic()
+            if self._unanswered_since is None:
+                self._unanswered_since = now
+            elif now - self._unanswered_since >= FRESH_CLIENT_AFTER_S:
+                logger.warning("admin client unanswered, made again after_s=%.0f", now - self._unanswered_since)
+                self._admin = AdminClient(self._client_config, logger=LIBRDKAFKA)
+                self._unanswered_since = now
             return False
+        self._unanswered_since = None
         return True
 
     def refresh_retention(self, topics: list[str], force: bool = False) -> None:
