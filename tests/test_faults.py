@@ -4,11 +4,12 @@ The short version of bench/faults.py: the sidecar must ride out broker restarts 
 on /healthz while the broker is away, and not flood its log.
 """
 
+import contextlib
 import json
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ from sidecar.outbound.records import DELIVER_AT, ORIGIN_OFFSET
 from tests.kafka_helpers import (
     KafkaHelper,
     LiveReader,
+    Received,
     SidecarProcess,
     assert_records_once_each,
     deliveries,
@@ -48,6 +50,13 @@ def one_subscription(
     port = free_port()
     args = run_args(bootstrap, policies, tmp_path / "state", port, topic, *extra)
     return broker, port, SidecarProcess(args, tmp_path / "sidecar.log"), KafkaHelper(bootstrap)
+
+
+def delivered_then_stopped(sidecar: SidecarProcess, helper: KafkaHelper, outbound: str, count: int) -> list[Received]:
+    """Once `count` records have been delivered, the sidecar stopped cleanly, and `outbound` read to its end."""
+    wait_for(lambda: len(deliveries(helper.read_to_end(outbound))) >= count, 120, "every record delivered")
+    assert sidecar.stop() == 0, sidecar.tail()
+    return helper.read_to_end(outbound)
 
 
 def health(port: int) -> tuple[int, dict[str, object]]:
@@ -200,9 +209,7 @@ def test_a_broker_outage_repeats_nothing_at_least_once(policy_file: PolicyFile, 
         back_at = int(time.time() * 1000)
         broker.start()
         wait_for(lambda: health(port)[0] == 200, 120, "/healthz ready again by itself")
-        wait_for(lambda: len(deliveries(helper.read_to_end(f"{topic}.a"))) >= count, 120, "every record delivered")
-        assert sidecar.stop() == 0, sidecar.tail()
-        records = helper.read_to_end(f"{topic}.a")
+        records = delivered_then_stopped(sidecar, helper, f"{topic}.a", count)
     finally:
         sidecar.close()
         helper.close()
@@ -219,15 +226,37 @@ def test_a_broker_outage_repeats_nothing_at_least_once(policy_file: PolicyFile, 
     )
 
 
-def behind_a_proxy(data_dir: Path) -> tuple[KafkaProxy, ApacheKafka]:
-    """A proxy, and a broker of the test's own (not started) that advertises the proxy, so that every
-    connection of a client goes through it."""
+@contextlib.contextmanager
+def behind_a_proxy(
+    policy_file: PolicyFile, tmp_path: Path, topic: str, *extra: str
+) -> Iterator[tuple[KafkaProxy, SidecarProcess, KafkaHelper, int]]:
+    """A broker of the test's own that advertises a proxy before it, so that every connection of a
+    client goes through the proxy; a sidecar (not started) that serves `topic` to one subscription,
+    `a`, with `extra` arguments; a helper (not idempotent: it needs no producer id); the sidecar's
+    /metrics port. All stopped on the way out."""
     broker_port = free_port()
     proxy_port = next(p for p in iter(free_port, None) if p not in (broker_port, broker_port + 1))  # not the node's
     proxy = KafkaProxy(proxy_port, broker_port)
-    return proxy, ApacheKafka(
-        data_dir, port=broker_port, settings={"advertised.listeners": f"PLAINTEXT://127.0.0.1:{proxy_port}"}
-    )
+    settings = {"advertised.listeners": f"PLAINTEXT://127.0.0.1:{proxy_port}"}
+    broker = ApacheKafka(tmp_path / "broker", port=broker_port, settings=settings)
+    try:
+        bootstrap = f"127.0.0.1:{proxy_port}"
+        broker.start()
+        proxy.broker = ("127.0.0.1", broker.broker_port(1))  # the launcher moves off ports found taken
+        policies = policy_file(f"topics:\n  {topic}:\n    subscriptions: {{a: {{}}}}\n")
+        port = free_port()
+        sidecar = SidecarProcess(
+            run_args(bootstrap, policies, tmp_path / "state", port, topic, *extra), tmp_path / "sidecar.log"
+        )
+        helper = KafkaHelper(bootstrap)
+        try:
+            yield proxy, sidecar, helper, port
+        finally:
+            sidecar.close()
+            helper.close()
+    finally:
+        broker.stop()
+        proxy.close()
 
 
 def test_a_producer_left_without_an_id_is_replaced_and_its_records_go_out_once(
@@ -238,38 +267,19 @@ def test_a_producer_left_without_an_id_is_replaced_and_its_records_go_out_once(
     every record. Here a proxy before the broker drops every InitProducerId request until the
     sidecar says it replaced its producer; before the fix nothing was delivered for 5 minutes."""
     topic, count = "no-id", 300
-    proxy, broker = behind_a_proxy(tmp_path / "broker")
-    proxy.drop({INIT_PRODUCER_ID})
-    try:
-        bootstrap = f"127.0.0.1:{proxy.port}"
-        broker.start()
-        proxy.broker = ("127.0.0.1", broker.broker_port(1))  # the launcher moves off ports found taken
-        policies = policy_file(f"topics:\n  {topic}:\n    subscriptions: {{a: {{}}}}\n")
-        port = free_port()
-        sidecar = SidecarProcess(
-            run_args(bootstrap, policies, tmp_path / "state", port, topic), tmp_path / "sidecar.log"
-        )
-        helper = KafkaHelper(bootstrap)  # not idempotent: it needs no producer id
-        try:
-            sidecar.start()
-            wait_for(lambda: scrape(port, "delay_sidecar_assigned_partitions") > 0, 60, "the sidecar serving")
-            first_due = int(time.time() * 1000) + 2_000
-            for i in range(count):
-                helper.produce(topic, f"v{i}".encode(), headers=[("deliver-at", str(first_due + i * 10))])
-            helper.flush()
-            replaced = "no producer id for"
-            wait_for(lambda: replaced in sidecar.log.read_text(), WITHOUT_ID_S + 120, "the producer replaced")
-            proxy.drop(())
-            assert proxy.dropped[INIT_PRODUCER_ID] > 0
-            wait_for(lambda: len(deliveries(helper.read_to_end(f"{topic}.a"))) >= count, 120, "every record delivered")
-            assert sidecar.stop() == 0, sidecar.tail()
-            records = helper.read_to_end(f"{topic}.a")
-        finally:
-            sidecar.close()
-            helper.close()
-    finally:
-        broker.stop()
-        proxy.close()
+    with behind_a_proxy(policy_file, tmp_path, topic) as (proxy, sidecar, helper, port):
+        proxy.drop({INIT_PRODUCER_ID})
+        sidecar.start()
+        wait_for(lambda: scrape(port, "delay_sidecar_assigned_partitions") > 0, 60, "the sidecar serving")
+        first_due = int(time.time() * 1000) + 2_000
+        for i in range(count):
+            helper.produce(topic, f"v{i}".encode(), headers=[("deliver-at", str(first_due + i * 10))])
+        helper.flush()
+        replaced = "no producer id for"
+        wait_for(lambda: replaced in sidecar.log.read_text(), WITHOUT_ID_S + 120, "the producer replaced")
+        proxy.drop(())
+        assert proxy.dropped[INIT_PRODUCER_ID] > 0
+        records = delivered_then_stopped(sidecar, helper, f"{topic}.a", count)
     assert_records_once_each(records, f"{topic}.a", count)
 
 
@@ -284,42 +294,24 @@ def test_a_member_the_group_does_not_take_back_is_made_again_and_repeats_nothing
     the group has kept the partitions from it for the session timeout and a margin, and they come
     back as it left them. Before the fix it waited on the client."""
     topic, count = "no-join", 600
-    proxy, broker = behind_a_proxy(tmp_path / "broker")
-    try:
-        bootstrap = f"127.0.0.1:{proxy.port}"
-        broker.start()
-        proxy.broker = ("127.0.0.1", broker.broker_port(1))  # the launcher moves off ports found taken
-        policies = policy_file(f"topics:\n  {topic}:\n    subscriptions: {{a: {{}}}}\n")
-        port = free_port()
-        args = run_args(bootstrap, policies, tmp_path / "state", port, topic, "--session-timeout-ms", "6000")
-        sidecar = SidecarProcess(args, tmp_path / "sidecar.log")
-        helper = KafkaHelper(bootstrap)
-        try:
-            sidecar.start()
-            wait_for(lambda: scrape(port, "delay_sidecar_assigned_partitions") > 0, 60, "the sidecar serving")
-            first_due = int(time.time() * 1000) + 3_000
-            for i in range(count):  # due over 6 s: some delivered before the member is cut off
-                helper.produce(topic, f"v{i}".encode(), headers=[("deliver-at", str(first_due + i * 10))])
-            helper.flush()
-            wait_for(lambda: outbound_end(helper, f"{topic}.a") >= 100, 60, "deliveries under way")
-            proxy.drop({HEARTBEAT, JOIN_GROUP})
-            wait_for(lambda: "partitions lost" in sidecar.log.read_text(), 60, "the session lapsed")
-            wait_for(lambda: proxy.dropped[JOIN_GROUP] > 0, 60, "the rejoin left unanswered")
-            deadline = time.monotonic() + 120
-            while "making the group's consumer again" not in sidecar.log.read_text():
-                assert time.monotonic() < deadline, "timed out waiting for the consumer made again"
-                time.sleep(0.005)  # often: the new consumer's join follows within milliseconds
-            proxy.drop(())  # were its join dropped too, it would be made again once more, a wait later
-            wait_for(lambda: len(deliveries(helper.read_to_end(f"{topic}.a"))) >= count, 120, "every record delivered")
-            assert sidecar.stop() == 0, sidecar.tail()
-            records = helper.read_to_end(f"{topic}.a")
-            log = sidecar.log.read_text()
-        finally:
-            sidecar.close()
-            helper.close()
-    finally:
-        broker.stop()
-        proxy.close()
+    with behind_a_proxy(policy_file, tmp_path, topic, "--session-timeout-ms", "6000") as (proxy, sidecar, helper, port):
+        sidecar.start()
+        wait_for(lambda: scrape(port, "delay_sidecar_assigned_partitions") > 0, 60, "the sidecar serving")
+        first_due = int(time.time() * 1000) + 3_000
+        for i in range(count):  # due over 6 s: some delivered before the member is cut off
+            helper.produce(topic, f"v{i}".encode(), headers=[("deliver-at", str(first_due + i * 10))])
+        helper.flush()
+        wait_for(lambda: outbound_end(helper, f"{topic}.a") >= 100, 60, "deliveries under way")
+        proxy.drop({HEARTBEAT, JOIN_GROUP})
+        wait_for(lambda: "partitions lost" in sidecar.log.read_text(), 60, "the session lapsed")
+        wait_for(lambda: proxy.dropped[JOIN_GROUP] > 0, 60, "the rejoin left unanswered")
+        deadline = time.monotonic() + 120
+        while "making the group's consumer again" not in sidecar.log.read_text():
+            assert time.monotonic() < deadline, "timed out waiting for the consumer made again"
+            time.sleep(0.005)  # often: the new consumer's join follows within milliseconds
+        proxy.drop(())  # were its join dropped too, it would be made again once more, a wait later
+        records = delivered_then_stopped(sidecar, helper, f"{topic}.a", count)
+        log = sidecar.log.read_text()
     assert "the group has not given the lost partitions back" in log
     assert "partition back as this member left it" in log
     assert_records_once_each(records, f"{topic}.a", count)
