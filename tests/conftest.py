@@ -9,12 +9,14 @@ its own) or `noida-db` (the fallback; an embedded broker per worker, for the tes
 
 import os
 import shutil
+import sys
 import tempfile
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from confluent_kafka import KafkaException
 from confluent_kafka.admin import AdminClient, NewTopic
 from hypothesis import HealthCheck, settings
 from xdist.scheduler import LoadFileScheduling
@@ -203,9 +205,24 @@ def pytest_configure(config: pytest.Config) -> None:
 
     def stop() -> None:
         launcher.stop()
+        if _FAILED:  # the node's logs outlive a red run: the stalls seen beside busy neighbours left none
+            kept = Path(tempfile.gettempdir()) / f"delay-sidecar-test-kafka-logs-{os.getpid()}"
+            for log in data_dir.glob("node-*/*.log"):
+                (kept / log.parent.name).mkdir(parents=True, exist_ok=True)
+                shutil.copy2(log, kept / log.parent.name / log.name)
+            print(f"\nthe suite's Kafka node's logs: {kept}", file=sys.stderr)
         shutil.rmtree(data_dir, ignore_errors=True)
 
     config.add_cleanup(stop)
+
+
+_FAILED: list[bool] = []
+"""Set when the run ends red, for the broker's cleanup (pytest_configure) to keep its logs."""
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if exitstatus != 0:
+        _FAILED.append(True)
 
 
 def pytest_report_header(config: pytest.Config) -> str:
@@ -237,6 +254,14 @@ def embedded_broker(kafka: str) -> bool:
     return isinstance(_LAUNCHER[0], EmbeddedBroker)
 
 
+def _metadata_answer(admin: AdminClient) -> str:
+    try:
+        admin.list_topics(timeout=10)
+    except KafkaException as e:
+        return f"none ({e.args[0]})"
+    return "answered"
+
+
 @pytest.fixture
 def topic_factory(kafka: str) -> Callable[..., str]:
     """Create a topic with a name no other test uses. Within a minute: the suite's node once answered
@@ -245,7 +270,17 @@ def topic_factory(kafka: str) -> Callable[..., str]:
 
     def create(prefix: str = "t", partitions: int = 1, config: dict[str, str] | None = None) -> str:
         name = f"{prefix}-{uuid.uuid4().hex[:10]}"
-        admin.create_topics([NewTopic(name, partitions, config=config or {})])[name].result(60)
+        try:
+            admin.create_topics([NewTopic(name, partitions, config=config or {})])[name].result(60)
+        except TimeoutError:
+            # Once, beside a busy neighbour, with nothing to tell the node from the client: which of
+            # the two still answers metadata says which was stuck (librdkafka 2.16 lost a restarted
+            # node in three of the sidecar's clients, docs/operations/faults.md).
+            fresh = AdminClient({"bootstrap.servers": kafka})
+            raise AssertionError(
+                f"creating {name} took more than 60 s; metadata from this admin client: "
+                f"{_metadata_answer(admin)}, from a new one: {_metadata_answer(fresh)}"
+            ) from None
         return name
 
     return create
