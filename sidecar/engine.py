@@ -46,7 +46,7 @@ from sidecar.inbound.batch import batches
 from sidecar.inbound.commands import CommandStep
 from sidecar.inbound.idle_fetch import IdleFetch
 from sidecar.inbound.indexing import Indexer
-from sidecar.inbound.member import GroupMember, RejoinWatch
+from sidecar.inbound.member import GroupMember, rejoin_watch
 from sidecar.inbound.rebuild import Rebuilder
 from sidecar.inbound.receiver import Receiver
 from sidecar.kafka_io import LIBRDKAFKA, Connectivity, consume_batch, consumer_config
@@ -160,7 +160,7 @@ class Sidecar:
             group["enable.partition.eof"] = True  # what IdleFetch paces by
         group["on_commit"] = self._on_commit  # answers to the periodic commits (checkpoint.py)
         self._member = member = GroupMember(consumer_config(client_config, **group))
-        self._rejoin = RejoinWatch(session_timeout_ms)
+        self._rejoin = rejoin_watch(session_timeout_ms)
         try:  # exactly-once: fencing the earlier transactional.id fails while the brokers are away
             self._writer = writer = Writer(client_config, librdkafka, transactional_ids, producer)
         except BaseException:
@@ -333,7 +333,7 @@ class Sidecar:
                     kept = bool(self._assignment.kept) and not self._writer.transactional
                     if kept and self._checkpoints.in_flight:
                         self._renew_member("partitions lost with a commit held for the coordinator")
-                    elif self._rejoin.overdue(kept, self._connectivity.reason is None):
+                    elif self._rejoin.check(kept and self._connectivity.reason is None):
                         self._renew_member(
                             f"the group has not given the lost partitions back {self._rejoin.wait_s:.0f} s "
                             "after the brokers answered"
@@ -390,7 +390,7 @@ class Sidecar:
         logger.warning("making the group's consumer again; partitions kept until the group gives them back why=%s", why)
         self._assignment.set_aside(self._member.consumer)
         self._member.renew()
-        self._rejoin.reset()
+        self._rejoin.restart()
         self._checkpoints.member_renewed()
         self._subscribed = frozenset()
         self._subscribe()

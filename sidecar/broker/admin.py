@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 from confluent_kafka import Consumer, IsolationLevel, KafkaError, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic, OffsetSpec
 
+from sidecar.clock import Overdue
 from sidecar.errors import BrokerError
 from sidecar.kafka_io import LIBRDKAFKA
 from sidecar.policy import PolicySet
@@ -88,8 +89,7 @@ class TopicAdmin:
     ) -> None:
         self._admin = AdminClient(client_config, logger=LIBRDKAFKA)
         self._client_config = client_config
-        self._unanswered_since: float | None = None
-        """When `reachable` began to go unanswered (time.monotonic)."""
+        self._unanswered = Overdue(FRESH_CLIENT_AFTER_S)
         self._new_partitions = new_partitions
         self._replication_factor = replication_factor
         self._replication: tuple[int, int] | None = None
@@ -298,15 +298,12 @@ class TopicAdmin:
         try:
             self._admin.list_topics(timeout=1)
         except Exception:
-            now = time.monotonic()
-            if self._unanswered_since is None:
-                self._unanswered_since = now
-            elif now - self._unanswered_since >= FRESH_CLIENT_AFTER_S:
-                logger.warning("admin client unanswered, made again after_s=%.0f", now - self._unanswered_since)
+            if self._unanswered.check(True):
+                logger.warning("admin client unanswered, made again after_s=%.0f", self._unanswered.held_s)
                 self._admin = AdminClient(self._client_config, logger=LIBRDKAFKA)
-                self._unanswered_since = now
+                self._unanswered.restart()
             return False
-        self._unanswered_since = None
+        self._unanswered.check(False)
         return True
 
     def refresh_retention(self, topics: list[str], force: bool = False) -> None:

@@ -12,12 +12,12 @@ sent again everything acknowledged since (CI: 3,417 of 6,000 records after a bro
 
 import logging
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
 from confluent_kafka import Consumer, KafkaException, TopicPartition
 
+from sidecar.clock import Overdue
 from sidecar.kafka_io import LIBRDKAFKA
 
 logger = logging.getLogger(__name__)
@@ -66,33 +66,14 @@ partitions, counted from when the brokers answer: the coordinator holds a rebala
 that long for members that do not come back, so waiting longer is waiting on the client."""
 
 
-class RejoinWatch:
-    """At least once, how long the group has kept this member's lost partitions from it while the
-    brokers answered. librdkafka rejoins by itself within seconds of their return, but once in a
-    CI run (a broker restarted under load, its coordinator answering NOT_COORDINATOR as it shut
-    down) the consumer sent no JoinGroup for two minutes: the group, loaded again with the member,
-    expired it after the session timeout, and nothing was delivered or committed meanwhile. A
-    consumer made again joins at once (`GroupMember.renew`)."""
-
-    def __init__(self, session_timeout_ms: int, clock: Callable[[], float] = time.monotonic) -> None:
-        self.wait_s = session_timeout_ms / 1000 + REJOIN_MARGIN_S
-        self._clock = clock
-        self._since: float | None = None
-
-    def overdue(self, waiting: bool, reachable: bool) -> bool:
-        """Once a loop turn. `waiting`: lost partitions are kept for the group to give back;
-        `reachable`: the brokers answer. True once both have held for `wait_s`."""
-        if not (waiting and reachable):
-            self._since = None
-            return False
-        now = self._clock()
-        if self._since is None:
-            self._since = now
-        return now - self._since >= self.wait_s
-
-    def reset(self) -> None:
-        """The consumer was made again: it gets the whole wait."""
-        self._since = None
+def rejoin_watch(session_timeout_ms: int, clock: Callable[[], float] | None = None) -> Overdue:
+    """At least once, how long the group may keep this member's lost partitions from it while the
+    brokers answer, before the consumer is made again (`GroupMember.renew`), which joins at once.
+    librdkafka rejoins by itself within seconds of their return, but once in a CI run (a broker
+    restarted under load, its coordinator answering NOT_COORDINATOR as it shut down) the consumer
+    sent no JoinGroup for two minutes: the group, loaded again with the member, expired it after
+    the session timeout, and nothing was delivered or committed meanwhile."""
+    return Overdue(session_timeout_ms / 1000 + REJOIN_MARGIN_S, clock)
 
 
 def _close(consumer: Consumer) -> None:
