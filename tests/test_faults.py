@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from sidecar.broker import ApacheKafka, BrokerLauncher
-from sidecar.broker.ports import free_port
+from sidecar.broker.ports import free_port, free_ports
 from sidecar.checkpoint import WITHOUT_ID_S
 from sidecar.outbound.records import DELIVER_AT, ORIGIN_OFFSET
 from tests.kafka_helpers import (
@@ -234,8 +234,7 @@ def behind_a_proxy(
     client goes through the proxy; a sidecar (not started) that serves `topic` to one subscription,
     `a`, with `extra` arguments; a helper (not idempotent: it needs no producer id); the sidecar's
     /metrics port. All stopped on the way out."""
-    broker_port = free_port()
-    proxy_port = next(p for p in iter(free_port, None) if p not in (broker_port, broker_port + 1))  # not the node's
+    broker_port, proxy_port = free_ports(2), free_port()  # the node's two ports, then one not theirs
     proxy = KafkaProxy(proxy_port, broker_port)
     settings = {"advertised.listeners": f"PLAINTEXT://127.0.0.1:{proxy_port}"}
     broker = ApacheKafka(tmp_path / "broker", port=broker_port, settings=settings)

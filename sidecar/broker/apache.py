@@ -34,7 +34,7 @@ from sidecar.broker.base import BrokerLauncher
 from sidecar.broker.class_archive import ClassArchive
 from sidecar.broker.jars import KAFKA_VERSION, fetch_kafka
 from sidecar.broker.lifeline import die_with_parent
-from sidecar.broker.ports import free_ports, port_in_use
+from sidecar.broker.ports import free_ports, port_in_use, reserve
 from sidecar.errors import BrokerError
 
 logger = logging.getLogger(__name__)
@@ -207,11 +207,13 @@ class ApacheKafka(BrokerLauncher):
 
     def _pick_ports(self) -> None:
         count = 2 * len(self.nodes)
-        taken = [p for p in range(self.port, self.port + count) if port_in_use(self.host, p)]
+        # Held for as long as we live, so no other process of ours is handed a stopped node's port.
+        taken = [p for p in range(self.port, self.port + count) if port_in_use(self.host, p) or not reserve(p)]
         if taken:
             base = free_ports(count)
             logger.warning(
-                "broker ports in use; using free ones ports_in_use=%s wanted=%d-%d using=%d-%d",
+                "broker ports taken (in use, or held by another of our processes); using free ones "
+                "taken=%s wanted=%d-%d using=%d-%d",
                 taken,
                 self.port,
                 self.port + count - 1,

@@ -25,6 +25,7 @@ from sidecar.broker.local import local_broker, resolve_kind
 from sidecar.broker.ports import free_port, free_ports
 from sidecar.errors import BrokerError
 from tests.broker.test_orphans import gone, wait_until
+from tests.broker.test_ports import reservable_by_another_process
 from tests.kafka_helpers import ROOT
 
 
@@ -46,8 +47,10 @@ def topic_replicas(bootstrap: str, name: str, partitions: int) -> dict[int, list
 
 def test_a_restart_keeps_the_data_and_the_ports(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Also: the JVM settings come from the environment as the release's scripts read them, and a
-    node writes its GC log (with the safepoints) beside its server.log, as kafka-server-start.sh's."""
-    cluster = ApacheKafka(tmp_path / "kafka", port=free_ports(2))
+    node writes its GC log (with the safepoints) beside its server.log, as kafka-server-start.sh's.
+    Asked for one free port, as tests/conftest.py does, it holds both of its ports while stopped."""
+    port = free_port()
+    cluster = ApacheKafka(tmp_path / "kafka", port=port)
     with cluster:
         first = cluster.bootstrap_servers
         topic_replicas(first, "kept", 1)
@@ -57,6 +60,7 @@ def test_a_restart_keeps_the_data_and_the_ports(tmp_path: Path, monkeypatch: pyt
         assert "-XX:+UseG1GC" in command and "-XX:TieredStopAtLevel=1" in command  # tests/conftest.py's KAFKA_OPTS
         gc_log = (cluster.nodes[0].directory / GC_LOG).read_text()
         assert "[gc" in gc_log and "[safepoint" in gc_log, gc_log[-2000:]
+    assert not reservable_by_another_process(port) and not reservable_by_another_process(port + 1)
     monkeypatch.setenv("KAFKA_JVM_PERFORMANCE_OPTS", "-XX:+UseSerialGC")
     with cluster:
         node = cluster.nodes[0].process

@@ -1,7 +1,6 @@
 """The embedded broker: starts, answers, keeps its data across restarts, stops on SIGTERM."""
 
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -12,7 +11,7 @@ from confluent_kafka import Consumer, Producer, TopicPartition
 
 from sidecar.broker.base import wait_for_metadata
 from sidecar.broker.embedded import EmbeddedBroker
-from sidecar.broker.ports import EPHEMERAL_RANGE, LOWEST_FREE_PORT, free_port
+from sidecar.broker.ports import free_port
 from tests.broker.test_orphans import noida_broker_command
 from tests.kafka_helpers import ROOT
 
@@ -114,15 +113,3 @@ def test_writes_acknowledged_while_the_broker_stops_survive_its_restart(tmp_path
         finally:
             consumer.close()
     assert sorted(acked - stored) == []
-
-
-def test_a_free_port_lies_below_the_ephemeral_range_where_an_outgoing_connection_could_take_it() -> None:
-    """Once a broker on a port from bind(0) stops, any outgoing connection may take that port as its
-    local one, and the broker's restart on it finds it in use (a chance failure in test_orphans)."""
-    low = int(EPHEMERAL_RANGE.read_text().split()[0])
-    ports = {free_port() for _ in range(50)}
-    assert all(LOWEST_FREE_PORT <= port < low for port in ports)
-    assert len(ports) > 1  # chosen at random, so parallel test workers seldom pick the same one
-    for port in ports:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", port))  # free: nothing listens there
