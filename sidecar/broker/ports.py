@@ -28,8 +28,11 @@ def reserve(port: int) -> bool:
     from handing out each other's ports; the kernel lets it go when its holder dies, kill -9 too."""
     if port in _held:
         return True
-    RESERVATIONS.mkdir(parents=True, exist_ok=True)
-    fd = os.open(RESERVATIONS / str(port), os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        RESERVATIONS.mkdir(parents=True, exist_ok=True)
+        fd = os.open(RESERVATIONS / str(port), os.O_CREAT | os.O_RDWR, 0o644)
+    except OSError:
+        return True  # a folder another user made, say: no lock to take, and the port was free when asked
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

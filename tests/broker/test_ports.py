@@ -6,6 +6,7 @@ import signal
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -54,6 +55,18 @@ def test_one_process_is_not_handed_the_same_port_twice(monkeypatch: pytest.Monke
     first = free_ports(2)
     monkeypatch.setattr(ports.random, "randrange", lambda _low, _high: first)
     assert free_port() not in (first, first + 1)
+
+
+def test_a_folder_of_locks_this_process_cannot_write_still_gives_free_ports(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """As when another user of the machine made the folder first (root may write anywhere, so a
+    path under a file stands for it here)."""
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setattr(ports, "RESERVATIONS", tmp_path / "a-file" / "locks")
+    port = free_port()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))
 
 
 def reservable_by_another_process(port: int) -> bool:
