@@ -35,5 +35,6 @@ fi
 # files to settle); three took 51 to 53 s against 65 to 69 s, by turns on a quiet machine.
 .venv/bin/pytest -n 3 --dist loadfile -m "not broker" -x
 .venv/bin/pytest -n 4 --dist loadfile -m broker
-# The fallback keeps working: a small set on noida-db, an embedded broker per worker.
-exec env DELAY_SIDECAR_TEST_BROKER=noida-db .venv/bin/pytest -n 3 --dist loadfile -m fallback
+# The fallback keeps working: a small set on noida-db, an embedded broker per worker. Four workers:
+# on three the cores were idle 50 to 90% of this phase (its tests wait on kills and restarts).
+exec env DELAY_SIDECAR_TEST_BROKER=noida-db .venv/bin/pytest -n 4 --dist loadfile -m fallback
