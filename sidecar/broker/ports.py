@@ -15,7 +15,9 @@ EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 RESERVATIONS = Path(tempfile.gettempdir()) / "delay-sidecar-ports"
 
 
-_held: dict[int, int] = {}  # port -> descriptor of this process's lock on it, open for as long as it lives
+_held: dict[int, int | None] = {}
+"""Port -> descriptor of this process's lock on it, open for as long as it lives (None: no lock
+could be taken, and the port is still never handed out twice here)."""
 
 
 def reserve(port: int) -> bool:
@@ -31,8 +33,9 @@ def reserve(port: int) -> bool:
     try:
         RESERVATIONS.mkdir(parents=True, exist_ok=True)
         fd = os.open(RESERVATIONS / str(port), os.O_CREAT | os.O_RDWR, 0o644)
-    except OSError:
-        return True  # a folder another user made, say: no lock to take, and the port was free when asked
+    except OSError:  # a folder another user made, say: no lock to take, and the port was free when asked
+        _held[port] = None
+        return True
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -76,7 +79,7 @@ def free_port() -> int:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = int(s.getsockname()[1])
-        if port not in _held and reserve(port):
+        if _fresh(port):
             return port
 
 
