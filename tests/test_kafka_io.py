@@ -6,10 +6,36 @@ import uuid
 from collections.abc import Callable
 
 import pytest
-from confluent_kafka import Consumer, KafkaError
+from confluent_kafka import Consumer, KafkaError, Message
+from hypothesis import given
+from hypothesis import strategies as st
 
 from sidecar.broker.admin import TopicAdmin, replication
-from sidecar.kafka_io import LIBRDKAFKA, Connectivity, RepeatFilter, consumer_config, is_fatal
+from sidecar.kafka_io import LIBRDKAFKA, Connectivity, RepeatFilter, consume_batch, consumer_config, is_fatal
+
+
+class TruncatingConsumer:
+    """Takes timeouts as confluent-kafka does: seconds as a float, cut down to whole milliseconds."""
+
+    def __init__(self) -> None:
+        self.waited_ms: list[int] = []
+
+    def consume(self, num_messages: int, timeout: float) -> list[Message]:
+        return []
+
+    def poll(self, timeout: float) -> Message | None:
+        self.waited_ms.append(int(timeout * 1000))
+        return None
+
+
+@given(st.floats(min_value=1e-6, max_value=600, allow_nan=False))
+def test_a_wait_for_nothing_blocks_at_least_as_long_as_asked(wait_s: float) -> None:
+    """A wait under a millisecond cut down to 0 returned at once, and an idle loop spun until the
+    instant it waited for (1,000 turns a second of an idle sidecar pacing its partitions)."""
+    consumer = TruncatingConsumer()
+    assert consume_batch(consumer, 10, wait_s) == []  # type: ignore[arg-type]
+    [waited_ms] = consumer.waited_ms
+    assert wait_s * 1000 - 1e-9 <= waited_ms <= wait_s * 1000 + 1
 
 
 def record(message: str) -> logging.LogRecord:
