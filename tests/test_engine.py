@@ -228,28 +228,6 @@ def test_interleaved_immediate_and_delayed_keep_order_with_concurrent_readers(
         assert all(r.timestamp >= r.header_int(DELIVER_AT) for r in records)
 
 
-def test_a_removed_topic_dead_letters_its_pending_records_with_a_code(
-    kafka: str,
-    kafka_helper: KafkaHelper,
-    topic_factory: Callable[..., str],
-    policy_file: Callable[[str], Path],
-    tmp_path: Path,
-) -> None:
-    topic, other = topic_factory("removed"), topic_factory("kept")
-    path = policy_file(two_subscriptions(topic) + f"  {other}:\n    subscriptions: {{a: {{}}}}\n")
-    with ThreadedSidecar(settings_for(kafka, path, tmp_path)) as sidecar:
-        for i in range(50):
-            kafka_helper.produce(topic, f"v{i}".encode(), headers=[("deliver-after", "10m")])
-        kafka_helper.flush()
-        wait_for(lambda: sidecar.metric("delay_sidecar_messages_delayed_total", topic=topic) == 50, 30, "indexing")
-        path.write_text(f"topics:\n  {other}:\n    subscriptions: {{a: {{}}}}\n")
-        wait_for(lambda: outbound_end(kafka_helper, f"{topic}.dlt") >= 50, 30, "the dead letters")
-    dead = kafka_helper.read_to_end(f"{topic}.dlt")
-    assert sorted(deliveries(dead).values()) == [1] * 50
-    assert {r.headers[ERROR_CODE] for r in dead} == {b"TOPIC_REMOVED"}
-    assert kafka_helper.read_to_end(f"{topic}.billing") == []
-
-
 def test_changing_a_subscription_type_neither_loses_nor_repeats_records(
     kafka: str,
     kafka_helper: KafkaHelper,

@@ -192,7 +192,9 @@ def test_a_topic_removed_live_keeps_the_other_topics_delivering_while_it_drains(
         every = Counter({(0, o) for o in range(pending)})
         wait_for(lambda: origins(kafka_helper.read_to_end(f"{removed}.dlt")).keys() == every.keys(), DEADLINE_S,
                  "every pending record dead-lettered")  # fmt: skip
-    assert origins(kafka_helper.read_to_end(f"{removed}.dlt")) == every
+    dead_letters = kafka_helper.read_to_end(f"{removed}.dlt")
+    assert origins(dead_letters) == every
+    assert {r.headers[ERROR_CODE] for r in dead_letters} == {b"TOPIC_REMOVED"}
     assert kafka_helper.read_to_end(f"{removed}.a") == []
     assert sorted(deliveries(kafka_helper.read_to_end(f"{kept}.a")).values()) == [1] * len(due)
 
