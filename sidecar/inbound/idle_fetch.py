@@ -22,6 +22,15 @@ itself 0.010 to 0.012 against 0.005 (one run 0.05). On noida-db, 15 s runs gave 
 sidecar and 0.22 to the broker without pauses, 0.005 and 0.001 with them. Both brokers use this;
 on Apache Kafka it adds 4 to 5 ms to an undelayed record's way through an idle sidecar (median 13
 to 14 ms against 9, 20 records a run).
+
+Those figures hide two costs, measured on 2026-12-02 (docs/benchmarks.md, "An idle sidecar"). A
+partition that has records keeps this cycle going 30 to 40 times a second, each end and resume a
+turn of the loop: 0.08 to 0.10 of a core while idle, on either broker. A partition never written
+is sought to offset 0, which does not wake librdkafka's broker thread (a seek above 0 goes through
+offset validation, which does): once all a broker's partitions are paused together, it fetches
+again only at its next one-second tick, and the first record on such a partition was read 0.85 to
+0.94 s late, against the `pause_ms` the contract promises. Not fixed yet. Resuming all partitions
+on one beat of `pause_ms` puts them in step at once: cheap, and late the same way (not taken).
 """
 
 from __future__ import annotations
