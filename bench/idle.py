@@ -1,6 +1,6 @@
 """What an idle sidecar costs, and how late the first record after an idle spell is.
 
-Usage: .venv/bin/python -m bench.idle [--runs 2] [--pauses 0,10] [--idle-s 60] [--window-s 20]
+Usage: .venv/bin/python -m bench.idle [--runs 2] [--pauses 0,10] [--idle-s 60] [--window-s 20] [--written 0]
 
 One broker (bench_broker: Apache Kafka unless DELAY_SIDECAR_BROKER_KIND says otherwise); each run
 starts a sidecar on a fresh inbound topic of two partitions, with `--idle-fetch-pause-ms` set to
@@ -60,8 +60,8 @@ def one_run(
         bootstrap, policies, work / topic, free_port(), f"{topic}-group", work / f"{topic}.log",
         "--idle-fetch-pause-ms", str(pause_ms),
     )  # fmt: skip
-    producer.list_topics(topic, timeout=30)  # connected and told the topic's leaders before the timing
     try:
+        producer.list_topics(topic, timeout=30)  # connected and told the topic's leaders before the timing
         shares: list[float] = []
         delivered = 0
         for _ in range(int(idle_s // window_s)):
