@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 from confluent_kafka.admin import AdminClient
 
-from sidecar.broker import BrokerLauncher, ExternalBroker, local_broker
+from sidecar.broker import BrokerLauncher, EmbeddedBroker, ExternalBroker, local_broker
 from sidecar.clock import Clock, SystemClock
 from sidecar.control.cancels import key_fields
 from sidecar.dispatch.payload_cache import PayloadCache
@@ -47,6 +47,18 @@ def launcher_for(settings: RunSettings, stop: threading.Event | None = None) -> 
     if settings.bootstrap_servers:
         return ExternalBroker(settings.bootstrap_servers, settings.client_config(settings.bootstrap_servers), stop)
     return local_broker(settings.broker_kind, None, port=settings.broker_port, state_dir=settings.state_dir)
+
+
+def idle_fetch_pause_ms(settings: RunSettings, launcher: BrokerLauncher) -> int:
+    """The idle-fetch pause asked for, else the one the broker needs (inbound/idle_fetch.py): noida-db
+    answers an empty fetch at once, Apache Kafka holds it. Of a cluster it did not start, the sidecar
+    cannot tell which."""
+    if settings.idle_fetch_pause_ms is not None:
+        return settings.idle_fetch_pause_ms
+    return EMBEDDED_IDLE_FETCH_PAUSE_MS if isinstance(launcher, EmbeddedBroker) else 0
+
+
+EMBEDDED_IDLE_FETCH_PAUSE_MS = 10
 
 
 STATE_TAIL_OFFSETS = 10_000
@@ -211,7 +223,7 @@ class SidecarApp:
                     clock=self.clock,
                     commit_interval_ms=settings.commit_interval_ms,
                     batch_size=settings.batch_size,
-                    idle_fetch_pause_ms=settings.idle_fetch_pause_ms,
+                    idle_fetch_pause_ms=idle_fetch_pause_ms(settings, launcher),
                     new_topic_partitions=settings.new_topic_partitions,
                     replication_factor=settings.replication_factor,
                     control_topic=settings.control_topic,

@@ -187,13 +187,14 @@ class RunSettings(KafkaSettings):
         "cache; later ones are read back from the log ahead of their deliver-at",
     )
     batch_size: int = Field(10_000, ge=1, description="Most records read per poll of the inbound topics")
-    idle_fetch_pause_ms: int = Field(
-        10,
+    idle_fetch_pause_ms: int | None = Field(
+        None,
         ge=0,
         le=1_000,
         description="Pause fetching a partition whose end was reached for this long between short fetches, "
-        "for brokers that answer an empty fetch at once instead of holding it (the embedded broker); a "
-        "record arriving then is read this much later (0: never pause)",
+        "for brokers that answer an empty fetch at once instead of holding it (noida-db); a record arriving "
+        "then is read this much later. Default: 10 on a noida-db the sidecar starts itself, else 0 (never "
+        "pause: a Kafka broker holds the fetch, and pausing there costs more than it saves)",
     )
     monotone_runs: CliImplicitFlag[bool] = Field(
         False,

@@ -36,7 +36,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from pydantic import SecretStr
 
-from sidecar.app import launcher_for
+from sidecar.app import idle_fetch_pause_ms, launcher_for
 from sidecar.broker.embedded import EmbeddedBroker
 from sidecar.broker.lifeline import die_with_parent
 from sidecar.http import StatusServer
@@ -150,10 +150,12 @@ class Supervisor:
             base = settings.instance_id or default_instance_id(settings.state_dir)
             stack.callback(InstanceLock(settings.state_dir, settings.group_id, base).close)  # workers lock <base>-<i>
             bootstrap = settings.bootstrap_servers
+            paced: list[str] = []  # the workers see the broker as external: it is for the supervisor to say
             if not bootstrap:
                 broker = launcher_for(settings)
                 stack.callback(broker.stop)
                 bootstrap = broker.start()
+                paced = ["--idle-fetch-pause-ms", str(idle_fetch_pause_ms(settings, broker))]
                 if isinstance(broker, EmbeddedBroker):
                     logger.warning(
                         "noida-db's group never expires a member that stopped without leaving: workers started "
@@ -167,7 +169,7 @@ class Supervisor:
                 )
                 status.start()
                 stack.callback(status.stop)
-            self._workers = [self._worker(i, bootstrap) for i in range(settings.workers)]
+            self._workers = [self._worker(i, bootstrap, paced) for i in range(settings.workers)]
             self.metrics.configured.set(len(self._workers))
             stack.callback(self._stop_workers)
             env = worker_environment(settings)
@@ -176,7 +178,7 @@ class Supervisor:
             while not self._stop.wait(POLL_S):
                 self._watch(env)
 
-    def _worker(self, index: int, bootstrap: str) -> Worker:
+    def _worker(self, index: int, bootstrap: str, extra: list[str]) -> Worker:
         s = self.settings
         base = s.instance_id or default_instance_id(s.state_dir)  # as app.instance_identity
         argv = [
@@ -185,6 +187,7 @@ class Supervisor:
             "--state-dir", str(worker_state_dir(s.state_dir, index)),
             "--instance-id", f"{base}-{index}",
             "--metrics-port", str(worker_metrics_port(s.metrics_port, index)),
+            *extra,
         ]  # fmt: skip
         return Worker(index, argv)
 

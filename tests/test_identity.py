@@ -130,7 +130,7 @@ def _instances(
             continue
         env = worker_environment(settings)
         for i in range(workers):  # what each worker reads: its environment, then its command line
-            argv = Supervisor(settings)._worker(i, "k:9092").argv
+            argv = Supervisor(settings)._worker(i, "k:9092", []).argv
             flags = dict(zip(argv[4::2], argv[5::2], strict=False))
             with monkeypatch.context() as m:
                 for key, value in env.items():

@@ -154,7 +154,8 @@ def test_a_worker_killed_under_load_is_restarted_and_nothing_is_lost(
 def test_kill_9_of_the_supervisor_takes_the_workers_and_the_local_broker_with_it(
     tmp_path: Path, reaper: list[psutil.Process], kind: str
 ) -> None:
-    """On noida-db the supervisor also warns that workers need a group that expires members."""
+    """On noida-db the supervisor also warns that workers need a group that expires members, and
+    paces their idle fetches."""
     policies = tmp_path / "policies.yaml"
     policies.write_text("topics:\n  orders:\n    subscriptions:\n      a: {}\n")
     port, broker_port = free_ports(3), free_ports(2)
@@ -175,6 +176,9 @@ def test_kill_9_of_the_supervisor_takes_the_workers_and_the_local_broker_with_it
         assert len(brokers) == 1, f"one local broker for all workers, not {len(brokers)}"
         assert len(workers(supervisor)) == 2
         assert ("noida-db's group never expires" in supervisor.log.read_text()) == (kind == "noida-db")
+        # noida-db answers an empty fetch at once; a worker, handed its address, cannot tell.
+        argvs = [w.cmdline() for w in workers(supervisor).values()]
+        assert {a[a.index("--idle-fetch-pause-ms") + 1] for a in argvs} == {"10" if kind == "noida-db" else "0"}
         supervisor.kill()
         wait_for(lambda: all(gone(p) for p in family), DEADLINE_S, "the workers and the broker gone")
         wait_for(lambda: not listening(broker_port), DEADLINE_S, "the broker port free")
@@ -216,7 +220,7 @@ def test_a_worker_that_keeps_dying_at_start_is_restarted_with_growing_pauses(
     )
     supervisor = Supervisor(settings)
     monkeypatch.setattr(supervision, "BACKOFF_S", 0.05)
-    monkeypatch.setattr(Supervisor, "_worker", lambda self, i, b: Worker(i, [sys.executable, "-c", "exit(3)"]))
+    monkeypatch.setattr(Supervisor, "_worker", lambda self, i, b, extra: Worker(i, [sys.executable, "-c", "exit(3)"]))
 
     def restarts() -> float:
         value = supervisor.metrics.registry.get_sample_value("delay_sidecar_workers_restarted_total", {"worker": "1"})

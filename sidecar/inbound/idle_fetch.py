@@ -14,23 +14,12 @@ While the loop is busy elsewhere, a resumed partition fetches as usual: nothing 
 Partitions the engine pauses itself (a removed topic's drain) are left alone: `paced` says which
 partitions this may touch.
 
-Apache Kafka gains less, but still gains: the sidecar's fetch.wait.max.ms of 10 ms
-(kafka_io.CONSUMER_DEFAULTS) has an idle consumer fetch about 85 times a second there. An idle
-sidecar (4.1.1, 30 s, three alternating runs) cost the broker 0.046 to 0.084 core with
-`--idle-fetch-pause-ms 0` against 0.011 to 0.027 with 10 (0.010 to 0.014 with no sidecar), and
-itself 0.010 to 0.012 against 0.005 (one run 0.05). On noida-db, 15 s runs gave 0.28 core to the
-sidecar and 0.22 to the broker without pauses, 0.005 and 0.001 with them. Both brokers use this;
-on Apache Kafka it adds 4 to 5 ms to an undelayed record's way through an idle sidecar (median 13
-to 14 ms against 9, 20 records a run).
-
-Those figures hide two costs, measured on 2026-12-02 (docs/benchmarks.md, "An idle sidecar"). A
-partition that has records keeps this cycle going 30 to 40 times a second, each end and resume a
-turn of the loop: 0.08 to 0.10 of a core while idle, on either broker. A partition never written
-is sought to offset 0, which does not wake librdkafka's broker thread (a seek above 0 goes through
-offset validation, which does): once all a broker's partitions are paused together, it fetches
-again only at its next one-second tick, and the first record on such a partition was read 0.85 to
-0.94 s late, against the `pause_ms` the contract promises. Not fixed yet. Resuming all partitions
-on one beat of `pause_ms` puts them in step at once: cheap, and late the same way (not taken).
+noida-db needs it: an idle sidecar there spent 0.15 to 0.17 of a core with pauses of 10 ms against
+0.40 to 0.55 without, and its broker 0.38 against 0.71 to 0.90, with each partition at its end going
+round pause, resume, seek and an empty fetch 30 to 40 times a second. Apache Kafka does not: it
+holds the empty fetch, and pausing there cost the sidecar 0.09 to 0.12 of a core against 0.02, for
+no saving at the broker (docs/benchmarks.md, "An idle sidecar", 2026-12-02). So app.py pauses by
+default only on a noida-db the sidecar starts itself.
 """
 
 from __future__ import annotations
@@ -45,6 +34,14 @@ from confluent_kafka import KafkaError, KafkaException, Message, TopicPartition
 from sidecar.partitions import TopicPartitionKey
 
 logger = logging.getLogger(__name__)
+
+FROM_ZERO = -2000 - 2**40
+"""Offset 0, as a seek that wakes librdkafka. A resume does not wake the thread that fetches from a
+broker, and neither does a seek to 0, which leaves the fetch state as it was: with all of a broker's
+partitions paused, that thread slept on to its one-second tick. A seek above 0 is validated first,
+and the answer wakes it; so does a seek to a logical offset that librdkafka looks up. The beginning
+is no such offset: librdkafka keeps it from the last fetch. This one is: 2**40 records from the end
+(librdkafka's OFFSET_TAIL), asked of the broker each time, and 0 for any partition shorter than that."""
 
 
 class Pausable(Protocol):
@@ -140,7 +137,7 @@ class IdleFetch:
         for tp in self.position(resume):
             # Seeking where it stands makes librdkafka report the end again if nothing came.
             try:
-                self._consumer.seek(tp)
+                self._consumer.seek(tp if tp.offset != 0 else TopicPartition(tp.topic, tp.partition, FROM_ZERO))
             except KafkaException as e:  # it fetches as usual, and is paused at its next end
                 logger.debug("idle partition not sought partition=%s/%d error=%s", tp.topic, tp.partition, e)
 

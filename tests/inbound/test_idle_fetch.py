@@ -4,14 +4,18 @@ then the round trip with a real one (librdkafka's end report after a seek is wha
 import time
 from collections import Counter
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 from confluent_kafka import Consumer, KafkaError, Message, TopicPartition
 
+from sidecar.app import idle_fetch_pause_ms
+from sidecar.broker import ApacheKafka, EmbeddedBroker, ExternalBroker
 from sidecar.clock import ManualClock
-from sidecar.inbound.idle_fetch import IdleFetch
+from sidecar.inbound.idle_fetch import FROM_ZERO, IdleFetch
 from sidecar.partitions.assignment import Assignment
+from sidecar.settings import RunSettings
 from sidecar.tracker import InMemoryTracker
 from tests.fake_clock import MonotonicClock
 from tests.kafka_helpers import KafkaHelper
@@ -68,12 +72,14 @@ def test_an_end_pauses_its_partition_and_a_resume_seeks_where_it_stands() -> Non
     assert idle.wait_s(1.0) == 1.0
 
 
-def test_a_partition_that_never_returned_a_record_is_sought_to_its_end() -> None:
+def test_a_partition_never_written_is_sought_to_0_through_a_lookup() -> None:
+    """Sought to 0, a paused partition fetched again up to a second after its resume (FROM_ZERO)."""
     idle, consumer, clock = setup()
     idle.take([end(P, 0)])
     clock.now += 1
     idle.take([])
-    assert consumer.calls[-1] == ("seek", ("orders", 0, 0))
+    assert consumer.calls[-1] == ("seek", ("orders", 0, FROM_ZERO))
+    assert idle.position([TopicPartition(*P)])[0].offset == 0  # the end reached, while librdkafka looks it up
 
 
 def test_records_after_the_end_in_the_same_batch_keep_the_partition_fetching() -> None:
@@ -214,3 +220,17 @@ def test_while_a_seek_hides_the_position_the_end_reached_stands_for_it_until_the
     consumer.positions.pop(P)
     idle.forget(P)  # revoked: a new owner starts from its commit, not from this end
     assert idle.position([TopicPartition(*P)])[0].offset == -1001
+
+
+def test_the_pause_defaults_to_the_broker_the_sidecar_started(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Apache Kafka holds an empty fetch, and pausing there cost the sidecar 0.09 core for nothing
+    (docs/benchmarks.md); noida-db answers it at once. Of a cluster it was handed, it cannot tell."""
+    monkeypatch.delenv("DELAY_SIDECAR_IDLE_FETCH_PAUSE_MS", raising=False)
+    settings = RunSettings(policies=tmp_path, state_dir=tmp_path)
+    embedded = EmbeddedBroker(tmp_path / "noida", port=1)
+    apache, external = ApacheKafka(tmp_path / "kafka", port=2), ExternalBroker("k:9092")
+    assert [idle_fetch_pause_ms(settings, b) for b in (embedded, apache, external)] == [10, 0, 0]
+    asked = RunSettings(policies=tmp_path, state_dir=tmp_path, idle_fetch_pause_ms=0)
+    assert idle_fetch_pause_ms(asked, embedded) == 0
+    monkeypatch.setenv("DELAY_SIDECAR_IDLE_FETCH_PAUSE_MS", "25")
+    assert idle_fetch_pause_ms(RunSettings(policies=tmp_path, state_dir=tmp_path), external) == 25
