@@ -49,16 +49,16 @@ def launcher_for(settings: RunSettings, stop: threading.Event | None = None) -> 
     return local_broker(settings.broker_kind, None, port=settings.broker_port, state_dir=settings.state_dir)
 
 
-def idle_fetch_pause_ms(settings: RunSettings, launcher: BrokerLauncher) -> int:
-    """The idle-fetch pause asked for, else the one the broker needs (inbound/idle_fetch.py): noida-db
-    answers an empty fetch at once, Apache Kafka holds it. Of a cluster it did not start, the sidecar
-    cannot tell which."""
-    if settings.idle_fetch_pause_ms is not None:
-        return settings.idle_fetch_pause_ms
-    return EMBEDDED_IDLE_FETCH_PAUSE_MS if isinstance(launcher, EmbeddedBroker) else 0
-
-
 EMBEDDED_IDLE_FETCH_PAUSE_MS = 10
+
+
+def idle_fetch_pause_ms(asked: int | None, launcher: BrokerLauncher) -> int:
+    """The idle-fetch pause asked for (--idle-fetch-pause-ms), else the one the broker needs
+    (inbound/idle_fetch.py): noida-db answers an empty fetch at once, Apache Kafka holds it. Of a
+    cluster it did not start, the sidecar cannot tell which."""
+    if asked is not None:
+        return asked
+    return EMBEDDED_IDLE_FETCH_PAUSE_MS if isinstance(launcher, EmbeddedBroker) else 0
 
 
 STATE_TAIL_OFFSETS = 10_000
@@ -223,7 +223,7 @@ class SidecarApp:
                     clock=self.clock,
                     commit_interval_ms=settings.commit_interval_ms,
                     batch_size=settings.batch_size,
-                    idle_fetch_pause_ms=idle_fetch_pause_ms(settings, launcher),
+                    idle_fetch_pause_ms=idle_fetch_pause_ms(settings.idle_fetch_pause_ms, launcher),
                     new_topic_partitions=settings.new_topic_partitions,
                     replication_factor=settings.replication_factor,
                     control_topic=settings.control_topic,

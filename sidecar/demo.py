@@ -14,7 +14,7 @@ from pathlib import Path
 
 from confluent_kafka import Consumer, Producer
 
-from sidecar.app import SidecarApp
+from sidecar.app import SidecarApp, idle_fetch_pause_ms
 from sidecar.broker.local import BrokerKind, local_broker
 from sidecar.broker.ports import free_port
 from sidecar.errors import ConfigError, SidecarError
@@ -47,6 +47,7 @@ def run_demo(
                 metrics_port=0,
                 group_id="delay-sidecar-demo",
                 commit_interval_ms=200,
+                idle_fetch_pause_ms=idle_fetch_pause_ms(None, broker),
             )
             app = SidecarApp(settings)
             thread = threading.Thread(target=app.run, name="sidecar", daemon=True)

@@ -155,7 +155,7 @@ class Supervisor:
                 broker = launcher_for(settings)
                 stack.callback(broker.stop)
                 bootstrap = broker.start()
-                paced = ["--idle-fetch-pause-ms", str(idle_fetch_pause_ms(settings, broker))]
+                paced = ["--idle-fetch-pause-ms", str(idle_fetch_pause_ms(settings.idle_fetch_pause_ms, broker))]
                 if isinstance(broker, EmbeddedBroker):
                     logger.warning(
                         "noida-db's group never expires a member that stopped without leaving: workers started "

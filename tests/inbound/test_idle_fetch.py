@@ -15,7 +15,6 @@ from sidecar.broker import ApacheKafka, EmbeddedBroker, ExternalBroker
 from sidecar.clock import ManualClock
 from sidecar.inbound.idle_fetch import FROM_ZERO, IdleFetch
 from sidecar.partitions.assignment import Assignment
-from sidecar.settings import RunSettings
 from sidecar.tracker import InMemoryTracker
 from tests.fake_clock import MonotonicClock
 from tests.kafka_helpers import KafkaHelper
@@ -222,15 +221,11 @@ def test_while_a_seek_hides_the_position_the_end_reached_stands_for_it_until_the
     assert idle.position([TopicPartition(*P)])[0].offset == -1001
 
 
-def test_the_pause_defaults_to_the_broker_the_sidecar_started(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_pause_defaults_to_the_broker_the_sidecar_started(tmp_path: Path) -> None:
     """Apache Kafka holds an empty fetch, and pausing there cost the sidecar 0.09 core for nothing
     (docs/benchmarks.md); noida-db answers it at once. Of a cluster it was handed, it cannot tell."""
-    monkeypatch.delenv("DELAY_SIDECAR_IDLE_FETCH_PAUSE_MS", raising=False)
-    settings = RunSettings(policies=tmp_path, state_dir=tmp_path)
     embedded = EmbeddedBroker(tmp_path / "noida", port=1)
     apache, external = ApacheKafka(tmp_path / "kafka", port=2), ExternalBroker("k:9092")
-    assert [idle_fetch_pause_ms(settings, b) for b in (embedded, apache, external)] == [10, 0, 0]
-    asked = RunSettings(policies=tmp_path, state_dir=tmp_path, idle_fetch_pause_ms=0)
-    assert idle_fetch_pause_ms(asked, embedded) == 0
-    monkeypatch.setenv("DELAY_SIDECAR_IDLE_FETCH_PAUSE_MS", "25")
-    assert idle_fetch_pause_ms(RunSettings(policies=tmp_path, state_dir=tmp_path), external) == 25
+    assert [idle_fetch_pause_ms(None, b) for b in (embedded, apache, external)] == [10, 0, 0]
+    assert [idle_fetch_pause_ms(25, b) for b in (embedded, apache, external)] == [25, 25, 25]
+    assert idle_fetch_pause_ms(0, embedded) == 0
