@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.probe import scrape
-from sidecar.broker import BrokerKind, BrokerLauncher, local_broker
+from sidecar.app import EMBEDDED_IDLE_FETCH_PAUSE_MS
+from sidecar.broker import BrokerKind, BrokerLauncher, EmbeddedBroker, local_broker
 from sidecar.broker.lifeline import die_with_parent
 from sidecar.broker.ports import free_port
 
@@ -221,4 +222,7 @@ def bench_broker(data_dir: Path) -> BrokerLauncher:
     if named not in kinds:
         raise SystemExit(f"DELAY_SIDECAR_BROKER_KIND={named}: use apache-kafka, noida-db or auto")
     nodes = int(os.environ.get("DELAY_SIDECAR_NODES", "1"))
-    return local_broker(kinds[named], data_dir, port=free_port(), nodes=nodes)
+    broker = local_broker(kinds[named], data_dir, port=free_port(), nodes=nodes)
+    if isinstance(broker, EmbeddedBroker):  # the bench's sidecars are handed its address: they cannot tell
+        os.environ.setdefault("DELAY_SIDECAR_IDLE_FETCH_PAUSE_MS", str(EMBEDDED_IDLE_FETCH_PAUSE_MS))
+    return broker

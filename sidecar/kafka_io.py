@@ -109,8 +109,8 @@ def poll_timeout_s(wait_s: float) -> float:
     partitions (inbound/idle_fetch.py) spun through each resume's last millisecond, 1,000 to 1,600
     turns a second. On one Apache Kafka node with two inbound and three control partitions, an idle
     sidecar's first 25 to 60 s cost it 0.10 to 0.12 of a core, and 0.075 to 0.09 since (2026-12-02;
-    then 0.005 to 0.01 both ways, once its empty partitions fall in step: idle_fetch.py). The half
-    millisecond keeps a whole number of them whole through the float product that is truncated.
+    the rest is the pacing's cycle, idle_fetch.py). The half millisecond keeps a whole number of
+    them whole through the float product that is truncated.
     """
     return (math.ceil(wait_s * 1000) + 0.5) / 1000
 

@@ -35,13 +35,8 @@ from sidecar.partitions import TopicPartitionKey
 
 logger = logging.getLogger(__name__)
 
-FROM_ZERO = -2000 - 2**40
-"""Offset 0, as a seek that wakes librdkafka. A resume does not wake the thread that fetches from a
-broker, and neither does a seek to 0, which leaves the fetch state as it was: with all of a broker's
-partitions paused, that thread slept on to its one-second tick. A seek above 0 is validated first,
-and the answer wakes it; so does a seek to a logical offset that librdkafka looks up. The beginning
-is no such offset: librdkafka keeps it from the last fetch. This one is: 2**40 records from the end
-(librdkafka's OFFSET_TAIL), asked of the broker each time, and 0 for any partition shorter than that."""
+WAKE_TIMEOUT_S = 0.1
+"""How long a partition sought to 0 waits for the answer that wakes librdkafka (`_wake`)."""
 
 
 class Pausable(Protocol):
@@ -52,6 +47,10 @@ class Pausable(Protocol):
     def position(self, partitions: list[TopicPartition]) -> list[TopicPartition]: ...
 
     def seek(self, partition: TopicPartition) -> None: ...
+
+    def get_watermark_offsets(
+        self, partition: TopicPartition, timeout: float | None = None, cached: bool = False
+    ) -> tuple[int, int] | None: ...
 
 
 class IdleFetch:
@@ -137,9 +136,34 @@ class IdleFetch:
         for tp in self.position(resume):
             # Seeking where it stands makes librdkafka report the end again if nothing came.
             try:
-                self._consumer.seek(tp if tp.offset != 0 else TopicPartition(tp.topic, tp.partition, FROM_ZERO))
+                self._consumer.seek(tp)
             except KafkaException as e:  # it fetches as usual, and is paused at its next end
                 logger.debug("idle partition not sought partition=%s/%d error=%s", tp.topic, tp.partition, e)
+                continue
+            if tp.offset == 0:
+                self._wake(tp)
+
+    def _wake(self, partition: TopicPartition) -> None:
+        """Make librdkafka fetch a partition just resumed and sought to 0.
+
+        Neither a resume nor a seek to 0 wakes the thread that fetches from the partition's broker:
+        librdkafka wakes it when a partition's fetch state changes, and a seek to 0 leaves it as it
+        was (a seek above 0 is validated first, which changes it twice). With all of a broker's
+        partitions paused at their ends, that thread slept on to its one-second tick, and the first
+        record on a partition never written was read up to 0.94 s late. A request queued for that
+        broker wakes it too: the partition's end, asked of its leader, after the seek, which returns
+        once librdkafka has taken it and the resume before it. The answer is not needed.
+
+        A seek to a logical offset that librdkafka looks up would wake it as well, but the only one
+        that lands on 0 whatever the log holds, OFFSET_TAIL of a huge count, stays behind in the
+        partition's state: a later reset to the beginning found in librdkafka's cache (an offset
+        out of range, after retention) would be cut to 0 too, out of range again, for ever."""
+        try:
+            self._consumer.get_watermark_offsets(
+                TopicPartition(partition.topic, partition.partition), timeout=WAKE_TIMEOUT_S, cached=False
+            )
+        except KafkaException as e:  # the thread wakes at its tick, as before
+            logger.debug("idle partition not woken partition=%s/%d error=%s", partition.topic, partition.partition, e)
 
 
 def _end(record: Message) -> bool:

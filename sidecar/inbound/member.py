@@ -59,6 +59,12 @@ class GroupMember:
     def seek(self, partition: TopicPartition) -> None:
         self.consumer.seek(partition)
 
+    def get_watermark_offsets(
+        self, partition: TopicPartition, timeout: float | None = None, cached: bool = False
+    ) -> tuple[int, int] | None:
+        ends: tuple[int, int] | None = self.consumer.get_watermark_offsets(partition, timeout=timeout, cached=cached)
+        return ends
+
 
 REJOIN_MARGIN_S = 30.0
 """How much longer than the session timeout a member may wait for the group to give back its lost

@@ -13,7 +13,7 @@ from confluent_kafka import Consumer, KafkaError, Message, TopicPartition
 from sidecar.app import idle_fetch_pause_ms
 from sidecar.broker import ApacheKafka, EmbeddedBroker, ExternalBroker
 from sidecar.clock import ManualClock
-from sidecar.inbound.idle_fetch import FROM_ZERO, IdleFetch
+from sidecar.inbound.idle_fetch import IdleFetch
 from sidecar.partitions.assignment import Assignment
 from sidecar.tracker import InMemoryTracker
 from tests.fake_clock import MonotonicClock
@@ -50,6 +50,12 @@ class FakeConsumer:
     def seek(self, partition: TopicPartition) -> None:
         self.calls.append(("seek", (partition.topic, partition.partition, partition.offset)))
 
+    def get_watermark_offsets(
+        self, partition: TopicPartition, timeout: float | None = None, cached: bool = False
+    ) -> tuple[int, int]:
+        self.calls.append(("ends", (partition.topic, partition.partition, cached)))
+        return 0, 0
+
 
 def setup(paced: Callable[[tuple[str, int]], bool] = lambda p: True) -> tuple[IdleFetch, FakeConsumer, MonotonicClock]:
     consumer, clock = FakeConsumer(), MonotonicClock(100.0)
@@ -71,14 +77,15 @@ def test_an_end_pauses_its_partition_and_a_resume_seeks_where_it_stands() -> Non
     assert idle.wait_s(1.0) == 1.0
 
 
-def test_a_partition_never_written_is_sought_to_0_through_a_lookup() -> None:
-    """Sought to 0, a paused partition fetched again up to a second after its resume (FROM_ZERO)."""
+def test_a_partition_never_written_is_sought_to_0_and_its_broker_asked_its_end() -> None:
+    """Sought to 0 and no more, a paused partition fetched again up to a second after its resume:
+    the question to its broker is what wakes librdkafka (`IdleFetch._wake`)."""
     idle, consumer, clock = setup()
     idle.take([end(P, 0)])
     clock.now += 1
     idle.take([])
-    assert consumer.calls[-1] == ("seek", ("orders", 0, FROM_ZERO))
-    assert idle.position([TopicPartition(*P)])[0].offset == 0  # the end reached, while librdkafka looks it up
+    assert consumer.calls[-2:] == [("seek", ("orders", 0, 0)), ("ends", ("orders", 0, False))]
+    assert idle.position([TopicPartition(*P)])[0].offset == 0  # the end reached, while librdkafka's is unknown
 
 
 def test_records_after_the_end_in_the_same_batch_keep_the_partition_fetching() -> None:
