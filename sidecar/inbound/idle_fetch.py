@@ -14,8 +14,8 @@ While the loop is busy elsewhere, a resumed partition fetches as usual: nothing 
 Partitions the engine pauses itself (a removed topic's drain) are left alone: `paced` says which
 partitions this may touch.
 
-noida-db needs it: an idle sidecar there spent 0.15 to 0.17 of a core with pauses of 10 ms against
-0.40 to 0.55 without, and its broker 0.38 against 0.71 to 0.90, with each partition at its end going
+noida-db needs it: an idle sidecar there spent 0.12 to 0.14 of a core with pauses of 10 ms against
+0.52 to 0.55 without, and its broker 0.38 against 0.87 to 0.91, with each partition at its end going
 round pause, resume, seek and an empty fetch 30 to 40 times a second. Apache Kafka does not: it
 holds the empty fetch, and pausing there cost the sidecar 0.09 to 0.12 of a core against 0.02, for
 no saving at the broker (docs/benchmarks.md, "An idle sidecar", 2026-12-02). So app.py pauses by
