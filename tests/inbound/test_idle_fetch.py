@@ -114,11 +114,13 @@ def test_off_it_passes_everything_through() -> None:
     assert idle.take(batch) is batch and consumer.calls == []
 
 
+@pytest.mark.parametrize("written", [3, 0], ids=["written", "never-written"])
 def test_a_real_consumer_is_paused_at_its_end_and_reads_what_came_meanwhile_once(
-    kafka: str, kafka_helper: KafkaHelper, topic_factory: Callable[..., str]
+    kafka: str, kafka_helper: KafkaHelper, topic_factory: Callable[..., str], written: int
 ) -> None:
+    """Never written, the partition is sought to 0 and woken (`IdleFetch._wake`) at each resume."""
     topic = topic_factory("idle")
-    for i in range(3):
+    for i in range(written):
         kafka_helper.produce(topic, f"a{i}".encode(), partition=0)
     kafka_helper.flush()
     consumer = Consumer({"bootstrap.servers": kafka, "group.id": f"g-{topic}", "enable.partition.eof": True})
@@ -142,14 +144,14 @@ def test_a_real_consumer_is_paused_at_its_end_and_reads_what_came_meanwhile_once
         for i in range(3):
             kafka_helper.produce(topic, f"b{i}".encode(), partition=0)
         kafka_helper.flush()
-        while sum(seen.values()) < 6 and time.monotonic() < deadline:
+        while sum(seen.values()) < written + 3 and time.monotonic() < deadline:
             turn()
         end_at = time.monotonic() + 0.5
         while time.monotonic() < end_at:
             turn()
     finally:
         consumer.close()
-    assert seen == Counter({f"{x}{i}".encode(): 1 for x in "ab" for i in range(3)})
+    assert seen == Counter({f"{x}{i}".encode(): 1 for x, n in (("a", written), ("b", 3)) for i in range(n)})
 
 
 Hook = Callable[[Consumer, list[TopicPartition]], object]
