@@ -27,6 +27,7 @@ from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException, Message, TopicPartition
 
+from sidecar.clock import Overdue
 from sidecar.errors import BrokerError, SidecarError
 from sidecar.kafka_io import consume_batch, log_reader
 from sidecar.partitions import TopicPartitionKey
@@ -159,7 +160,7 @@ class LogReader:
         0: on three nodes a valid nack was refused UNKNOWN_MESSAGE ("has no offset 1 (its end is 0)")
         while its message had been delivered. NoSuchPartition: the partition does not exist."""
         deadline = time.monotonic() + deadline_s
-        unknown_since: float | None = None
+        unknown = Overdue(UNKNOWN_FOR_S)
         while True:
             try:
                 low, high = self._consumer.get_watermark_offsets(
@@ -170,8 +171,7 @@ class LogReader:
                 error: KafkaError = e.args[0]
                 if error.code() in _NO_SUCH_PARTITION:
                     # Also what a client says whose metadata does not have the topic yet: asked again, briefly.
-                    unknown_since = unknown_since if unknown_since is not None else time.monotonic()
-                    if time.monotonic() - unknown_since >= UNKNOWN_FOR_S:
+                    if unknown.check(True):
                         raise NoSuchPartition(f"{topic}/{partition} does not exist ({error})") from e
                 elif time.monotonic() >= deadline:
                     raise BrokerError(
