@@ -22,6 +22,7 @@ from hypothesis import HealthCheck, settings
 from xdist.scheduler import LoadFileScheduling
 from xdist.workermanage import WorkerController
 
+from sidecar.app import EMBEDDED_IDLE_FETCH_PAUSE_MS
 from sidecar.broker import ApacheKafka, BrokerLauncher, EmbeddedBroker, ExternalBroker
 from sidecar.broker.ports import free_port
 from sidecar.clock import ManualClock
@@ -191,7 +192,7 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "fallback: also run on noida-db, the fallback broker (scripts/test.sh)")
     config.addinivalue_line("markers", "broker: set by the suite on every test that needs a broker or a JVM")
     if broker_kind_of_run() == "noida-db":  # as its operators are told (docs/contract.md), for every sidecar
-        os.environ.setdefault("DELAY_SIDECAR_IDLE_FETCH_PAUSE_MS", "10")
+        os.environ.setdefault("DELAY_SIDECAR_IDLE_FETCH_PAUSE_MS", str(EMBEDDED_IDLE_FETCH_PAUSE_MS))
     if hasattr(config, "workerinput") or os.environ.get("KAFKA_BOOTSTRAP_SERVERS"):
         return
     if "not broker" in (config.option.markexpr or ""):
