@@ -48,6 +48,8 @@ def key_inputs(
     if not rule.keyed:
         return [None] * len(records), [False] * len(records)
     keys = [record.key() if fate.rejected is None else None for record, fate in zip(records, fates, strict=True)]
+    if all(map(len, records)):  # no value is empty, so none is null: the common slice, in one pass at C speed
+        return keys, [False] * len(records)
     # len() is the value's length: only an empty value is read to tell it from a null one
     tombstones = [
         key is not None and not len(record) and record.value() is None
@@ -83,16 +85,15 @@ class KeyedIntake:
         keys, tombstones = key_inputs(rule, records, fates)
         replaced = keyed.take_many(
             [record.offset() for record in records],
-            [t if t > 0 else 0 for t in stamps],  # as stamp() reads them
+            stamps if min(stamps, default=0) > 0 else [t if t > 0 else 0 for t in stamps],  # as stamp() reads them
             keys,
             tombstones,
             [fate.deliver_at for fate in fates],
         )
-        found = 0
-        for offset in replaced:
-            if offset is not None:
-                found += 1
-                if state.overrides:  # a reschedule's copy of the replaced record goes to nobody either
+        found = len(replaced) - replaced.count(None)
+        if found and state.overrides:  # a reschedule's copy of a replaced record goes to nobody either
+            for offset in replaced:
+                if offset is not None:
                     keyed.replaced.update(state.overrides.take_copies(offset))
         if found:
             self._metrics.child(self._metrics.replaced, state.topic).inc(found)

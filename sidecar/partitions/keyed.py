@@ -64,7 +64,8 @@ class KeyedPartition:
     ) -> list[int | None]:
         """`take` of a slice of records at once (by_key.KeyStep.take_many): the offset each replaces."""
         replaced = self.step.take_many(offsets, stamps, keys, tombstones, deliver_ats)
-        self.replaced.update(o for o in replaced if o is not None)
+        if replaced.count(None) != len(replaced):
+            self.replaced.update(o for o in replaced if o is not None)
         if stamps:
             self._read(max(stamps))
         return replaced

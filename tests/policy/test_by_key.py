@@ -1,6 +1,7 @@
 """The keyed replacement rule (policy/by_key.py) against the rule written out by brute force, live
 and from any place a rebuild may start. Pure."""
 
+from itertools import accumulate
 from typing import NamedTuple
 
 import pytest
@@ -177,3 +178,27 @@ def test_a_slice_at_once_decides_as_one_record_at_a_time(log: list[Rec], data: s
             one_by_one.take(o, r.timestamp, r.key, r.tombstone, r.deliver_at)
     assert got == [v.replaced for v in by_brute_force(log)]
     assert [step.clock.sample(o) for o in range(len(log))] == [one_by_one.clock.sample(o) for o in range(len(log))]
+
+
+@given(st.lists(st.tuples(st.integers(1, 9), st.integers(0, 100)), max_size=40), st.data())
+def test_a_slice_samples_the_clock_as_note_does_across_gaps_in_the_offsets(
+    gaps_and_stamps: list[tuple[int, int]], data: st.DataObject
+) -> None:
+    """Offsets with gaps (transaction markers; records of another rule, noted apart): the sampling
+    inlined in take_many is LogClock.note's, slice by slice."""
+    offsets = list(accumulate(gap for gap, _ in gaps_and_stamps))
+    stamps = [stamp for _, stamp in gaps_and_stamps]
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(offsets)), max_size=4)))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(by_key, "SAMPLE_EVERY", 4)
+        step, reference = KeyStep(MemoryKeys()), LogClock()
+        for lo, hi in zip([0, *cuts], [*cuts, len(offsets)], strict=True):
+            n = hi - lo
+            step.take_many(offsets[lo:hi], stamps[lo:hi], [b"k"] * n, [False] * n, [None] * n)
+        for offset, stamp in zip(offsets, stamps, strict=True):
+            reference.note(offset, stamp)
+    assert (step.clock.now, step.clock._offsets, step.clock._before) == (
+        reference.now,
+        reference._offsets,
+        reference._before,
+    )

@@ -10,7 +10,7 @@ there.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 
 from sortedcontainers import SortedDict
 
@@ -77,7 +77,7 @@ class FakeSnapshotStorage(KeyValueSnapshotStorage):
         self._maybe_fail("keys")
         super().write_keys(partition, entries)
 
-    def _put_unlogged(self, items: list[tuple[bytes, bytes]]) -> None:
+    def _put_unlogged(self, items: Iterable[tuple[bytes, bytes]]) -> None:
         self._data.update(items)
 
     def _commit(self, ops: list[Op], sync: bool = True) -> None:

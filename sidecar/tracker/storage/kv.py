@@ -24,7 +24,7 @@ import struct
 import sys
 from abc import abstractmethod
 from array import array
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 from sidecar.errors import StorageError
@@ -224,7 +224,7 @@ class KeyValueSnapshotStorage(SnapshotStorage):
         """Apply ops atomically, in order; with `sync`, durable before returning."""
 
     @abstractmethod
-    def _put_unlogged(self, items: list[tuple[bytes, bytes]]) -> None:
+    def _put_unlogged(self, items: Iterable[tuple[bytes, bytes]]) -> None:
         """Put the items at once; a crash may lose them even after a later sync (RocksDB: no
         write-ahead log). The key index's entries: thousands a slice, and nothing to recover."""
 
@@ -345,8 +345,11 @@ class KeyValueSnapshotStorage(SnapshotStorage):
 
     def load_keys(self, partition: str, keys: list[bytes]) -> list[KeyEntry | None]:
         prefix = partition_prefix(partition) + KEY_TAG
+        values = self._get_many([prefix + key for key in keys])
+        if values.count(None) == len(values):  # new keys, the common case of a slice: no step each
+            return [None] * len(values)
         found: list[KeyEntry | None] = []
-        for value in self._get_many([prefix + key for key in keys]):
+        for value in values:
             if value is None:
                 found.append(None)
                 continue
@@ -360,9 +363,8 @@ class KeyValueSnapshotStorage(SnapshotStorage):
     def write_keys(self, partition: str, entries: Mapping[bytes, KeyEntry]) -> None:
         prefix = partition_prefix(partition) + KEY_TAG
         pack = _KEY_ENTRY.pack
-        self._put_unlogged(
-            [(prefix + key, pack(offset, -1 if at is None else at)) for key, (offset, at) in entries.items()]
-        )
+        items = entries.items()
+        self._put_unlogged((prefix + key, pack(offset, -1 if at is None else at)) for key, (offset, at) in items)
 
     def write(self, partition: str, batch: SnapshotBatch) -> int:
         self._commit(ops := self._encode(partition_prefix(partition), batch), sync=batch.kind in SYNCED_KINDS)

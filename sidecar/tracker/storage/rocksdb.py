@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import cast
 
@@ -162,7 +162,7 @@ class RocksDbSnapshotStorage(KeyValueSnapshotStorage):
         except Exception as exc:
             raise self._io_error("read", exc) from exc
 
-    def _put_unlogged(self, items: list[tuple[bytes, bytes]]) -> None:
+    def _put_unlogged(self, items: Iterable[tuple[bytes, bytes]]) -> None:
         batch = rocksdict.WriteBatch(raw_mode=True)
         put = batch.put
         for key, value in items:
