@@ -167,8 +167,8 @@ class KeyStep:
         unique = dict.fromkeys(keys)
         unique.pop(None, None)
         unique.pop(b"", None)  # no key, as producers place it
-        # In key order: RocksDB's multi-get and the write of the same keys (in this order, `latest`
-        # keeps it) take less than the sort costs (bench/keyed_step.py).
+        # In key order: RocksDB's multi-get, and its write of the same keys (`latest` keeps the order),
+        # save more than the sort costs (bench/keyed_step.py).
         wanted = cast(list[bytes], sorted(unique))
         latest = dict(zip(wanted, self.index.read(wanted), strict=True))
         replaced: list[int | None] = []
