@@ -26,14 +26,12 @@ from typing import Any
 
 import rocksdict
 
+from bench.bench_tracker import BASE_MS, PARTITION, open_tracker
 from sidecar.clock import ManualClock
 from sidecar.engine import INTAKE_SLICE as SLICE
 from sidecar.partitions.keyed import KeyedPartition
-from sidecar.tracker.bucket.tracker import BucketTracker
+from sidecar.tracker.storage.kv import KEY_TAG, partition_prefix
 from sidecar.tracker.storage.rocksdb import RocksDbSnapshotStorage
-
-BASE_MS = 1_795_680_000_000
-PARTITION = "orders/0"
 
 
 @contextmanager
@@ -67,8 +65,7 @@ def step(count: int, seed: int) -> dict[str, float]:
     keys, deliver_at = keys_and_times(count, seed)
     spent: dict[str, float] = defaultdict(float)
     with tempfile.TemporaryDirectory() as work:
-        storage = RocksDbSnapshotStorage(Path(work))
-        tracker = BucketTracker(ManualClock(BASE_MS), storage, PARTITION)
+        tracker, storage = open_tracker("bucket", Path(work), ManualClock(BASE_MS))
         keyed = KeyedPartition(tracker.key_index())
         with timing(RocksDbSnapshotStorage, "_get_many", spent), timing(RocksDbSnapshotStorage, "_put_unlogged", spent):
             for lo in range(0, count, SLICE):
@@ -88,7 +85,8 @@ ENTRY = struct.Struct(">qq")
 def calls(count: int, seed: int, sort: bool) -> dict[str, float]:
     """Microseconds a key of the store's calls alone: a multi-get, the batch built, its write."""
     keys, _ = keys_and_times(count, seed)
-    prefixed = [b"p" + PARTITION.encode() + b"\x00k" + key for key in keys]
+    prefix = partition_prefix(PARTITION) + KEY_TAG  # as the key index stores them
+    prefixed = [prefix + key for key in keys]
     spent: dict[str, float] = defaultdict(float)
     with tempfile.TemporaryDirectory() as work:
         storage = RocksDbSnapshotStorage(Path(work))
